@@ -1,0 +1,17 @@
+"""Build: the Cython tree scheduler (scheduler/*.pyx -> swiftspec_mpi._tree) and the CUDA
+sources in cuda/ shipped as package data (swiftspec_mpi.cuda). Metadata lives in setup.cfg."""
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+extensions = cythonize(
+    [Extension("swiftspec_mpi._tree", ["scheduler/tree.pyx"], extra_compile_args=["-O3"])],
+    compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False,
+                         "cdivision": True, "initializedcheck": False},
+)
+
+setup(
+    ext_modules=extensions,
+    package_dir={"swiftspec_mpi": "swiftspec_mpi", "swiftspec_mpi.cuda": "cuda"},
+    packages=["swiftspec_mpi", "swiftspec_mpi.cuda"],
+    package_data={"swiftspec_mpi.cuda": ["*.cu", "*.cuh", "*.h"], "swiftspec_mpi": ["data/*"]},
+)

@@ -1,0 +1,59 @@
+"""The `swiftspec` command line: one parser, subcommands implemented in their own modules.
+
+Every subcommand module exposes `add_arguments(parser)` and `main(args) -> int` and imports its
+heavy dependencies (torch, mpi4py, h5py) inside `main`, so `swiftspec --help` stays instant.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from swiftspec_mpi import __version__
+from swiftspec_mpi.errors import EXIT_USER_ERROR, UserError
+
+# name -> (module, one-line help)
+SUBCOMMANDS = {
+    "run": ("swiftspec_mpi.run_cmd",
+            "generate text; every rank of an mpiexec/srun job runs this (modes async|sync|ar)"),
+    "analyze": ("swiftspec_mpi.analyze",
+                "summarize HDF5 traces: tokens/s, acceptance, time per role, plots, Perfetto export"),
+    "bench": ("swiftspec_mpi.bench",
+              "run the same prompts through ar/sync/async and HF baselines; Markdown table"),
+    "tiny-checkpoint": ("swiftspec_mpi.tiny",
+                        "write a small random target/draft pair (HF format, real tokenizer) to DIR"),
+    "models": ("swiftspec_mpi.models_cmd",
+               "list or prepare the embedded real models (fetch, verify sha256, convert cache)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="swiftspec",
+        description="Ultra-low-latency speculative decoding on MPI ranks: a draft group grows a "
+                    "token tree while a verify group checks the best subtree, in parallel.",
+    )
+    parser.add_argument("--version", action="version", version=f"swiftspec-mpi {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._module.main(args) or 0)
+    except UserError as exc:
+        print(f"swiftspec {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
