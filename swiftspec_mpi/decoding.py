@@ -1,0 +1,210 @@
+"""The pieces every decoding loop shares: the target side (verify a token tree on top of the
+committed KV), the draft side (grow the token tree, re-root it on accepted tokens), acceptance
+(greedy, or sampling at temperature > 0) and the output tracker (stop conditions, streaming).
+
+Invariant on both sides: the model's KV slots [0, P) hold every committed token but the last;
+the last committed token is the tree root, at position P, and is forwarded by the next step.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+from swiftspec_mpi import _tree
+from swiftspec_mpi.model import chain_mask
+
+
+def _prefill(model, prompt_ids: list[int]) -> int:
+    """Forward prompt[:-1] into slots [0, P). Returns P = len(prompt) - 1."""
+    n = len(prompt_ids) - 1
+    if n > 0:
+        tokens = torch.tensor(prompt_ids[:-1], dtype=torch.long, device=model_device(model))
+        positions = torch.arange(n, dtype=torch.long, device=tokens.device)
+        model.forward(tokens, positions, 0, chain_mask(0, n).to(tokens.device),
+                      logits_rows=torch.tensor([n - 1], device=tokens.device))
+    return n
+
+
+def model_device(model) -> torch.device:
+    return torch.device(getattr(model, "device", "cpu"))
+
+
+class TargetSide:
+    """Target model state for one request. P = committed KV length = position of the root."""
+
+    def __init__(self, model):
+        self.model = model
+        self.device = model_device(model)
+        self.P = 0
+
+    def prefill(self, prompt_ids: list[int]) -> None:
+        self.P = _prefill(self.model, prompt_ids)
+
+    def forward_tree(self, tokens: np.ndarray, parents: np.ndarray) -> torch.Tensor:
+        """tokens int64[n] (tokens[0] = root), parents int32[n] (-1 for the root, parents before
+        children) -> target logits float32[n, vocab]. KV of the n nodes goes to [P, P+n)."""
+        positions, mask = _tree.subtree_masks(np.ascontiguousarray(parents, dtype=np.int32), self.P)
+        return self.model.forward(torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)).to(self.device),
+                                  torch.from_numpy(positions).to(self.device), self.P,
+                                  torch.from_numpy(mask).to(self.device))
+
+    def commit(self, path: np.ndarray) -> None:
+        """Keep the KV of the accepted path (local node indices, root first) contiguous at
+        [P, P + len(path)); the rest of the tree's KV is dead."""
+        a = len(path)
+        src = torch.as_tensor(self.P + np.asarray(path, dtype=np.int64))
+        dst = torch.arange(self.P, self.P + a, dtype=torch.long)
+        moved = src != dst
+        if bool(moved.any()):
+            self.model.compact_kv(src[moved].to(self.device), dst[moved].to(self.device))
+        self.P += a
+
+
+class DraftSide:
+    """Draft model + token tree for one request."""
+
+    def __init__(self, model, width: int, topk: int, capacity: int, max_depth: int):
+        self.model = model
+        self.device = model_device(model)
+        self.width, self.topk = width, topk
+        self.tree = _tree.TokenTree(capacity, max_depth)
+        self.kv_used = 0
+        self.max_slots = model.max_slots
+
+    def prefill(self, prompt_ids: list[int]) -> None:
+        P = _prefill(self.model, prompt_ids)
+        self.tree.reset(int(prompt_ids[-1]), P)
+        self.kv_used = P
+
+    def root_expanded(self) -> bool:
+        return self.tree.num_expanded > 0 and int(self.tree.kv_slot[0]) >= 0
+
+    def select(self) -> np.ndarray:
+        """The leaves to expand next (empty when the tree or the KV buffer is full)."""
+        room = self.max_slots - self.kv_used
+        if room <= 0:
+            return np.zeros(0, dtype=np.int32)
+        leaves = self.tree.select_leaves(min(self.width, room))
+        return leaves
+
+    def expand(self, leaves: np.ndarray, share=None) -> None:
+        """One batched draft forward over `leaves` (int32[n]); adds top-k children to each.
+
+        Every rank of a tensor-parallel group runs the same forward (its all-reduces pair up);
+        `share(ids int64[n, k], lps float32[n, k]) -> (ids, lps)` then makes the group adopt the
+        leader's top-k (a broadcast), so the trees of all ranks stay bit-identical."""
+        n = len(leaves)
+        self.tree.assign_slots(leaves, self.kv_used)
+        positions, mask = self.tree.masks(leaves, self.kv_used + n)
+        tokens = torch.from_numpy(self.tree.tokens_of(leaves)).to(self.device)
+        logits = self.model.forward(tokens, torch.from_numpy(positions).to(self.device), self.kv_used,
+                                    torch.from_numpy(mask).to(self.device))
+        top = torch.topk(torch.log_softmax(logits.float(), dim=-1), self.topk, dim=-1)
+        ids = top.indices.cpu().numpy().astype(np.int64)
+        lps = top.values.cpu().numpy().astype(np.float32)
+        if share is not None:
+            ids, lps = share(ids, lps)
+        self.tree.expand(leaves, ids, lps)
+        self.kv_used += n
+
+    def best_subtree(self, bs: int) -> tuple[np.ndarray, np.ndarray]:
+        nodes, parents = self.tree.best_subtree(bs)
+        return self.tree.tokens_of(nodes), parents
+
+    def reroot(self, accepted: np.ndarray) -> int:
+        """Re-root on the accepted tokens (draft tokens + bonus); move the surviving KV.
+        Returns the number of KV slots kept for the surviving subtree."""
+        src, dst, new_root_pos, _needs_forward = self.tree.reroot(np.ascontiguousarray(accepted, dtype=np.int64))
+        if len(src):
+            self.model.compact_kv(torch.from_numpy(src).to(self.device), torch.from_numpy(dst).to(self.device))
+        self.kv_used = new_root_pos + self.tree.num_expanded
+        return int(self.tree.num_expanded)
+
+
+class Acceptor:
+    """Chooses the accepted path of a verified tree (on the verify leader).
+
+    greedy (temperature 0): a child is accepted iff it is the target's argmax at its parent.
+    coupled (temperature > 0, default): the target's token at output position t is the inverse
+    CDF of its distribution at the uniform u[t] drawn from (seed, request); a child is accepted
+    iff it equals that token. Every committed token is an exact sample of the target, the
+    acceptance probability equals the multi-branch residual rule's, and the output is the same
+    whatever tree the draft happened to send (so async runs are reproducible and equal `ar`).
+    residual: the EAGLE/SpecInfer multi-branch rule (scheduler `verify_sample`), consuming a
+    per-request uniform stream in order (reproducible in sync/ar, not in async)."""
+
+    def __init__(self, temperature: float, rule: str, seed: int):
+        self.temperature, self.rule, self.seed = temperature, rule, seed
+
+    def start_request(self, request_index: int, max_new_tokens: int, verify_size: int) -> None:
+        rng = np.random.default_rng([self.seed, request_index])
+        self.uniforms = rng.random(max_new_tokens + verify_size + 2)
+        self.residual_rng = np.random.default_rng([self.seed, request_index, 1])
+
+    def accept(self, tokens: np.ndarray, parents: np.ndarray, logits: torch.Tensor,
+               out_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """-> (path int32[a] local indices from the root, accepted int64[a]: draft tokens + bonus)."""
+        if self.temperature == 0.0:
+            choice = torch.argmax(logits, dim=-1).cpu().numpy().astype(np.int64)
+            return _tree.verify_greedy(tokens, parents, choice)
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        if self.rule == "residual":
+            uni = self.residual_rng.random(len(tokens) + 1)
+            return _tree.verify_sample(tokens, parents, probs.cpu().numpy().astype(np.float32), uni)
+        depth = np.zeros(len(tokens), dtype=np.int64)
+        for i in range(1, len(tokens)):
+            depth[i] = depth[parents[i]] + 1
+        u = torch.from_numpy(self.uniforms[np.minimum(out_len + depth, len(self.uniforms) - 1)])
+        cdf = torch.cumsum(probs.double().cpu(), dim=-1)
+        choice = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1)
+        choice = torch.clamp(choice, max=probs.shape[-1] - 1).numpy().astype(np.int64)
+        return _tree.verify_greedy(tokens, parents, choice)
+
+
+class OutputTracker:
+    """Appends committed tokens to a request's output, applies stop conditions, streams text."""
+
+    def __init__(self, result, tokenizer, eos_ids, max_new_tokens: int, stop: list[str],
+                 stream: bool):
+        from swiftspec_mpi.tokenizer import StreamDecoder
+        self.result = result
+        self.tokenizer = tokenizer
+        self.eos = set(eos_ids)
+        self.max_new = max_new_tokens
+        self.stop = stop
+        self.stream = stream
+        self.decoder = StreamDecoder(tokenizer)
+        self.text = ""
+
+    def add(self, tokens) -> tuple[int, bool]:
+        """Take tokens in order until a stop condition. -> (tokens taken, done)."""
+        taken = 0
+        for t in tokens:
+            t = int(t)
+            self.result.output_ids.append(t)
+            taken += 1
+            if t in self.eos:
+                self.result.stop_reason = "eos"
+                return taken, True
+            piece = self.decoder.push([t])
+            if piece:
+                self.text += piece
+                if self.stream:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            if self.stop and any(s in self.text[-(len(s) + len(piece) + 8):] for s in self.stop):
+                self.result.stop_reason = "stop_string"
+                return taken, True
+            if len(self.result.output_ids) >= self.max_new:
+                self.result.stop_reason = "max_new_tokens"
+                return taken, True
+        return taken, False
+
+    def finish(self) -> None:
+        ids = [t for t in self.result.output_ids if t not in self.eos]
+        self.result.text = self.tokenizer.decode(ids)
+        if self.stream:
+            sys.stdout.write("\n")
+            sys.stdout.flush()

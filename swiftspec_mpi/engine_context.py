@@ -1,0 +1,60 @@
+"""What a decoding loop needs from the job, in one place: topology, models, trace, signals."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from swiftspec_mpi.config import RunConfig
+from swiftspec_mpi.protocol import AbortWatch, Interrupted, StopFlag
+from swiftspec_mpi.topology import Topology
+from swiftspec_mpi.trace import Clock, EventRecorder
+
+
+@dataclass
+class EngineContext:
+    cfg: RunConfig
+    topo: Topology
+    clock: Clock
+    recorder: EventRecorder
+    stop_flag: StopFlag
+    watch: AbortWatch
+    target: object = None         # Transformer (verify group / single group)
+    draft: object = None          # Transformer (draft group / single group in sync)
+    tokenizer: object = None      # the target's TextTokenizer (verify leader streams with it)
+    expansions: int = 1           # d: draft expansions per verify step (sync)
+    on_progress: object = None    # callable() the verify leader calls after each step (checkpoints)
+    scratch: dict = field(default_factory=dict)
+
+    def check_stop(self) -> None:
+        if self.stop_flag:
+            raise Interrupted()
+
+    def bcast(self, buf: np.ndarray) -> np.ndarray:
+        """Broadcast a preallocated numpy buffer from the group leader (no-op for 1 rank)."""
+        if self.topo.group.Get_size() > 1:
+            self.topo.group.Bcast(buf, root=0)
+        return buf
+
+
+def make_topk_share(ctx: "EngineContext", ids_buf: np.ndarray, lps_buf: np.ndarray):
+    """-> share(ids, lps) for DraftSide.expand: the group adopts its leader's top-k (None for
+    a one-rank group, where there is nothing to share)."""
+    if ctx.topo.group.Get_size() == 1:
+        return None
+    leader = ctx.topo.is_leader
+
+    def share(ids: np.ndarray, lps: np.ndarray):
+        n = len(ids)
+        if leader:
+            ids_buf[:n], lps_buf[:n] = ids, lps
+        ctx.topo.group.Bcast(ids_buf, root=0)
+        ctx.topo.group.Bcast(lps_buf, root=0)
+        return ids_buf[:n].copy(), lps_buf[:n].copy()
+
+    return share
+
+
+def comm_seconds(model) -> float:
+    comm = getattr(model, "comm", None)
+    return float(getattr(comm, "seconds", 0.0)) if comm is not None else 0.0

@@ -1,0 +1,80 @@
+"""One group holds every model: `ar` (target alone, one token per step) and `sync` (serial tree
+speculation: d draft expansions, then one target pass over the best subtree — the SpecExec-style
+baseline that SwiftSpec's parallel groups beat)."""
+from __future__ import annotations
+
+import numpy as np
+
+from swiftspec_mpi.decoding import Acceptor, DraftSide, OutputTracker, TargetSide
+from swiftspec_mpi.engine_context import EngineContext, comm_seconds, make_topk_share
+from swiftspec_mpi.trace import KIND
+
+
+def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, result,
+                       tracker: OutputTracker | None, acceptor: Acceptor) -> None:
+    """Decode one request on this group. `result`/`tracker` are used on the leader only."""
+    cfg, rec, clock = ctx.cfg, ctx.recorder, ctx.clock
+    leader = ctx.topo.is_leader
+    bs = 1 if cfg.mode == "ar" else cfg.verify_size
+    target = TargetSide(ctx.target)
+    draft = None
+    if cfg.mode == "sync":
+        draft = DraftSide(ctx.draft, cfg.tree_width, cfg.tree_topk, cfg.tree_capacity, cfg.max_depth)
+    decision = np.zeros(3 + 2 * bs, dtype=np.int64)     # [a, done, n, path[bs], accepted[bs]]
+    share = make_topk_share(ctx, np.zeros((cfg.tree_width, cfg.tree_topk), dtype=np.int64),
+                            np.zeros((cfg.tree_width, cfg.tree_topk), dtype=np.float32))
+
+    t0 = clock.now()
+    c0 = comm_seconds(ctx.target)
+    target.prefill(prompt_ids)
+    if draft is not None:
+        draft.prefill(prompt_ids)
+    rec.record(KIND["prefill"], request, 0, t0, clock.now(), len(prompt_ids), 0,
+               comm_seconds(ctx.target) - c0)
+    root = int(prompt_ids[-1])
+    step = 0
+    while True:
+        ctx.check_stop()
+        t_step = clock.now()
+        if draft is None:
+            tokens, parents = np.array([root], dtype=np.int64), np.array([-1], dtype=np.int32)
+        else:
+            for e in range(ctx.expansions):
+                leaves = draft.select()
+                if len(leaves) == 0:
+                    break
+                te, ce = clock.now(), comm_seconds(ctx.draft)
+                draft.expand(leaves, share)
+                rec.record(KIND["expand"], request, step, te, clock.now(), len(leaves), 0,
+                           comm_seconds(ctx.draft) - ce)
+            tokens, parents = draft.best_subtree(bs)
+        tv, cv = clock.now(), comm_seconds(ctx.target)
+        logits = target.forward_tree(tokens, parents)
+        if leader:
+            path, accepted = acceptor.accept(tokens, parents, logits, len(result.output_ids))
+            taken, done = tracker.add(accepted)
+            if result.t_first is None:
+                result.t_first = clock.now()
+            a = len(path)
+            decision[:3] = (a, int(done), taken)
+            decision[3:3 + a] = path
+            decision[3 + bs:3 + bs + a] = accepted
+        ctx.bcast(decision)
+        a, done = int(decision[0]), bool(decision[1])
+        path, accepted = decision[3:3 + a].copy(), decision[3 + bs:3 + bs + a].copy()
+        t_end = clock.now()
+        rec.record(KIND["verify" if draft is not None else "decode"], request, step, tv, t_end,
+                   len(tokens), a, comm_seconds(ctx.target) - cv)
+        if leader:
+            result.steps.append((step, len(tokens), int(decision[2]), t_step, t_end))
+            if ctx.on_progress is not None:
+                ctx.on_progress()
+        if done:
+            return
+        target.commit(path)
+        if draft is not None:
+            tr = clock.now()
+            kept = draft.reroot(accepted)
+            rec.record(KIND["reroot"], request, step, tr, clock.now(), 0, kept)
+        root = int(accepted[-1])
+        step += 1

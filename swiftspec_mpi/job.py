@@ -1,0 +1,482 @@
+"""One `swiftspec run` job on every rank: validate (rank 0) -> topology -> load models ->
+profile -> decode every request -> gather the trace -> write HDF5. Failure handling lives here:
+
+- bad input: rank 0 raises UserError before any heavy work; the verdict is broadcast and every
+  rank exits with EXIT_USER_ERROR; the message is printed once.
+- a rank failing while loading: all ranks agree on the first error (allgather) and exit together.
+- a rank failing later: rank 0 writes what was generated and aborts the job; another rank tells
+  rank 0 (abort notice), then aborts the job itself after a grace period.
+- SIGTERM/SIGINT (Slurm time limit, scancel): every rank finishes its step, rank 0 writes the
+  partial file (complete=False, exit_status "interrupted"), all exit EXIT_INTERRUPTED.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import signal
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from swiftspec_mpi import config as C
+from swiftspec_mpi.errors import (EXIT_INTERRUPTED, EXIT_RUNTIME_ERROR, EXIT_USER_ERROR, PeerError,
+                                  UserError)
+
+CHECKPOINT_EVERY_S = 5.0
+
+
+# ---------------------------------------------------------------------------------------------
+# rank 0: configuration and validation (cheap: no weights are read)
+
+def _resolve(spec: str | None, role: str) -> str:
+    from swiftspec_mpi import registry
+    try:
+        return os.fspath(registry.resolve_model(spec, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    except UserError:
+        raise
+    except FileNotFoundError:
+        raise UserError(f"--{role} {spec}: no such file, folder or registry name; give an HF model "
+                        "folder, a .gguf file, or a name from `swiftspec models list`") from None
+
+
+def prepare_config(flags: dict, config_path: str | None, world_size: int) -> C.RunConfig:
+    toml_values = C.load_toml(config_path) if config_path else {}
+    cfg = C.merge(toml_values, flags)
+    C.validate_basic(cfg, world_size)
+    C.check_slurm_world(world_size)
+    C.check_output_path_default(cfg)
+    tcfg, ttok, dcfg = resolve_models(cfg)
+    # tensor-parallel degrees must divide the heads
+    if cfg.mode == "async":
+        groups = [("target", tcfg, world_size - cfg.draft_ranks), ("draft", dcfg, cfg.draft_ranks)]
+    else:
+        groups = [("target", tcfg, world_size)] + ([("draft", dcfg, world_size)] if cfg.draft else [])
+    for name, mcfg, tp in groups:
+        if mcfg.num_heads % tp != 0:
+            raise UserError(f"the {name} has {mcfg.num_heads} attention heads, not divisible by its "
+                            f"group of {tp} ranks; choose a group size (--draft-ranks / -n) that "
+                            "divides it")
+    # requests
+    if cfg.prompts is not None:
+        cfg.requests = C.read_prompts_file(cfg.prompts)
+    else:
+        cfg.requests = [C.Request(0, cfg.prompt if cfg.prompt is not None else DEFAULT_PROMPT)]
+    limit = min(tcfg.max_position_embeddings,
+                dcfg.max_position_embeddings if cfg.draft is not None else 1 << 30)
+    margin = tree_margin(cfg)
+    longest = 0
+    for req in cfg.requests:
+        text = ttok.apply_chat_template(req.prompt) if cfg.chat else req.prompt
+        req.ids = ttok.encode(text)
+        if not req.ids:
+            raise UserError(f"prompt {req.index} tokenizes to nothing; give some text")
+        need = len(req.ids) + cfg.max_new_tokens + cfg.verify_size
+        if need > limit:
+            raise UserError(f"prompt {req.index} has {len(req.ids)} tokens; with --max-new-tokens "
+                            f"{cfg.max_new_tokens} it needs {need} positions but the models' context "
+                            f"is {limit}; shorten the prompt or lower --max-new-tokens")
+        longest = max(longest, len(req.ids))
+    need_slots = longest + cfg.max_new_tokens + margin
+    if cfg.max_context is not None and cfg.max_context < longest + cfg.max_new_tokens + cfg.verify_size:
+        raise UserError(f"--max-context {cfg.max_context} cannot hold the longest prompt ({longest} "
+                        f"tokens) plus --max-new-tokens {cfg.max_new_tokens}; raise it to at least "
+                        f"{longest + cfg.max_new_tokens + cfg.verify_size}")
+    if cfg.max_context is None:
+        cfg.max_context = need_slots
+    C.check_output_path(cfg)
+    return cfg
+
+
+def resolve_models(cfg: C.RunConfig):
+    """Fill cfg.target / cfg.draft with paths; -> (target ModelConfig, target tokenizer, draft
+    ModelConfig or None). Reads configs and tokenizers only."""
+    from swiftspec_mpi import checkpoint
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if cfg.load_format == "dummy":
+        from swiftspec_mpi.dummy import dummy_tokenizer, shape_config
+        if cfg.target is None:
+            raise UserError("--load-format dummy needs --target SHAPE (e.g. llama-3-8b) or a checkpoint")
+        if cfg.mode != "ar" and cfg.draft is None and cfg.draft_layers is None:
+            raise UserError(f"--mode {cfg.mode} needs --draft SHAPE or --draft-layers N")
+        if cfg.mode == "ar":
+            cfg.draft = None
+        elif cfg.draft is None:
+            cfg.draft = cfg.target
+        tcfg = shape_config(cfg.target)
+        dcfg = shape_config(cfg.draft) if cfg.draft else None
+        return tcfg, dummy_tokenizer(cfg.target), dcfg
+    if cfg.target is None and cfg.draft is None and cfg.draft_layers is None:
+        from swiftspec_mpi import registry
+        t, d = registry.default_pair(log=log)
+        cfg.target, cfg.draft = os.fspath(t), (os.fspath(d) if cfg.mode != "ar" else None)
+    else:
+        if cfg.target is None:
+            raise UserError("--draft given without --target; give both (or neither, for the "
+                            "embedded default pair)")
+        cfg.target = _resolve(cfg.target, "target")
+        if cfg.mode != "ar":
+            if cfg.draft is None and cfg.draft_layers is None:
+                raise UserError(f"--mode {cfg.mode} needs a draft model: give --draft PATH, or "
+                                "--draft-layers N to use the target's first N layers")
+            cfg.draft = _resolve(cfg.draft, "draft") if cfg.draft is not None else cfg.target
+        else:
+            cfg.draft = None
+    tcfg = checkpoint.read_model_config(cfg.target)
+    ttok = checkpoint.load_tokenizer(cfg.target)
+    dcfg = None
+    if cfg.draft is not None:
+        dcfg = checkpoint.read_model_config(cfg.draft)
+        if cfg.draft_layers is not None and cfg.draft_layers > dcfg.num_layers:
+            raise UserError(f"--draft-layers {cfg.draft_layers} exceeds the draft's "
+                            f"{dcfg.num_layers} layers")
+        dtok = checkpoint.load_tokenizer(cfg.draft) if cfg.draft != cfg.target else ttok
+        if dtok.fingerprint() != ttok.fingerprint():
+            raise UserError(f"draft {cfg.draft} and target {cfg.target} use different tokenizers; "
+                            "speculative decoding needs the same vocabulary: pick a draft of the "
+                            "target's family")
+    return tcfg, ttok, dcfg
+
+
+DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+
+
+def tree_margin(cfg: C.RunConfig) -> int:
+    """KV slots beyond the committed tokens: the verify tree, or the draft's expanded nodes."""
+    return cfg.verify_size + 2 * cfg.tree_width + min(cfg.tree_capacity // max(1, cfg.tree_topk), 256)
+
+
+# ---------------------------------------------------------------------------------------------
+# every rank
+
+def run_job(flags: dict, config_path: str | None) -> int:
+    from mpi4py import MPI
+
+    from swiftspec_mpi.protocol import AbortWatch, StopFlag
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    stop_flag = StopFlag()
+    signal.signal(signal.SIGTERM, stop_flag.set)
+    signal.signal(signal.SIGINT, stop_flag.set)
+
+    verdict = None
+    if rank == 0:
+        try:
+            verdict = ("ok", prepare_config(flags, config_path, world.Get_size()))
+        except UserError as exc:
+            verdict = ("error", str(exc))
+    status, payload = world.bcast(verdict, root=0)
+    if status == "error":
+        if rank == 0:
+            print(f"swiftspec run: error: {payload}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    cfg: C.RunConfig = payload
+    job = Job(cfg, world, stop_flag, AbortWatch(world))
+    return job.run()
+
+
+class Job:
+    def __init__(self, cfg, world, stop_flag, watch):
+        self.cfg, self.world, self.stop_flag, self.watch = cfg, world, stop_flag, watch
+        self.rank = world.Get_rank()
+        self.results = []
+        self.ctx = None
+        self.env = {}
+        self.last_write = 0.0
+
+    # -- phases ----------------------------------------------------------------------------------
+    def run(self) -> int:
+        from swiftspec_mpi.protocol import Interrupted
+        try:
+            failed = self.setup()
+            if failed:
+                return failed
+            self.decode_all()
+            self.finish(complete=True, status="ok")
+            return 0
+        except Interrupted:
+            return self.interrupted()
+        except Exception as exc:  # noqa: BLE001 - any failure ends the whole job, loudly
+            return self.fail(exc)
+
+    def setup(self) -> int:
+        import torch
+
+        from swiftspec_mpi.engine_context import EngineContext
+        from swiftspec_mpi.topology import build_topology, pin_threads
+        from swiftspec_mpi.trace import Clock, EventRecorder
+
+        cfg = self.cfg
+        self.topo = topo = build_topology(self.world, cfg.mode, cfg.draft_ranks)
+        self.threads = pin_threads(topo, cfg.threads)
+        self.device = choose_device(cfg, topo)
+        error = None
+        try:
+            target, draft, tokenizer = load_models(cfg, topo, self.device)
+        except UserError as exc:
+            error, target, draft, tokenizer = str(exc), None, None, None
+        except (MemoryError, RuntimeError) as exc:
+            if "memory" not in str(exc).lower() and not isinstance(exc, MemoryError):
+                raise
+            error = (f"out of memory while allocating the model and its KV cache of "
+                     f"{cfg.max_context} slots ({kv_bytes_estimate(cfg, topo) / 2**30:.2f} GiB of KV "
+                     f"per rank); lower --max-context / --max-new-tokens or use more ranks")
+            target = draft = tokenizer = None
+        errors = self.world.allgather(error)
+        first = next((e for e in errors if e), None)
+        if first:
+            if self.rank == 0:
+                print(f"swiftspec run: error: {first}", file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
+        self.world.Barrier()
+        clock = Clock()
+        role = topo.role
+        rec = EventRecorder(self.rank, role, clock)
+        self.ctx = EngineContext(cfg, topo, clock, rec, self.stop_flag, self.watch, target, draft,
+                                 tokenizer)
+        self.ctx.expansions = cfg.expansions or profile_expansions(self.ctx)
+        self.env = environment(cfg, topo, self.device, self.threads, self.ctx.expansions)
+        if self.rank == 0:
+            self.ctx.on_progress = self.maybe_checkpoint
+        del torch
+        return 0
+
+    def decode_all(self) -> None:
+        from swiftspec_mpi.decoding import Acceptor, OutputTracker
+        from swiftspec_mpi.engine_async import draft_loop, verify_loop
+        from swiftspec_mpi.engine_single import run_request_single
+        from swiftspec_mpi.trace import ROLE_VERIFY, RequestResult
+
+        cfg, ctx, topo = self.cfg, self.ctx, self.topo
+        acceptor = Acceptor(cfg.temperature, cfg.sampling_rule, cfg.seed)
+        leader_of_verify = topo.role == ROLE_VERIFY and topo.is_leader
+        for req in cfg.requests:
+            ctx.check_stop()
+            result = tracker = None
+            if leader_of_verify:
+                result = RequestResult(req.index, req.category, req.prompt, list(req.ids))
+                result.t_start = ctx.clock.now()
+                self.results.append(result)
+                eos = (() if cfg.ignore_eos else tuple(ctx.tokenizer.eos_token_ids)) + \
+                    tuple(cfg.stop_token_ids)
+                tracker = OutputTracker(result, ctx.tokenizer, eos, cfg.max_new_tokens, cfg.stop,
+                                        stream=not cfg.quiet)
+                acceptor.start_request(req.index, cfg.max_new_tokens, cfg.verify_size)
+                self.tracker = tracker
+            if cfg.mode == "async":
+                if topo.role == ROLE_VERIFY:
+                    verify_loop(ctx, req.ids, req.index, result, tracker, acceptor)
+                else:
+                    draft_loop(ctx, req.ids, req.index)
+            else:
+                run_request_single(ctx, req.ids, req.index, result, tracker, acceptor)
+            if leader_of_verify:
+                result.t_end = ctx.clock.now()
+                tracker.finish()
+                self.tracker = None
+                self.write(complete=False, status="running", events=None)
+
+    # -- output ----------------------------------------------------------------------------------
+    def maybe_checkpoint(self) -> None:
+        now = time.perf_counter()
+        if now - self.last_write >= CHECKPOINT_EVERY_S:
+            self.write(complete=False, status="running", events=None)
+
+    def write(self, complete: bool, status: str, events, ranks=None) -> None:
+        from swiftspec_mpi.trace import write_trace
+        if self.rank != 0:
+            return
+        if events is None:
+            events = self.ctx.recorder.snapshot() if self.ctx else np.zeros(0)
+        if ranks is None:
+            ranks = np.array([self.rank_row()], dtype=rank_dtype())
+        for r in self.results:   # a request still running: keep what it produced so far
+            if r.t_end is None:
+                r.text = self.ctx.tokenizer.decode(r.output_ids) if self.ctx else ""
+        write_trace(self.cfg.out, mode=self.cfg.mode, config_json=self.cfg.to_json(), env=self.env,
+                    requests=self.results, events=events, ranks=ranks, complete=complete,
+                    exit_status=status)
+        self.last_write = time.perf_counter()
+
+    def rank_row(self):
+        topo, rec = self.topo, self.ctx.recorder if self.ctx else None
+        return (self.rank, topo.role, topo.group.Get_rank(), topo.group.Get_size(),
+                platform.node()[:64].encode(), str(self.device)[:32].encode(),
+                rec.dropped if rec else 0)
+
+    def finish(self, complete: bool, status: str) -> None:
+        events = self.world.gather(self.ctx.recorder.snapshot(), root=0)
+        rows = self.world.gather(self.rank_row(), root=0)
+        if self.rank == 0:
+            events = np.concatenate(events) if events else np.zeros(0)
+            self.write(complete, status, events, np.array(rows, dtype=rank_dtype()))
+
+    def interrupted(self) -> int:
+        """SIGTERM: rank 0 writes the partial file; all ranks leave together, non-zero."""
+        from swiftspec_mpi.protocol import wait_for, StopFlag
+        if self.rank == 0:
+            print("\nswiftspec run: interrupted (signal); writing what was generated", file=sys.stderr,
+                  flush=True)
+            for r in self.results:
+                if r.t_end is None:
+                    r.t_end = self.ctx.clock.now() if self.ctx else 0.0
+                    r.stop_reason = "interrupted"
+            self.write(complete=False, status="interrupted", events=None)
+        try:   # let rank 0 finish writing before anyone leaves (a leaving rank may end the job)
+            wait_for(self.world.Ibarrier(), 20.0, "ranks at shutdown", StopFlag())
+        except Exception:  # noqa: BLE001
+            pass
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)
+
+    def fail(self, exc: BaseException) -> int:
+        from swiftspec_mpi.protocol import notify_rank0_and_abort
+        role = self.topo.role_name if getattr(self, "topo", None) else "?"
+        if isinstance(exc, (UserError, PeerError)):
+            msg = str(exc)
+        else:
+            msg = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
+        print(f"swiftspec run: error on rank {self.rank} ({role}): {msg}", file=sys.stderr, flush=True)
+        if self.rank == 0:
+            for r in self.results:
+                if r.t_end is None:
+                    r.t_end = self.ctx.clock.now() if self.ctx else 0.0
+                    r.stop_reason = "error"
+            try:
+                self.write(complete=False, status=f"error: {msg}", events=None)
+            except Exception as write_exc:  # noqa: BLE001
+                print(f"swiftspec run: could not write {self.cfg.out}: {write_exc}", file=sys.stderr)
+            sys.stdout.flush(), sys.stderr.flush()
+            self.world.Abort(EXIT_RUNTIME_ERROR)
+        notify_rank0_and_abort(self.world, f"{role}: {msg}", EXIT_RUNTIME_ERROR)
+        return EXIT_RUNTIME_ERROR
+
+
+def rank_dtype():
+    from swiftspec_mpi.trace import RANK_DTYPE
+    return RANK_DTYPE
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers of the phases
+
+def choose_device(cfg, topo) -> str:
+    import torch
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise UserError("--device cuda but no GPU is visible; use --device cpu")
+    local = int(os.environ.get("SLURM_LOCALID", topo.local_rank))
+    idx = local % torch.cuda.device_count()
+    torch.cuda.set_device(idx)
+    return f"cuda:{idx}"
+
+
+def torch_dtype(name: str):
+    import torch
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def make_comm(group, device: str):
+    from swiftspec_mpi.comm import MpiGroupComm, SingleComm
+    if group.Get_size() == 1:
+        return SingleComm()
+    if device.startswith("cuda"):
+        from swiftspec_mpi.nccl_comm import NcclGroupComm
+        return NcclGroupComm(group)
+    return MpiGroupComm(group)
+
+
+def load_models(cfg, topo, device):
+    """-> (target or None, draft or None, target tokenizer or None) for this rank's group."""
+    from swiftspec_mpi.trace import ROLE_DRAFT
+    dtype = torch_dtype(cfg.dtype)
+    comm = make_comm(topo.group, device)
+    target = draft = tokenizer = None
+    wants_target = cfg.mode != "async" or topo.role != ROLE_DRAFT
+    wants_draft = cfg.mode == "sync" or (cfg.mode == "async" and topo.role == ROLE_DRAFT)
+    if wants_target:
+        target, tokenizer = load_one(cfg, cfg.target, comm, dtype, device, None)
+    if wants_draft:
+        draft, dtok = load_one(cfg, cfg.draft, comm, dtype, device, cfg.draft_layers)
+        tokenizer = tokenizer or dtok
+    return target, draft, tokenizer
+
+
+def load_one(cfg, path, comm, dtype, device, num_layers):
+    from swiftspec_mpi import checkpoint
+    if cfg.load_format == "dummy":
+        from swiftspec_mpi.dummy import dummy_model
+        return dummy_model(path, comm, cfg.max_context, dtype, device, num_layers)
+    return checkpoint.load_model(path, comm=comm, max_slots=cfg.max_context, dtype=dtype,
+                                 device=device, num_layers=num_layers)
+
+
+def kv_bytes_estimate(cfg, topo) -> int:
+    try:
+        from swiftspec_mpi import checkpoint
+        m = checkpoint.read_model_config(cfg.target)
+        kv_local = max(1, m.num_kv_heads // max(1, topo.group.Get_size()))
+        elem = 4 if cfg.dtype == "float32" else 2
+        return 2 * m.num_layers * cfg.max_context * kv_local * m.head_dim * elem
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def profile_expansions(ctx) -> int:
+    """d = floor(t_target / t_draft) from a few timed forwards of each model at the verify and
+    expansion shapes (they also warm the kernels up). Writes only scratch KV slots."""
+    import torch
+
+    from swiftspec_mpi.model import chain_mask
+    cfg = ctx.cfg
+    if cfg.mode == "ar":
+        return 1
+
+    def step_time(model, n):
+        dev = getattr(model, "device", "cpu")
+        tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        pos = torch.arange(n, dtype=torch.long, device=dev)
+        mask = chain_mask(0, n).to(dev)
+        times = []
+        for _ in range(6):
+            if str(dev).startswith("cuda"):
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            model.forward(tokens, pos, 0, mask)
+            if str(dev).startswith("cuda"):
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return float(min(times[1:]))   # the least disturbed of the timed runs
+
+    if cfg.mode == "sync":
+        t_target = step_time(ctx.target, cfg.verify_size)
+        t_draft = step_time(ctx.draft, cfg.tree_width)
+    else:
+        from swiftspec_mpi.engine_async import exchange_profile
+        from swiftspec_mpi.trace import ROLE_VERIFY
+        if ctx.topo.role == ROLE_VERIFY:
+            t_target = step_time(ctx.target, cfg.verify_size)
+            t_draft = exchange_profile(ctx, t_target)
+        else:
+            t_draft = step_time(ctx.draft, cfg.tree_width)
+            t_target = exchange_profile(ctx, t_draft)
+    ctx.scratch["profile"] = {"t_target_s": t_target, "t_draft_s": t_draft}
+    return max(1, min(cfg.max_depth, int(t_target // max(t_draft, 1e-9))))
+
+
+def environment(cfg, topo, device, threads, expansions) -> dict:
+    import mpi4py
+    import torch
+    from mpi4py import MPI
+    return {
+        "world_size": topo.world.Get_size(), "verify_ranks": topo.verify_size,
+        "draft_ranks": topo.draft_size, "mode": cfg.mode, "threads_per_rank": threads,
+        "device": device, "expansions_per_verify": expansions,
+        "python": platform.python_version(), "torch": torch.__version__,
+        "mpi4py": mpi4py.__version__, "mpi_library": MPI.Get_library_version().strip()[:200],
+        "host": platform.node(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+    }

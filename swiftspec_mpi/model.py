@@ -1,0 +1,383 @@
+"""`Transformer`: one Llama-family decoder (Llama 3 and Qwen2/2.5, told apart by config flags)
+with tree attention over static KV slots and tensor parallelism inside its group.
+
+Tensor shapes (N new tokens, S = start + N visible slots, R logits rows, TP degree T):
+    tokens    LongTensor [N]            token ids
+    positions LongTensor [N]            RoPE position ids (P + depth for tree nodes)
+    mask      BoolTensor [N, S]         True = column slot visible to that row
+    logits    FloatTensor [R, vocab]    float32, full vocabulary, identical on every rank
+    KV        [n_layers, max_slots, n_kv_local, head_dim] (one K and one V buffer, static)
+
+Tensor parallelism (comm.size = T > 1):
+    column-parallel: fused QKV (this rank's query heads and their KV heads) and fused gate|up;
+    row-parallel: O and down, each followed by ONE all_reduce_ of [N, hidden];
+    vocab-parallel head ([ceil(V/T), hidden] per rank, zero-padded) then one all_gather_lastdim;
+    the embedding is replicated (a tied head is a view of it: no extra memory).
+    Query heads are split evenly (T must divide num_heads). KV heads are split when T divides
+    them, and replicated when T > num_kv_heads (each rank keeps the KV heads its query heads
+    use). In the rare layouts where a rank's query heads do not map evenly onto its KV heads,
+    the rank keeps one KV head copy per query head (plain MHA locally), which stays exact.
+
+No per-step tensor growth: KV buffers and RoPE tables are allocated once; forward runs under
+torch.inference_mode with a handful of torch ops per layer.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from swiftspec_mpi.comm import SingleComm
+from swiftspec_mpi.errors import CheckpointError, UserError
+from swiftspec_mpi.modelconfig import ModelConfig
+
+# (n_new * group) at or below which GQA is folded into the query-length dimension (no KV copy,
+# additive float mask shared by all layers); above it SDPA's own GQA path with the bool mask.
+_FOLD_MAX_ROWS = 256
+
+
+def chain_mask(start: int, n: int) -> torch.Tensor:
+    """BoolTensor [n, start+n]: the whole prefix [0, start) visible, causal over the n new."""
+    return torch.ones(n, start + n, dtype=torch.bool).tril_(diagonal=start)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] (float32) and the cos/sin scale, as transformers computes
+    them for rope types default, linear, llama3 and yarn."""
+    dim = cfg.head_dim
+    base = cfg.rope_theta
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = cfg.rope_scaling or {}
+    rtype = cfg.rope_type
+    scale = 1.0
+    if rtype == "linear":
+        inv = inv / float(rs["factor"])
+    elif rtype == "llama3":
+        factor = float(rs["factor"])
+        low = float(rs.get("low_freq_factor", 1.0))
+        high = float(rs.get("high_freq_factor", 4.0))
+        old_ctx = float(rs.get("original_max_position_embeddings", 8192))
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        inv_l = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+        medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
+        inv = torch.where(medium, smoothed, inv_l)
+    elif rtype == "yarn":
+        factor = rs.get("factor")
+        omax = float(rs.get("original_max_position_embeddings", cfg.max_position_embeddings))
+        if factor is None:
+            factor = cfg.max_position_embeddings / omax
+        factor = float(factor)
+        att = rs.get("attention_factor")
+        mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
+
+        def get_mscale(s, m=1.0):
+            return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+        if att is None:
+            att = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all)
+                   if mscale and mscale_all else get_mscale(factor))
+        scale = float(att)
+        beta_fast = rs.get("beta_fast") or 32
+        beta_slow = rs.get("beta_slow") or 1
+
+        def corr_dim(rot):
+            return (dim * math.log(omax / (rot * 2 * math.pi))) / (2 * math.log(base))
+        lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
+        if rs.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
+        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+        extra = 1 - ramp
+        inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    return inv, scale
+
+
+class _Shard:
+    """Which part of each weight this rank holds (pure index arithmetic, no tensors)."""
+
+    def __init__(self, cfg: ModelConfig, rank: int, size: int):
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if nh % size:
+            raise UserError(f"tensor-parallel degree {size} does not divide the model's "
+                            f"{nh} attention heads; use a group size that divides {nh}")
+        self.nh_l = nh // size
+        q0 = rank * self.nh_l
+        self.q_rows = (q0 * hd, (q0 + self.nh_l) * hd)
+        group = nh // nkv
+        kv_of_q = [(q0 + j) // group for j in range(self.nh_l)]
+        distinct = sorted(set(kv_of_q))
+        per = self.nh_l // len(distinct)
+        if self.nh_l % len(distinct) == 0 and all(kv_of_q.count(h) == per for h in distinct):
+            self.kv_heads = distinct             # each local KV head serves `per` query heads
+            self.group = per
+        else:                                   # uneven: one KV copy per local query head
+            self.kv_heads = kv_of_q
+            self.group = 1
+        self.nkv_l = len(self.kv_heads)
+        inter = cfg.intermediate_size
+        chunk = -(-inter // size)
+        self.ff = (min(inter, rank * chunk), min(inter, (rank + 1) * chunk))
+        self.inter_l = self.ff[1] - self.ff[0]
+        V = cfg.vocab_size
+        self.v_chunk = -(-V // size)
+        self.vocab = (min(V, rank * self.v_chunk), min(V, (rank + 1) * self.v_chunk))
+
+    def kv_runs(self, hd: int) -> list[tuple[int, int]]:
+        """Row ranges of k_proj/v_proj for the local KV heads, contiguous runs merged."""
+        runs: list[list[int]] = []
+        for h in self.kv_heads:
+            if runs and runs[-1][1] == h * hd:
+                runs[-1][1] = (h + 1) * hd
+            else:
+                runs.append([h * hd, (h + 1) * hd])
+        return [tuple(r) for r in runs]
+
+
+class Transformer(torch.nn.Module):
+    """Llama/Qwen2 decoder over static KV slots; see the module doc for shapes and sharding.
+
+    Build, then `load_weights(source)`; `forward(tokens, positions, start, mask, logits_rows)`
+    writes the N new tokens' K/V into slots [start, start+N) and returns float32 logits.
+    """
+
+    def __init__(self, cfg: ModelConfig, comm=None, max_slots: int = 4096,
+                 dtype: torch.dtype = torch.float32, device="cpu"):
+        super().__init__()
+        self.cfg = cfg
+        self.comm = SingleComm() if comm is None else comm
+        self.max_slots = int(max_slots)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.shard = sh = _Shard(cfg, self.comm.rank, self.comm.size)
+        hd = cfg.head_dim
+        self.n_kv_local = sh.nkv_l
+        self._half = hd // 2
+        kw = dict(dtype=dtype, device=self.device)
+        with torch.no_grad():
+            # static KV: [n_layers, max_slots, n_kv_local, head_dim]
+            self.k_cache = torch.zeros(cfg.num_layers, self.max_slots, sh.nkv_l, hd, **kw)
+            self.v_cache = torch.zeros(cfg.num_layers, self.max_slots, sh.nkv_l, hd, **kw)
+            self._k_layers = list(self.k_cache.unbind(0))  # views, made once
+            self._v_layers = list(self.v_cache.unbind(0))
+            # RoPE tables [rope_len, head_dim], rotate_half folded into a signed sin table:
+            # rot(x) = roll(x, half) * [-sin_lo, sin_hi]
+            inv, scale = rope_inv_freq(cfg)
+            self.rope_len = self.max_slots + 256
+            pos = torch.arange(self.rope_len, dtype=torch.int64).float()
+            freqs = pos[:, None] * inv[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos() * scale, emb.sin() * scale
+            sin[:, :self._half] = -sin[:, :self._half]
+            self.rope_cos = cos.to(**kw)
+            self.rope_sin = sin.to(**kw)
+        self.layers: list[tuple] = []
+        self.embed = None
+        self.norm = None
+        self.head = None
+        self.loaded = False
+
+    # ------------------------------------------------------------------------------ loading
+    def load_weights(self, source) -> None:
+        """Read this rank's shard from a TensorSource (`get(name, dim, start, stop)`), one tensor
+        at a time, straight into the fused per-layer buffers. Shapes are checked against the
+        config; a mismatch raises CheckpointError naming the tensor."""
+        cfg, sh, hd, H = self.cfg, self.shard, self.cfg.head_dim, self.cfg.hidden_size
+        kw = dict(dtype=self.dtype, device=self.device)
+        src_cfg = getattr(source, "config", None)
+        if src_cfg is not None:
+            for field in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                          "intermediate_size"):
+                if getattr(src_cfg, field) != getattr(cfg, field):
+                    raise CheckpointError(f"checkpoint {field}={getattr(src_cfg, field)} differs "
+                                          f"from the model's {field}={getattr(cfg, field)}")
+            if src_cfg.num_layers < cfg.num_layers:
+                raise CheckpointError(f"checkpoint has {src_cfg.num_layers} layers, the model "
+                                      f"wants {cfg.num_layers}")
+
+        def fetch(dst: torch.Tensor, name: str, dim=None, start=0, stop=None, expect=None):
+            t = source.get(name, dim, start, stop)
+            want = tuple(dst.shape) if expect is None else expect
+            if tuple(t.shape) != want:
+                raise CheckpointError(f"tensor {name!r}: shape {list(t.shape)} (slice "
+                                      f"[{start}:{stop}) along dim {dim}) but the config implies "
+                                      f"{list(want)}; the checkpoint and its config.json disagree")
+            dst.copy_(t.reshape(dst.shape))
+            del t
+
+        with torch.no_grad():
+            self.embed = torch.empty(cfg.vocab_size, H, **kw)
+            fetch(self.embed, "model.embed_tokens.weight")
+            layers = []
+            q_rows = sh.q_rows[1] - sh.q_rows[0]
+            kv_rows = sh.nkv_l * hd
+            runs = sh.kv_runs(hd)
+            for i in range(cfg.num_layers):
+                p = f"model.layers.{i}."
+                ln1 = torch.empty(H, **kw)
+                fetch(ln1, p + "input_layernorm.weight")
+                ln2 = torch.empty(H, **kw)
+                fetch(ln2, p + "post_attention_layernorm.weight")
+                wqkv = torch.empty(q_rows + 2 * kv_rows, H, **kw)
+                fetch(wqkv[:q_rows], p + "self_attn.q_proj.weight", 0, *sh.q_rows)
+                for j, proj in enumerate(("k_proj", "v_proj")):
+                    off = q_rows + j * kv_rows
+                    for a, b in runs:
+                        fetch(wqkv[off:off + b - a], p + f"self_attn.{proj}.weight", 0, a, b)
+                        off += b - a
+                bqkv = None
+                if cfg.attention_bias:
+                    bqkv = torch.empty(q_rows + 2 * kv_rows, **kw)
+                    fetch(bqkv[:q_rows], p + "self_attn.q_proj.bias", 0, *sh.q_rows)
+                    for j, proj in enumerate(("k_proj", "v_proj")):
+                        off = q_rows + j * kv_rows
+                        for a, b in runs:
+                            fetch(bqkv[off:off + b - a], p + f"self_attn.{proj}.bias", 0, a, b)
+                            off += b - a
+                wo = torch.empty(H, q_rows, **kw)
+                fetch(wo, p + "self_attn.o_proj.weight", 1, *sh.q_rows)
+                bo = None
+                if cfg.o_bias and self.comm.rank == 0:   # added once, before the all-reduce
+                    bo = torch.empty(H, **kw)
+                    fetch(bo, p + "self_attn.o_proj.bias")
+                il = sh.inter_l
+                wgu = torch.empty(2 * il, H, **kw)
+                fetch(wgu[:il], p + "mlp.gate_proj.weight", 0, *sh.ff)
+                fetch(wgu[il:], p + "mlp.up_proj.weight", 0, *sh.ff)
+                wd = torch.empty(H, il, **kw)
+                fetch(wd, p + "mlp.down_proj.weight", 1, *sh.ff)
+                layers.append((ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd,
+                               self._k_layers[i], self._v_layers[i]))
+            self.norm = torch.empty(H, **kw)
+            fetch(self.norm, "model.norm.weight")
+            v0, v1 = sh.vocab
+            tied = cfg.tie_word_embeddings or "lm_head.weight" not in set(_names(source))
+            if tied and not cfg.tie_word_embeddings:
+                raise CheckpointError("the checkpoint has no 'lm_head.weight' but config says "
+                                      "tie_word_embeddings=false; the checkpoint is incomplete")
+            if tied and v1 - v0 == sh.v_chunk:
+                self.head = self.embed[v0:v1]           # a view: no extra memory
+            else:
+                self.head = torch.zeros(sh.v_chunk, H, **kw)
+                if v1 > v0:
+                    if tied:
+                        self.head[:v1 - v0].copy_(self.embed[v0:v1])
+                    else:
+                        fetch(self.head[:v1 - v0], "lm_head.weight", 0, v0, v1)
+            self.layers = layers
+        self.loaded = True
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights (shared/tied storage counted once)."""
+        seen, total = set(), 0
+        tensors = [self.embed, self.norm, self.head]
+        for lay in self.layers:
+            tensors.extend(lay[:8])
+        for t in tensors:
+            if t is None:
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key in seen:
+                continue
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+        return total
+
+    # ------------------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: int,
+                mask: torch.Tensor, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Run N new tokens over the KV prefix [0, start).
+
+        tokens [N] long, positions [N] long, mask [N, start+N] bool (True = visible),
+        logits_rows [R] long or None (all N rows). Writes K/V of the new tokens into slots
+        [start, start+N); returns float32 logits [R or N, vocab_size] on every rank.
+        """
+        N = tokens.shape[0]
+        S = start + N
+        if S > self.max_slots:
+            raise ValueError(f"KV overflow: start {start} + {N} new tokens > max_slots "
+                             f"{self.max_slots}")
+        cfg, sh = self.cfg, self.shard
+        comm = self.comm
+        eps = cfg.rms_norm_eps
+        hshape = (cfg.hidden_size,)
+        hd, half = cfg.head_dim, self._half
+        nh_l, nkv_l, g = sh.nh_l, sh.nkv_l, sh.group
+        nqk = nh_l + nkv_l
+        qk_cols = nqk * hd
+        il = sh.inter_l
+        dev = self.device
+        if tokens.device != dev:
+            tokens, positions, mask = tokens.to(dev), positions.to(dev), mask.to(dev)
+
+        x = F.embedding(tokens, self.embed)
+        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)   # [N, 1, hd]
+        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
+        fold = N * g <= _FOLD_MAX_ROWS
+        if fold:
+            # GQA folded into the query-length dim: q [nkv_l, g*N, hd], additive mask [g*N, S]
+            am = torch.zeros(N, S, dtype=self.dtype, device=dev).masked_fill_(~mask, -math.inf)
+            if g > 1:
+                am = am.repeat(g, 1)
+        for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in self.layers:
+            h = F.rms_norm(x, hshape, ln1, eps)
+            qkv = F.linear(h, wqkv, bqkv)                                   # [N, (nh+2kv)*hd]
+            qk = qkv[:, :qk_cols].view(N, nqk, hd)
+            qk = torch.addcmul(qk * cos, torch.roll(qk, half, -1), sin)     # RoPE on q and k
+            kc[start:S].copy_(qk[:, nh_l:])
+            vc[start:S].copy_(qkv[:, qk_cols:].view(N, nkv_l, hd))
+            k = kc[:S].transpose(0, 1)                                     # [nkv_l, S, hd]
+            v = vc[:S].transpose(0, 1)
+            if fold:
+                q = qk[:, :nh_l].reshape(N, nkv_l, g, hd).permute(1, 2, 0, 3).reshape(
+                    nkv_l, g * N, hd)
+                o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0),
+                                                   v.unsqueeze(0), attn_mask=am)
+                o = o.view(nkv_l, g, N, hd).permute(2, 0, 1, 3).reshape(N, nh_l * hd)
+            else:
+                q = qk[:, :nh_l].transpose(0, 1)                           # [nh_l, N, hd]
+                o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0),
+                                                   v.unsqueeze(0), attn_mask=mask,
+                                                   enable_gqa=g > 1)
+                o = o[0].transpose(0, 1).reshape(N, nh_l * hd)
+            a = F.linear(o, wo, bo)
+            comm.all_reduce_(a)
+            x.add_(a)
+            h = F.rms_norm(x, hshape, ln2, eps)
+            gu = F.linear(h, wgu)                                          # [N, 2*inter_l]
+            m = F.silu(gu[:, :il]).mul_(gu[:, il:])
+            d = F.linear(m, wd)
+            comm.all_reduce_(d)
+            x.add_(d)
+        if logits_rows is not None:
+            x = x.index_select(0, logits_rows.to(dev))
+        x = F.rms_norm(x, hshape, self.norm, eps)
+        logits = F.linear(x, self.head)                                    # [R, v_chunk]
+        if comm.size > 1:
+            logits = comm.all_gather_lastdim(logits)
+            if logits.shape[1] != cfg.vocab_size:
+                logits = logits[:, :cfg.vocab_size]
+        return logits.float()
+
+    # ------------------------------------------------------------------------------ KV plan
+    @torch.inference_mode()
+    def compact_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move KV slots src[i] -> dst[i] in every layer (src, dst LongTensor [M]). Overlap-safe:
+        all sources are read before any destination is written."""
+        if src.numel() == 0:
+            return
+        src = src.to(self.device)
+        dst = dst.to(self.device)
+        for buf in (self.k_cache, self.v_cache):
+            buf.index_copy_(1, dst, buf.index_select(1, src))
+
+
+def _names(source) -> list[str]:
+    names = getattr(source, "names", None)
+    return list(names()) if callable(names) else []

@@ -1,0 +1,115 @@
+"""Event recording on every rank and the atomic HDF5 writer (schema: docs/trace-format.md).
+
+Each rank appends fixed-size records into a preallocated numpy structured array (no allocation
+per event). At the end (and after each finished request) world rank 0 writes the file under a
+temporary name and renames it, so a reader never sees a half-written file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+EVENT_KINDS = ("prefill", "expand", "verify", "reroot", "send", "wait", "decode")
+KIND = {name: i for i, name in enumerate(EVENT_KINDS)}
+ROLE_VERIFY, ROLE_DRAFT = 0, 1
+
+EVENT_DTYPE = np.dtype([("rank", "<i4"), ("role", "i1"), ("request", "<i4"), ("step", "<i4"),
+                        ("kind", "i1"), ("t_start", "<f8"), ("t_end", "<f8"),
+                        ("n_tokens", "<i4"), ("accepted", "<i4"), ("comm_s", "<f8")])
+STEP_DTYPE = np.dtype([("step", "<i4"), ("tree_size", "<i4"), ("accepted", "<i4"),
+                       ("t_start", "<f8"), ("t_end", "<f8")])
+RANK_DTYPE = np.dtype([("rank", "<i4"), ("role", "i1"), ("group_rank", "<i4"), ("group_size", "<i4"),
+                       ("host", "S64"), ("device", "S32"), ("events_dropped", "<i8")])
+
+
+class Clock:
+    """The job clock: seconds since t0, taken by every rank right after a barrier."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+class EventRecorder:
+    """Preallocated per-rank event log. `record(...)` is O(1) and allocation-free."""
+
+    def __init__(self, rank: int, role: int, clock: Clock, capacity: int = 200_000):
+        self.rank, self.role, self.clock = rank, role, clock
+        self.events = np.zeros(capacity, dtype=EVENT_DTYPE)
+        self.n = 0
+        self.dropped = 0
+
+    def record(self, kind: int, request: int, step: int, t_start: float, t_end: float,
+               n_tokens: int = 0, accepted: int = 0, comm_s: float = 0.0) -> None:
+        if self.n >= len(self.events):
+            self.dropped += 1
+            return
+        self.events[self.n] = (self.rank, self.role, request, step, kind, t_start, t_end,
+                               n_tokens, accepted, comm_s)
+        self.n += 1
+
+    def snapshot(self) -> np.ndarray:
+        return self.events[: self.n]
+
+
+@dataclass
+class RequestResult:
+    """What the verify leader knows about one request (filled while it runs)."""
+    index: int
+    category: str
+    prompt_text: str
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    t_start: float = 0.0
+    t_first: float | None = None
+    t_end: float | None = None
+    stop_reason: str = "interrupted"
+    steps: list[tuple] = field(default_factory=list)  # (step, tree_size, accepted, t_start, t_end)
+
+    @property
+    def seconds(self) -> float:
+        return max(0.0, (self.t_end or self.t_start) - self.t_start)
+
+
+def write_trace(path: str, *, mode: str, config_json: str, env: dict, requests: list[RequestResult],
+                events: np.ndarray, ranks: np.ndarray, complete: bool, exit_status: str) -> None:
+    """Write the whole trace atomically: PATH.tmp.<pid>, then os.replace onto PATH."""
+    import h5py
+
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with h5py.File(tmp, "w") as f:
+        f.attrs["format"] = "swiftspec-trace"
+        f.attrs["format_version"] = 1
+        f.attrs["mode"] = mode
+        f.attrs["complete"] = bool(complete)
+        f.attrs["exit_status"] = exit_status
+        f.attrs["config_json"] = config_json
+        f.attrs["env_json"] = json.dumps(env, sort_keys=True, default=str)
+        f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        f.attrs["event_kinds"] = json.dumps(list(EVENT_KINDS))
+        group = f.create_group("requests")
+        for r in requests:
+            g = group.create_group(f"{r.index:06d}")
+            new = len(r.output_ids)
+            g.attrs["index"] = r.index
+            g.attrs["category"] = r.category
+            g.attrs["prompt_text"] = r.prompt_text
+            g.attrs["text"] = r.text
+            g.attrs["new_tokens"] = new
+            g.attrs["seconds"] = r.seconds
+            g.attrs["ttft_s"] = (r.t_first - r.t_start) if r.t_first is not None else float("nan")
+            g.attrs["tokens_per_s"] = new / r.seconds if r.seconds > 0 else 0.0
+            g.attrs["stop_reason"] = r.stop_reason
+            g.create_dataset("prompt_ids", data=np.asarray(r.prompt_ids, dtype=np.int64))
+            g.create_dataset("output_ids", data=np.asarray(r.output_ids, dtype=np.int64))
+            g.create_dataset("steps", data=np.array(r.steps, dtype=STEP_DTYPE))
+        f.create_dataset("events", data=events.astype(EVENT_DTYPE, copy=False))
+        f.create_dataset("ranks", data=ranks.astype(RANK_DTYPE, copy=False))
+    os.replace(tmp, path)

@@ -1,0 +1,65 @@
+"""Launch `swiftspec run` under mpiexec from tests and read back what it wrote."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+BIN = Path(sys.executable).parent
+MPIEXEC = os.environ.get("SWIFTSPEC_TEST_MPIEXEC", str(BIN / "mpiexec"))
+
+
+def env_for_tests() -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", SWIFTSPEC_NO_PIN="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def run_swiftspec(n: int, args: list[str], timeout: float = 240, check: bool = True):
+    """mpiexec -n N python -m swiftspec_mpi run ARGS; -> CompletedProcess (text)."""
+    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "swiftspec_mpi", "run", "--threads", "1",
+           *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_for_tests())
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}"
+                             f"\nstderr:\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_outputs(path) -> list[list[int]]:
+    with h5py.File(path, "r") as f:
+        return [f["requests"][k]["output_ids"][()].tolist() for k in sorted(f["requests"])]
+
+
+def read_requests(path) -> list[dict]:
+    out = []
+    with h5py.File(path, "r") as f:
+        for k in sorted(f["requests"]):
+            g = f["requests"][k]
+            d = {a: (v.decode() if isinstance(v, bytes) else v) for a, v in g.attrs.items()}
+            d["output_ids"] = g["output_ids"][()].tolist()
+            d["prompt_ids"] = g["prompt_ids"][()].tolist()
+            d["steps"] = g["steps"][()]
+            out.append(d)
+    return out
+
+
+def read_root(path) -> dict:
+    with h5py.File(path, "r") as f:
+        attrs = {a: (v.decode() if isinstance(v, bytes) else v) for a, v in f.attrs.items()}
+        attrs["events"] = f["events"][()] if "events" in f else np.zeros(0)
+        attrs["ranks"] = f["ranks"][()] if "ranks" in f else np.zeros(0)
+    attrs["config"] = json.loads(attrs["config_json"])
+    return attrs
+
+
+def write_prompts(path, prompts: list[str]) -> str:
+    with open(path, "w") as f:
+        for p in prompts:
+            f.write(json.dumps({"prompt": p}) + "\n")
+    return str(path)
