@@ -499,7 +499,7 @@ def plot_tokens_per_s(summaries: list[dict], path: str) -> bool:
     if not indices:
         return False
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(indices) * max(1, len(series))), 4))
+    fig, ax = plt.subplots(figsize=(min(16, max(6, 0.4 * len(indices) * max(1, len(series)))), 4.5))
     width = 0.8 / len(series)
     x = np.arange(len(indices))
     for j, (label, d) in enumerate(series):

@@ -70,7 +70,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mpiexec", default=None,
                         help="mpiexec to launch our modes (default: the one next to this Python)")
     parser.add_argument("--run-args", default="",
-                        help="extra flags for every `swiftspec run`, one quoted string (e.g. \"--verify-size 16\")")
+                        help="extra flags for every `swiftspec run`, one string: --run-args=\"--verify-size 16\" (mind the =)")
     parser.add_argument("--timeout", type=float, default=3600.0,
                         help="seconds per system before it is stopped and reported failed (default %(default)s)")
 
@@ -190,11 +190,12 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _tail(path: str, n: int = 3) -> str:
     try:
-        lines = [ln.strip() for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
+        lines = [ln.strip() for ln in Path(path).read_text(errors="replace").splitlines()
+                 if ln.strip() and not ln.startswith("$ ")]
     except OSError:
         return ""
-    errs = [ln for ln in lines if "error" in ln.lower()]
-    return " | ".join((errs or lines)[-n:])[:400]
+    errs = [ln for ln in lines if "error" in ln.lower()] or lines
+    return " | ".join(list(dict.fromkeys(errs))[-n:])[:400]
 
 
 def run_ours(mode: str, cmd: list[str], out_path: str, log_path: str, timeout: float, bar=None) -> dict:
@@ -235,12 +236,13 @@ def run_ours(mode: str, cmd: list[str], out_path: str, log_path: str, timeout: f
             res["interrupted"] = True
     res["returncode"] = proc.returncode
     res["wall_s"] = time.perf_counter() - t0
-    if bar is not None:
-        n = _count_requests(out_path) if os.path.exists(out_path) else None
-        if n is not None and n > counted:
-            bar.update(n - counted)
+    n = _count_requests(out_path) if os.path.exists(out_path) else None
+    if bar is not None and n is not None and n > counted:
+        bar.update(n - counted)
+    res["done"] = n or 0
     if not res["error"] and proc.returncode != 0:
-        res["error"] = f"exit code {proc.returncode}: {_tail(log_path)}"
+        tail = _tail(log_path)
+        res["error"] = f"exit code {proc.returncode}" + (f": {tail}" if tail else " (no output; see the log)")
     if not os.path.exists(out_path):
         res["error"] = res["error"] or "no trace file written"
         return res
@@ -396,6 +398,7 @@ def main(args) -> int:
             cmd = run_command(mode, args, prompts_file, out, mpi, swiftspec)
             res = run_ours(mode, cmd, out, os.path.join(out_dir, f"{mode}.log"), args.timeout, bar)
             results.append(res)
+            bar.update(max(0, len(prompts) - res.get("done", 0)))  # a failed mode: skip its share
             bar.write(f"{mode}: {res['status']} in {res['wall_s']:.1f} s" + (f" ({res['error']})" if res["error"] else ""))
             if res.pop("interrupted", False):
                 raise KeyboardInterrupt
@@ -412,6 +415,7 @@ def main(args) -> int:
                 results.append({"system": r.system, "status": r.status, "error": r.error, "file": r.path,
                                 "log": None, "wall_s": r.wall_s, "returncode": None,
                                 "prompt_ids_from": "trace" if len(ids) == len(prompts) else "hf-tokenizer"})
+                bar.update(max(0, len(prompts) - r.done))
                 bar.write(f"{r.system}: {r.status} in {r.wall_s:.1f} s" + (f" ({r.error})" if r.error else ""))
     except KeyboardInterrupt:
         interrupted = True

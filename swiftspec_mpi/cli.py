@@ -27,7 +27,9 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only the chosen subcommand's module is imported (`--help` stays instant and
+    an MPI rank imports nothing it does not use)."""
     parser = argparse.ArgumentParser(
         prog="swiftspec",
         description="Ultra-low-latency speculative decoding on MPI ranks: a draft group grows a "
@@ -37,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in SUBCOMMANDS.items():
+        if name != command:
+            sub.add_parser(name, help=help_text)
+            continue
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -45,8 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _chosen_command(argv: list[str]) -> str | None:
+    for arg in argv:
+        if arg in SUBCOMMANDS:
+            return arg
+        if not arg.startswith("-"):
+            return None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(_chosen_command(argv))
     args = parser.parse_args(argv)
     try:
         return int(args._module.main(args) or 0)

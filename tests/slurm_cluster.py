@@ -123,6 +123,8 @@ class SlurmCluster:
         return nodes
 
     def write_config(self, ctld_port: int, slurmd_port: int) -> None:
+        for d in ("state", "spool"):   # a fresh cluster every start: no jobs or names from a past one
+            shutil.rmtree(self.path(d), ignore_errors=True)
         for d in ("etc", "state", "spool", "log", "run"):
             self.path(d).mkdir(parents=True, exist_ok=True)
         gpus = self._make_fake_gpus() if self.gpus else []
@@ -131,7 +133,7 @@ class SlurmCluster:
         host = socket.gethostname().split(".")[0]
         gres_node = f" Gres=gpu:{len(gpus)}" if gpus else ""
         lines = [
-            f"ClusterName=swiftspec{os.getpid()}",
+            f"ClusterName=swiftspec{os.getpid()}",           # lowercase; recorded in state/ (wiped above)
             f"SlurmctldHost={host}(127.0.0.1)",            # the controller, reached over loopback
             f"SlurmctldPort={ctld_port}",                   # private ports: never the system's 6817/6818
             f"SlurmdPort={slurmd_port}",
@@ -260,20 +262,24 @@ class SlurmCluster:
         return pid is not None and _pid_alive(pid)
 
     def stray_pids(self) -> list[int]:
-        """Processes (other than us) whose environment names this cluster's slurm.conf: slurmd's
-        slurmstepd children and the job processes they started."""
+        """Leftovers of this cluster: slurmstepd processes and job processes (they carry
+        SLURM_JOB_ID) whose environment names this cluster's slurm.conf. Never us or our
+        ancestors (a shell that merely exported SLURM_CONF is left alone)."""
         marker = f"SLURM_CONF={self.conf}".encode()
-        me = os.getpid()
+        spared = _ancestors(os.getpid())
         found = []
         for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == me:
+            if not entry.isdigit() or int(entry) in spared:
                 continue
             try:
                 with open(f"/proc/{entry}/environ", "rb") as f:
                     env = f.read().split(b"\0")
+                with open(f"/proc/{entry}/comm", "rb") as f:
+                    comm = f.read().strip()
             except OSError:
                 continue
-            if marker in env:
+            if marker in env and (comm == b"slurmstepd"
+                                  or any(v.startswith(b"SLURM_JOB_ID=") for v in env)):
                 found.append(int(entry))
         return found
 
@@ -355,6 +361,19 @@ class SlurmCluster:
 def _user() -> str:
     import pwd
     return pwd.getpwuid(os.getuid()).pw_name
+
+
+def _ancestors(pid: int) -> set[int]:
+    """pid and its parents up to init."""
+    seen = set()
+    while pid > 0 and pid not in seen:
+        seen.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return seen
 
 
 def _terminate(pid: int, grace: float) -> None:

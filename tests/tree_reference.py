@@ -29,7 +29,7 @@ class Node:
 
 def rank_key(node_id: int, node: Node) -> tuple:
     """Sort key: higher score first, then lower depth, then lower id."""
-    return (-node.score, node.depth, node_id)
+    return (-node.score, node_id)
 
 
 class RefTree:

@@ -1,0 +1,312 @@
+"""Fused CUDA kernels for the GPU path: tree attention and the row-parallel GEMM (optionally
+fused with the tensor-parallel all-reduce through NCCL's device API).
+
+The sources live in cuda/*.cu (package data `swiftspec_mpi.cuda`). They are compiled with nvcc
+through `cupy.RawModule(code=..., backend="nvcc")` (NVRTC cannot compile NCCL's device headers)
+once per process and device, and CuPy keeps the cubin in its on-disk cache (CUPY_CACHE_DIR,
+default ~/.cupy/kernel_cache), so later processes only load it. Kernels are launched with
+cuLaunchKernel on torch tensors' data pointers, on `torch.cuda.current_stream()`, so they
+order with torch's work and can be captured in CUDA graphs (no host sync, no allocation when
+`out` is given, every size that may change between replays read from device memory).
+
+Call `available()` first; every other function assumes it returned True.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+MAX_TREE_TOKENS = 64       # query tokens per tree_attention call
+MAX_GEMM_ROWS = 16         # rows M of gemm_rowparallel / gemm_allreduce
+_TA_TILE, _TA_STAGES, _TA_THREADS, _TA_CLUSTER = 64, 4, 128, 8   # must match cuda/tree_attention.cu
+_GEMM_THREADS = 256                                                # must match cuda/gemm_allreduce.cu
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_LOG2E = 1.4426950408889634
+
+_lock = threading.Lock()
+_modules: dict = {}        # (source name, variant, device index) -> cupy.RawModule
+_functions: dict = {}      # (source name, variant, kernel name, device index) -> CUfunction (int)
+_available: bool | None = None
+
+
+def cuda_source_dir() -> Path:
+    """Folder of the .cu files: the installed package data, or cuda/ of a source checkout."""
+    try:
+        from importlib.resources import files
+
+        p = Path(str(files("swiftspec_mpi.cuda")))
+        if (p / "tree_attention.cu").is_file():
+            return p
+    except (ImportError, ModuleNotFoundError, TypeError):
+        pass
+    return Path(__file__).resolve().parent.parent / "cuda"
+
+
+def available() -> bool:
+    """True when the fused kernels can run here: CuPy importable, an NVIDIA GPU of compute
+    capability >= 9.0 (Hopper: clusters, which tree attention uses) visible to torch, and nvcc
+    found (CuPy's nvcc backend: $NVCC, PATH or $CUDA_PATH/bin). Cached after the first call."""
+    global _available
+    if _available is None:
+        _available = _probe_available()
+    return _available
+
+
+def _probe_available() -> bool:
+    try:
+        import cupy  # noqa: F401
+        from cupy.cuda import get_nvcc_path
+    except Exception:
+        return False
+    try:
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+            return False
+        return get_nvcc_path() is not None or shutil.which("nvcc") is not None
+    except Exception:
+        return False
+
+
+def _module(name: str, variant: str, device: int):
+    """Compiled RawModule of cuda/<name>.cu for `device` (variant "nccl" adds NCCL's device API)."""
+    key = (name, variant, device)
+    mod = _modules.get(key)
+    if mod is not None:
+        return mod
+    with _lock:
+        mod = _modules.get(key)
+        if mod is None:
+            import cupy
+
+            major, minor = torch.cuda.get_device_capability(device)
+            opts = ["-std=c++17", f"-arch=sm_{major}{minor}", "-O3"]
+            if variant == "nccl":
+                from . import nccl_shim
+
+                inc = nccl_shim.nccl_include_dir()
+                if inc is None:
+                    raise RuntimeError("nccl_device.h not found: install nvidia-nccl-cu12/cu13 >= 2.28 "
+                                       "or set NCCL_INCLUDE")
+                # The version define makes CuPy's cache key (source + options) follow the headers.
+                opts += ["-I" + inc, "-DSWIFTSPEC_WITH_NCCL",
+                         f"-DSWIFTSPEC_NCCL_VERSION={nccl_shim.header_version(inc)}"]
+            code = (cuda_source_dir() / f"{name}.cu").read_text()
+            with cupy.cuda.Device(device):
+                mod = cupy.RawModule(code=code, backend="nvcc", options=tuple(opts))
+                mod.compile()
+            _modules[key] = mod
+    return mod
+
+
+def _function(name: str, variant: str, kernel: str, device: int, dyn_smem: int = 0) -> int:
+    key = (name, variant, kernel, device)
+    f = _functions.get(key)
+    if f is None:
+        import cupy
+        from cupy.cuda import driver
+
+        mod = _module(name, variant, device)
+        with cupy.cuda.Device(device):
+            f = mod.get_function(kernel).kernel.ptr
+            if dyn_smem > 48 * 1024:
+                driver.funcSetAttribute(f, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dyn_smem)
+        _functions[key] = f
+    return f
+
+
+_launch_kernel = None
+
+
+def _launch(f: int, grid: tuple, block: int, smem: int, stream: int, args: list) -> None:
+    """cuLaunchKernel with args given as ctypes scalars (their C types must match the kernel).
+    Launch-configuration errors raise here (CUDADriverError); faults surface at the next sync."""
+    global _launch_kernel
+    if _launch_kernel is None:
+        from cupy.cuda import driver
+
+        _launch_kernel = driver.launchKernel
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    _launch_kernel(f, grid[0], grid[1], grid[2], block, 1, 1, smem, stream, ctypes.addressof(params), 0)
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_uint64:
+    return ctypes.c_uint64(t.data_ptr())
+
+
+def _check_bf16(name: str, t: torch.Tensor, ndim: int) -> None:
+    if not t.is_cuda or t.dtype != torch.bfloat16 or t.dim() != ndim:
+        raise ValueError(f"{name} must be a {ndim}-d bfloat16 CUDA tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if t.stride(-1) != 1 or t.data_ptr() % 16:
+        raise ValueError(f"{name} must have a contiguous last dim and a 16-byte aligned start")
+
+
+def tree_attention_smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of one tree_attention block: the 4-stage K/V ring."""
+    return _TA_STAGES * 2 * _TA_TILE * (head_dim + 8) * 2
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
+                   n_valid: int | torch.Tensor | None = None, out: torch.Tensor | None = None,
+                   scale: float | None = None) -> torch.Tensor:
+    """Masked attention of N <= 64 tree tokens over L KV slots, GQA, one launch.
+
+    Args:
+      q:       [N, H, D] bfloat16. Head stride D, last stride 1; the token stride may be anything
+               that keeps rows 16-byte aligned (a slice of a fused QKV output is fine).
+      k_cache: [S, Hkv, D] bfloat16, one layer of the static KV buffer (S >= L slots). Head stride
+               D, last stride 1, slot stride a multiple of 8. H % Hkv == 0; query head i reads KV
+               head i // (H // Hkv). D in {64, 128}.
+      v_cache: [S, Hkv, D] bfloat16, same strides as k_cache.
+      mask:    [N, >= L] bool or uint8, last stride 1 (any row stride): mask[i, s] nonzero means
+               token i sees slot s. Columns >= L are ignored.
+      n_valid: L, the number of KV slots attended: an int, or an int32 CUDA tensor of one element
+               that the kernel reads on the device (so a captured CUDA graph can be replayed at a
+               new context length). Default: mask.shape[1].
+      out:     [N, H, D] bfloat16 (head stride D, last stride 1), written in full; allocated if None.
+      scale:   softmax scale, default 1/sqrt(D).
+
+    Returns:
+      out: [N, H, D] bfloat16 = softmax(q k^T * scale, masked) v per head. A token that sees no
+      slot gets zeros.
+    """
+    _check_bf16("q", q, 3)
+    _check_bf16("k_cache", k_cache, 3)
+    _check_bf16("v_cache", v_cache, 3)
+    N, H, D = q.shape
+    S, Hkv, Dk = k_cache.shape
+    if not 1 <= N <= MAX_TREE_TOKENS:
+        raise ValueError(f"tree_attention takes 1..{MAX_TREE_TOKENS} query tokens, got {N}")
+    if Dk != D or D not in (64, 128) or H % Hkv:
+        raise ValueError(f"head layout q {tuple(q.shape)} vs k_cache {tuple(k_cache.shape)} not supported")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("v_cache must have k_cache's shape and strides")
+    if q.stride(1) != D or k_cache.stride(1) != D or k_cache.stride(0) % 8 or q.stride(0) % 8:
+        raise ValueError("q / k_cache: head stride must be head_dim and token/slot strides multiples of 8")
+    if mask.dim() != 2 or mask.shape[0] != N or mask.dtype not in (torch.bool, torch.uint8) \
+            or mask.stride(1) != 1 or not mask.is_cuda:
+        raise ValueError(f"mask must be a [N={N}, L] bool/uint8 CUDA tensor with last stride 1")
+    if out is None:
+        out = torch.empty((N, H, D), dtype=torch.bfloat16, device=q.device)
+    else:
+        _check_bf16("out", out, 3)
+        if tuple(out.shape) != (N, H, D) or out.stride(1) != D or out.stride(0) % 4:
+            raise ValueError(f"out must be [N, H, D] = {(N, H, D)} with head stride D")
+    if n_valid is None:
+        n_valid = mask.shape[1]
+    if isinstance(n_valid, torch.Tensor):
+        if n_valid.dtype != torch.int32 or n_valid.numel() != 1 or not n_valid.is_cuda:
+            raise ValueError("n_valid tensor must be one int32 element on the GPU")
+        nv_ptr, nv = _ptr(n_valid), 0
+    else:
+        nv = int(n_valid)
+        if not 1 <= nv <= min(S, mask.shape[1]):
+            raise ValueError(f"n_valid={nv} must be in 1..min(slots={S}, mask columns={mask.shape[1]})")
+        nv_ptr = ctypes.c_uint64(0)
+    G = H // Hkv
+    R = N * G
+    mt = 1 if R <= 16 else 2 if R <= 32 else 4
+    rg = -(-R // (16 * mt))
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    smem = tree_attention_smem_bytes(D)
+    f = _function("tree_attention", "", f"tree_attention_d{D}_mt{mt}", dev, smem)
+    scale = D ** -0.5 if scale is None else float(scale)
+    args = [_ptr(q), ctypes.c_int64(q.stride(0)), _ptr(k_cache), _ptr(v_cache), ctypes.c_int64(k_cache.stride(0)),
+            _ptr(mask), ctypes.c_int64(mask.stride(0)), nv_ptr, ctypes.c_int32(nv),
+            _ptr(out), ctypes.c_int64(out.stride(0)),
+            ctypes.c_int32(N), ctypes.c_int32(H), ctypes.c_int32(Hkv), ctypes.c_float(scale * _LOG2E)]
+    _launch(f, (_TA_CLUSTER, Hkv, rg), _TA_THREADS, smem, torch.cuda.current_stream(dev).cuda_stream, args)
+    return out
+
+
+def _gemm_checks(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None):
+    _check_bf16("x", x, 2)
+    _check_bf16("w", w, 2)
+    M, K = x.shape
+    N, Kw = w.shape
+    if Kw != K or not 1 <= M <= MAX_GEMM_ROWS or N % 8 or K % 8 or not w.is_contiguous() or x.stride(0) % 8:
+        raise ValueError(f"gemm: x {tuple(x.shape)} w {tuple(w.shape)}: need M <= {MAX_GEMM_ROWS}, "
+                         "N and K multiples of 8, w contiguous, x row stride a multiple of 8")
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
+    else:
+        _check_bf16("out", out, 2)
+        if tuple(out.shape) != (M, N):
+            raise ValueError(f"out must be [M, N] = {(M, N)}")
+    return M, N, K, out
+
+
+def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out = x @ w.T for decode-sized x (the local part of a row-parallel projection), no all-reduce.
+
+    Args:
+      x:   [M, K] bfloat16, M <= 16, last stride 1, row stride a multiple of 8.
+      w:   [N, K] bfloat16 contiguous (nn.Linear weight layout), N % 8 == 0, K % 8 == 0.
+      out: [M, N] bfloat16, last stride 1; allocated if None.
+
+    Returns:
+      out: [M, N] bfloat16, fp32 accumulation.
+    """
+    M, N, K, out = _gemm_checks(x, w, out)
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    f = _function("gemm_allreduce", "", "gemm_rowparallel_m8" if M <= 8 else "gemm_rowparallel_m16", dev)
+    args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(out), ctypes.c_int64(out.stride(0)),
+            ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
+    _launch(f, (N // 8, 1, 1), _GEMM_THREADS, 0, torch.cuda.current_stream(dev).cuda_stream, args)
+    return out
+
+
+def gemm_allreduce(x: torch.Tensor, w: torch.Tensor, ar, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out = all_reduce_sum(x @ w.T) over the ranks of `ar`, in one kernel (row-parallel o_proj /
+    down_proj of tensor parallelism). Collective: every rank calls it with the same shapes.
+
+    Args:
+      x:   [M, K_local] bfloat16, M <= 16 (this rank's slice of the input features).
+      w:   [N, K_local] bfloat16 contiguous (this rank's column slice of the weight).
+      ar:  nccl_shim.DeviceAllReduce of this rank's communicator, created with max_n >= N.
+      out: [M, N] bfloat16; allocated if None. Every rank gets the same bits.
+
+    Returns:
+      out: [M, N] bfloat16, the fp32 sum over ranks of the fp32 partial products, rounded once.
+    """
+    M, N, K, out = _gemm_checks(x, w, out)
+    if N > ar.max_n:
+        raise ValueError(f"N={N} exceeds the DeviceAllReduce window (max_n={ar.max_n})")
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    f = _function("gemm_allreduce", "nccl", "gemm_allreduce_m8" if M <= 8 else "gemm_allreduce_m16", dev)
+    grid = min(N // 8, ar.n_ctas)
+    args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(out), ctypes.c_int64(out.stride(0)),
+            ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K),
+            ctypes.c_uint64(ar.window), _ptr(ar.dev_comm), _ptr(ar.seq)]
+    _launch(f, (grid, 1, 1), _GEMM_THREADS, 0, torch.cuda.current_stream(dev).cuda_stream, args)
+    return out
+
+
+def devcomm_sizeof(device: int | None = None) -> int:
+    """sizeof(ncclDevComm) as the kernels were compiled (checked against the shim's probe)."""
+    dev = torch.cuda.current_device() if device is None else device
+    f = _function("gemm_allreduce", "nccl", "nccl_devcomm_sizeof", dev)
+    buf = torch.zeros(1, dtype=torch.int64, device=f"cuda:{dev}")
+    _launch(f, (1, 1, 1), 1, 0, torch.cuda.current_stream(dev).cuda_stream, [_ptr(buf)])
+    return int(buf.item())
+
+
+def tree_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             mask: torch.Tensor, n_valid: int, scale: float | None = None) -> torch.Tensor:
+    """float64 reference of tree_attention (any device): [N, H, D] float64; rows that see
+    nothing are zeros."""
+    N, H, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = H // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    qf = q.double()
+    kf = k_cache[:n_valid].double().repeat_interleave(G, dim=1)      # [L, H, D]
+    vf = v_cache[:n_valid].double().repeat_interleave(G, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", qf, kf) * scale
+    vis = mask[:, :n_valid].bool()
+    s = s.masked_fill(~vis[None], -math.inf)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("hnl,lhd->nhd", p, vf)

@@ -1,0 +1,308 @@
+"""The jobs/ templates on a REAL Slurm: a private slurmctld + slurmd started by the session fixture
+in tests/slurm_cluster.py. The templates are submitted unchanged (knobs via --export) on a tiny
+random checkpoint; the HDF5 traces they write are checked against docs/trace-format.md, and the
+greedy async output against the ar output.
+
+Skipped only where the Slurm binaries are missing (.ci/install-slurm.sh installs them). Every
+test that needs the engine fails, loudly, while `swiftspec run` / `tiny-checkpoint` are missing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from slurm_cluster import SlurmCluster, slurm_cluster  # noqa: E402,F401  (fixture, used by name)
+
+REPO = Path(__file__).resolve().parent.parent
+JOBS = REPO / "jobs"
+VENV = Path(sys.executable).parent.parent          # the venv running pytest holds swiftspec too
+SWIFTSPEC = VENV / "bin" / "swiftspec"
+EXIT_INTERRUPTED = 4                                # swiftspec_mpi.errors.EXIT_INTERRUPTED
+JOB_TIMEOUT = 300                                   # seconds any one job may take on a loaded 2-core CI box
+MAX_NEW = 24                                        # tokens per prompt in the generation tests
+PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "Summarize the plot of Hamlet in one sentence.",
+]
+
+pytestmark = pytest.mark.mpi
+
+
+# ----------------------------------------------------------------------------------- helpers
+def read_trace(path: Path) -> dict:
+    """Root attributes, per-request attributes + output ids, and /ranks of one HDF5 trace."""
+    def s(v):
+        return v.decode() if isinstance(v, bytes) else v
+    with h5py.File(path, "r") as f:
+        root = {k: s(v) for k, v in f.attrs.items()}
+        reqs = []
+        for name in sorted(f["requests"]):
+            g = f["requests"][name]
+            d = {k: s(v) for k, v in g.attrs.items()}
+            d["output_ids"] = g["output_ids"][()].tolist()
+            d["prompt_ids"] = g["prompt_ids"][()].tolist()
+            d["n_steps"] = len(g["steps"])
+            reqs.append(d)
+        ranks = f["ranks"][()] if "ranks" in f else None
+    return {"root": root, "requests": reqs, "ranks": ranks}
+
+
+def job_log(cluster: SlurmCluster, job_id: int) -> str:
+    return f"--- job {job_id} output ---\n{cluster.job_output(job_id)}"
+
+
+def assert_completed(cluster: SlurmCluster, job_id: int, info: dict) -> None:
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (
+        f"job {job_id}: {info.get('JobState')} exit {info.get('ExitCode')}\n" + job_log(cluster, job_id))
+
+
+def assert_good_trace(trace: dict, mode: str, world: int, n_requests: int) -> None:
+    root = trace["root"]
+    assert root["format"] == "swiftspec-trace" and int(root["format_version"]) == 1
+    assert root["mode"] == mode
+    assert bool(root["complete"]) is True and root["exit_status"] == "ok"
+    assert json.loads(root["env_json"])  # parses
+    assert len(trace["requests"]) == n_requests
+    for i, r in enumerate(trace["requests"]):
+        assert int(r["index"]) == i
+        assert r["prompt_text"] == PROMPTS[i]
+        assert r["prompt_ids"], "empty tokenized prompt"
+        assert 1 <= len(r["output_ids"]) <= MAX_NEW
+        assert int(r["new_tokens"]) == len(r["output_ids"])
+        assert r["stop_reason"] in ("max_new_tokens", "eos")
+        assert r["n_steps"] >= 1
+    ranks = trace["ranks"]
+    assert ranks is not None and len(ranks) == world
+    assert sorted(ranks["rank"].tolist()) == list(range(world))
+    roles = sorted(ranks["role"].tolist())
+    assert roles == ([0] * (world - 1) + [1] if mode == "async" else [0] * world)
+
+
+def outputs(trace: dict) -> list[list[int]]:
+    return [r["output_ids"] for r in trace["requests"]]
+
+
+# ----------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> dict[str, str]:
+    """A tiny random target/draft pair (`swiftspec tiny-checkpoint`)."""
+    assert SWIFTSPEC.exists(), f"{SWIFTSPEC} missing: pip install -e . into {VENV}"
+    d = tmp_path_factory.mktemp("tiny")
+    r = subprocess.run([str(SWIFTSPEC), "tiny-checkpoint", str(d)], capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, f"swiftspec tiny-checkpoint failed:\n{r.stdout}\n{r.stderr}"
+    return {"SWIFTSPEC_TARGET": str(d / "target"), "SWIFTSPEC_DRAFT": str(d / "draft")}
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory) -> Path:
+    """The submit directory of the jobs: prompts.jsonl in it, runs/ appears under it."""
+    d = tmp_path_factory.mktemp("submit")
+    with open(d / "prompts.jsonl", "w") as f:
+        for p in PROMPTS:
+            f.write(json.dumps({"prompt": p}) + "\n")
+    return d
+
+
+@pytest.fixture(scope="session")
+def base_env(tiny) -> dict[str, str]:
+    """Knobs every engine job gets: the tiny models, our venv, few tokens, quiet CPU."""
+    return {**tiny, "SWIFTSPEC_VENV": str(VENV), "MAX_NEW_TOKENS": str(MAX_NEW), "DTYPE": "float32"}
+
+
+@pytest.fixture(scope="session")
+def generated(slurm_cluster, base_env, workdir) -> dict:
+    """jobs/generate.sbatch, submitted twice at once: MODE=async on 2 tasks and MODE=ar on 1."""
+    cluster = slurm_cluster
+    jobs = {
+        "async": cluster.submit(JOBS / "generate.sbatch", cwd=workdir, options=["--ntasks=2"],
+                                export={**base_env, "MODE": "async", "DRAFT_RANKS": "1"}),
+        "ar": cluster.submit(JOBS / "generate.sbatch", cwd=workdir, options=["--ntasks=1"],
+                             export={**base_env, "MODE": "ar"}),
+    }
+    result = {}
+    for mode, job_id in jobs.items():
+        info = cluster.wait_job(job_id, timeout=JOB_TIMEOUT)
+        result[mode] = {"id": job_id, "info": info,
+                        "h5": workdir / "runs" / f"swiftspec-{job_id}.h5"}
+    return result
+
+
+# ----------------------------------------------------------------------------------- no engine needed
+def test_templates_parse_and_every_knob_is_commented():
+    """bash -n on every script; each #SBATCH line and each `NAME=${NAME:-default}` knob has a
+    comment on its line (the templates are meant to be edited by people who did not write them)."""
+    scripts = sorted(JOBS.glob("*.sbatch")) + sorted(JOBS.glob("*.sh"))
+    assert {p.name for p in scripts} >= {"generate.sbatch", "generate-gpu.sbatch", "bench.sbatch",
+                                        "interactive.sh", "mpirun-local.sh"}
+    knob = re.compile(r"^(export )?([A-Z][A-Z0-9_]*)=\$\{\2:?-")
+    for p in scripts:
+        r = subprocess.run(["bash", "-n", str(p)], capture_output=True, text=True, timeout=10)
+        assert r.returncode == 0, f"{p.name}: {r.stderr}"
+        assert os.access(p, os.X_OK), f"{p.name} is not executable"
+        for n, line in enumerate(p.read_text().splitlines(), 1):
+            if line.startswith("#SBATCH") or knob.match(line):
+                assert "# " in line.split("#SBATCH", 1)[-1], f"{p.name}:{n} has no comment: {line}"
+        text = p.read_text()
+        if re.search(r"^\s*(exec )?srun ", text, re.M):   # launches its ranks with srun
+            assert "--mpi=pmi2" in text or 'SRUN_MPI:-pmi2' in text, f"{p.name}: srun without pmi2"
+            assert "pmix" in text, f"{p.name} must say that Open MPI needs --mpi=pmix"
+
+
+def test_srun_pmi2_gives_one_world(slurm_cluster):
+    """srun --mpi=pmi2 + the mpich wheel: one MPI world of 2 ranks that can talk (not 2 singletons)."""
+    code = ("from mpi4py import MPI; c = MPI.COMM_WORLD; "
+            "print(c.rank, c.size, c.allreduce(c.rank + 1), flush=True)")
+    r = slurm_cluster.run(["srun", "--mpi=pmi2", "-n", "2", sys.executable, "-c", code], timeout=120)
+    assert sorted(r.stdout.split("\n")[:2]) == ["0 2 3", "1 2 3"], r.stdout + r.stderr
+
+
+def test_srun_without_pmi_gives_singletons(slurm_cluster):
+    """What the engine's world-size check guards against: no PMI -> two worlds of size 1."""
+    code = "from mpi4py import MPI; print(MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size, flush=True)"
+    r = slurm_cluster.run(["srun", "--mpi=none", "-n", "2", sys.executable, "-c", code], timeout=120)
+    assert r.stdout.split("\n")[:2] == ["0 1", "0 1"], r.stdout + r.stderr
+
+
+def test_template_fails_fast_on_missing_prompts(slurm_cluster, workdir):
+    """A wrong PROMPTS path ends the job in the script (exit 2, one clear line), before srun."""
+    job = slurm_cluster.submit(JOBS / "generate.sbatch", cwd=workdir,
+                               export={"PROMPTS": "/nonexistent/prompts.jsonl",
+                                       "SWIFTSPEC_VENV": str(VENV)})
+    info = slurm_cluster.wait_job(job, timeout=120)
+    log = slurm_cluster.job_output(job)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", f"{info}\n{log}"
+    assert "prompts file '/nonexistent/prompts.jsonl' not found" in log, log
+    assert "srun" not in log.replace("+ srun", "")  # nothing launched
+
+
+# ----------------------------------------------------------------------------------- engine jobs
+def test_generate_async_job(slurm_cluster, generated):
+    """generate.sbatch MODE=async on 2 tasks: COMPLETED, trace named after the job id, complete."""
+    job = generated["async"]
+    assert_completed(slurm_cluster, job["id"], job["info"])
+    assert job["h5"].is_file(), f"no {job['h5']}\n" + job_log(slurm_cluster, job["id"])
+    trace = read_trace(job["h5"])
+    assert_good_trace(trace, "async", world=2, n_requests=len(PROMPTS))
+    env = json.loads(trace["root"]["env_json"])
+    assert "2" in json.dumps(env)  # world size recorded
+    log = slurm_cluster.job_output(job["id"])
+    assert "swiftspec exited with status 0" in log, log
+
+
+def test_generate_async_equals_ar(slurm_cluster, generated):
+    """Greedy async (draft + verify groups under srun) == greedy ar, token for token."""
+    for mode in ("async", "ar"):
+        assert_completed(slurm_cluster, generated[mode]["id"], generated[mode]["info"])
+    ar = read_trace(generated["ar"]["h5"])
+    assert_good_trace(ar, "ar", world=1, n_requests=len(PROMPTS))
+    asy = read_trace(generated["async"]["h5"])
+    assert outputs(asy) == outputs(ar)
+    assert [r["text"] for r in asy["requests"]] == [r["text"] for r in ar["requests"]]
+    # speculation did something: fewer verify steps than tokens somewhere (tiny draft agrees often)
+    assert sum(r["n_steps"] for r in asy["requests"]) < sum(len(o) for o in outputs(asy))
+
+
+def test_world_size_mismatch_is_refused(slurm_cluster, tiny, tmp_path):
+    """srun without the matching PMI starts singletons; the engine refuses them with the fix."""
+    out = tmp_path / "never.h5"
+    r = slurm_cluster.run(
+        ["srun", "--mpi=none", "-n", "2", str(SWIFTSPEC), "run", "--mode", "async",
+         "--target", tiny["SWIFTSPEC_TARGET"], "--draft", tiny["SWIFTSPEC_DRAFT"],
+         "--prompt", "hello", "--max-new-tokens", "4", "--threads", "1", "--out", str(out)],
+        timeout=180, check=False)
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "MPI world size is 1 but Slurm started 2 tasks" in r.stderr, r.stderr
+    assert "--mpi=pmi2" in r.stderr
+    assert not out.exists()
+
+
+def test_generate_gpu_template_binds_by_localid(slurm_cluster, base_env, workdir, generated):
+    """generate-gpu.sbatch on the fake-GPU node: --gpus-per-node=2, rank i bound to GPU i through
+    SLURM_LOCALID, the engine (on CPU here) gives the ar output."""
+    if slurm_cluster.gpu_reason:
+        pytest.skip(slurm_cluster.gpu_reason)
+    job = slurm_cluster.submit(
+        JOBS / "generate-gpu.sbatch", cwd=workdir,
+        options=["--gpus-per-node=2", "--ntasks-per-node=2", "--cpus-per-task=1"],
+        export={**base_env, "DEVICE": "cpu", "THREADS": "1", "DRAFT_RANKS": "1"})
+    info = slurm_cluster.wait_job(job, timeout=JOB_TIMEOUT)
+    assert_completed(slurm_cluster, job, info)
+    log = slurm_cluster.job_output(job)
+    assert "GPUs 0,1" in log, log                 # the job got both GPUs
+    for rank in (0, 1):
+        assert f"rank {rank} (node node0, local {rank}): CUDA_VISIBLE_DEVICES={rank}" in log, log
+    trace = read_trace(workdir / "runs" / f"swiftspec-{job}.h5")
+    assert_good_trace(trace, "async", world=2, n_requests=len(PROMPTS))
+    assert outputs(trace) == outputs(read_trace(generated["ar"]["h5"]))
+
+
+def test_interactive_under_salloc(slurm_cluster, base_env, workdir, generated):
+    """salloc -n 2 jobs/interactive.sh PROMPT: srun inside the allocation, text on stdout."""
+    out = workdir / "runs" / "interactive.h5"
+    r = slurm_cluster.run(["salloc", "-n", "2", "-c", "1", str(JOBS / "interactive.sh"), PROMPTS[0]],
+                          timeout=JOB_TIMEOUT, check=False, cwd=workdir,
+                          extra_env={**base_env, "OUT": str(out), "CHAT": "0", "MODE": "async"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    trace = read_trace(out)
+    assert bool(trace["root"]["complete"]) and trace["root"]["mode"] == "async"
+    assert len(trace["ranks"]) == 2
+    ref = read_trace(generated["ar"]["h5"])["requests"][0]
+    assert trace["requests"][0]["output_ids"] == ref["output_ids"]
+    assert ref["text"].strip()[:20] in r.stdout, r.stdout   # streamed to the terminal
+
+
+def test_scancel_leaves_partial_trace(slurm_cluster, base_env, tmp_path):
+    """scancel (SIGTERM to script and ranks): the ranks finish their step, write a partial trace
+    (complete=False, exit_status interrupted) and exit EXIT_INTERRUPTED; the job is CANCELLED."""
+    many = tmp_path / "many.jsonl"
+    many.write_text("".join(json.dumps({"prompt": f"Story number {i}: once upon a time"}) + "\n"
+                            for i in range(200)))
+    out = tmp_path / "runs" / "cancelled.h5"
+    job = slurm_cluster.submit(JOBS / "generate.sbatch", cwd=tmp_path, options=["--ntasks=2"],
+                               export={**base_env, "MODE": "async", "PROMPTS": str(many),
+                                       "MAX_NEW_TOKENS": "200", "OUT": str(out)})
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not out.exists():   # the first checkpoint: decoding is under way
+        state = slurm_cluster.job(job)["JobState"]
+        assert state in ("PENDING", "RUNNING"), f"{state}\n" + job_log(slurm_cluster, job)
+        assert time.monotonic() < deadline, "no checkpoint file\n" + job_log(slurm_cluster, job)
+        time.sleep(0.2)
+    assert slurm_cluster.job(job)["JobState"] == "RUNNING"
+    slurm_cluster.run(["scancel", str(job)], timeout=30)
+    info = slurm_cluster.wait_job(job, timeout=120)
+    log = slurm_cluster.job_output(job)
+    assert info["JobState"] == "CANCELLED", f"{info}\n{log}"
+    assert f"swiftspec exited with status {EXIT_INTERRUPTED}" in log, log
+    assert info["ExitCode"] == f"{EXIT_INTERRUPTED}:0", f"{info}\n{log}"
+    trace = read_trace(out)
+    assert bool(trace["root"]["complete"]) is False
+    assert trace["root"]["exit_status"] == "interrupted", trace["root"]
+    assert 1 <= len(trace["requests"]) < 200
+    assert all(len(r["output_ids"]) >= 1 for r in trace["requests"])
+
+
+def test_mpirun_local_without_slurm(tiny, tmp_path):
+    """jobs/mpirun-local.sh on a workstation: the wheel's mpiexec, 2 ranks, async, one prompt."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "HYDRA_"))}
+    env.update(tiny, SWIFTSPEC_VENV=str(VENV), NP="2", MODE="async", PROMPT=PROMPTS[1],
+               MAX_NEW_TOKENS=str(MAX_NEW), THREADS="1", OUT=str(tmp_path / "local.h5"))
+    r = subprocess.run([str(JOBS / "mpirun-local.sh")], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=JOB_TIMEOUT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    trace = read_trace(tmp_path / "local.h5")
+    root = trace["root"]
+    assert root["mode"] == "async" and bool(root["complete"]) and root["exit_status"] == "ok"
+    assert sorted(trace["ranks"]["role"].tolist()) == [0, 1]
+    req = trace["requests"][0]
+    assert req["prompt_text"] == PROMPTS[1] and 1 <= len(req["output_ids"]) <= MAX_NEW
