@@ -13,11 +13,11 @@
 //       change the context length without re-capture)
 // Query head i uses KV head i / G, G = H / Hkv (Hugging Face repeat_kv convention).
 //
-// Decomposition: grid (CS, Hkv, RG), cluster (CS,1,1), 128 threads. The R = N*G query rows of
+// Decomposition: grid (CS, Hkv, RG), cluster (CS,1,1), 128 threads, CS = 8 or 16. The R = N*G query rows of
 // one KV head are its GEMM rows ("row = token*G + group index"); a block holds MT_BLK m16 row
 // tiles (RG = ceil(R / (16*MT_BLK)) row groups) and 1/CS of the KV tiles (64 slots each).
 // 4 warps = MT_BLK row tiles x (4/MT_BLK) slices of every 64-slot tile. K/V tiles stream
-// through a 4-stage cp.async ring in shared memory; S = Q K^T and O += P V run on mma.sync
+// through a 3- or 4-stage cp.async ring in shared memory; S = Q K^T and O += P V run on mma.sync
 // m16n8k16 (bf16 in, fp32 accumulate) with an online softmax in registers (FlashAttention-2
 // style). At the end every warp leaves (m, l, O) for its 16 rows in shared memory; after a
 // cluster barrier each block of the cluster reduces 1/CS of the outputs by reading the partials
@@ -42,9 +42,11 @@ namespace cg = cooperative_groups;
 namespace tree_attn {
 
 constexpr int TILE = 64;      // KV slots per pipeline stage
-constexpr int STAGES = 4;     // cp.async ring depth
 constexpr int THREADS = 128;  // 4 warps
-constexpr int CS = 8;         // blocks per cluster = KV splits per (KV head, row group)
+// Instantiated: CS (blocks per cluster = KV splits per KV head and row group) 8 with a 4-stage
+// cp.async ring (139 KiB smem at D 128, one block per SM), and 16 (non-portable cluster size,
+// the host sets cudaFuncAttributeNonPortableClusterSizeAllowed) with 3 stages (104 KiB: two
+// blocks per SM, so 16-block clusters find room in a GPC).
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -86,10 +88,9 @@ template <int D>
 struct Smem {
   static constexpr int LDS = D + 8;                    // padded row: ldmatrix without bank conflicts
   static constexpr int STAGE_ELEMS = 2 * TILE * LDS;   // K tile then V tile
-  static constexpr int BYTES = STAGES * STAGE_ELEMS * 2;
 };
 
-template <int D, int MT_BLK>
+template <int D, int MT_BLK, int CS, int STAGES>
 __device__ __forceinline__ void tree_attention_body(
     const __nv_bfloat16* __restrict__ q, long long q_tok_stride,
     const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc, long long kv_slot_stride,
@@ -107,6 +108,7 @@ __device__ __forceinline__ void tree_attention_body(
   constexpr int CHUNKS = D / 8;               // 16-byte chunks per K/V row
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static_assert(NT <= 8, "mask bits");
+  static_assert(STAGES * Smem<D>::STAGE_ELEMS * 2 >= (4 * 16 * D + 4 * 16 * 2) * 4, "partials fit the ring");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);
@@ -364,23 +366,29 @@ __device__ __forceinline__ void tree_attention_body(
 
 }  // namespace tree_attn
 
-#define TREE_ATTN_KERNEL(D, MT)                                                                       \
-  extern "C" __global__ void __cluster_dims__(tree_attn::CS, 1, 1) __launch_bounds__(tree_attn::THREADS) \
-  tree_attention_d##D##_mt##MT(                                                                       \
+#define TREE_ATTN_KERNEL(D, MT, CS, ST)                                                               \
+  extern "C" __global__ void __cluster_dims__(CS, 1, 1) __launch_bounds__(tree_attn::THREADS)         \
+  tree_attention_d##D##_mt##MT##_cs##CS(                                                              \
       const __nv_bfloat16* __restrict__ q, long long q_tok_stride,                                    \
       const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v, long long kv_slot_stride, \
       const uint8_t* __restrict__ mask, long long mask_stride,                                        \
       const int* __restrict__ n_valid_ptr, int n_valid,                                               \
       __nv_bfloat16* __restrict__ out, long long out_tok_stride,                                      \
       int N, int H, int Hkv, float scale_log2) {                                                      \
-    tree_attn::tree_attention_body<D, MT>(q, q_tok_stride, k, v, kv_slot_stride, mask, mask_stride,  \
+    tree_attn::tree_attention_body<D, MT, CS, ST>(q, q_tok_stride, k, v, kv_slot_stride, mask, mask_stride,  \
                                           n_valid_ptr, n_valid, out, out_tok_stride, N, H, Hkv,       \
                                           scale_log2);                                                \
   }
 
-TREE_ATTN_KERNEL(128, 1)
-TREE_ATTN_KERNEL(128, 2)
-TREE_ATTN_KERNEL(128, 4)
-TREE_ATTN_KERNEL(64, 1)
-TREE_ATTN_KERNEL(64, 2)
-TREE_ATTN_KERNEL(64, 4)
+TREE_ATTN_KERNEL(128, 1, 8, 4)
+TREE_ATTN_KERNEL(128, 2, 8, 4)
+TREE_ATTN_KERNEL(128, 4, 8, 4)
+TREE_ATTN_KERNEL(64, 1, 8, 4)
+TREE_ATTN_KERNEL(64, 2, 8, 4)
+TREE_ATTN_KERNEL(64, 4, 8, 4)
+TREE_ATTN_KERNEL(128, 1, 16, 3)
+TREE_ATTN_KERNEL(128, 2, 16, 3)
+TREE_ATTN_KERNEL(128, 4, 16, 3)
+TREE_ATTN_KERNEL(64, 1, 16, 3)
+TREE_ATTN_KERNEL(64, 2, 16, 3)
+TREE_ATTN_KERNEL(64, 4, 16, 3)

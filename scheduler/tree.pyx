@@ -34,6 +34,7 @@ from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
 from libc.string cimport memcpy, memset
 from libc.stdlib cimport free, malloc
 from libc.math cimport isnan
+from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 
 import numpy as np
 
@@ -57,37 +58,73 @@ ctypedef fused real_t:
 # small helpers
 
 
-cdef inline int64_t* _i64_ptr(object arr) except NULL:
-    cdef int64_t[::1] view = arr
-    return &view[0]
+cdef inline char* _data(object arr) except? NULL:
+    """Data pointer of a C-contiguous numpy array (the caller keeps ``arr`` alive and has
+    checked its dtype). Cheaper than a typed memoryview: no memoryview object is created."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(arr, &view, PyBUF_SIMPLE)
+    cdef char* data = <char*>view.buf
+    PyBuffer_Release(&view)
+    return data
 
 
-cdef inline int32_t* _i32_ptr(object arr) except NULL:
-    cdef int32_t[::1] view = arr
-    return &view[0]
+cdef inline int64_t* _i64_ptr(object arr) except? NULL:
+    return <int64_t*>_data(arr)
 
 
-cdef inline double* _f64_ptr(object arr) except NULL:
-    cdef double[::1] view = arr
-    return &view[0]
+cdef inline int32_t* _i32_ptr(object arr) except? NULL:
+    return <int32_t*>_data(arr)
 
 
-cdef inline int8_t* _i8_ptr(object arr) except NULL:
-    cdef int8_t[::1] view = arr
-    return &view[0]
+cdef inline double* _f64_ptr(object arr) except? NULL:
+    return <double*>_data(arr)
 
 
-cdef inline uint8_t* _u8_ptr(object arr) except NULL:
-    cdef uint8_t[::1] view = arr
-    return &view[0]
+cdef inline int8_t* _i8_ptr(object arr) except? NULL:
+    return <int8_t*>_data(arr)
+
+
+cdef inline uint8_t* _u8_ptr(object arr) except? NULL:
+    return <uint8_t*>_data(arr)
+
+
+_DT_I32 = np.dtype(np.int32)
+_DT_I64 = np.dtype(np.int64)
+_DT_F32 = np.dtype(np.float32)
+_DT_F64 = np.dtype(np.float64)
+
+
+cdef object _as_array(object values, object dtype, int ndim, str name):
+    """``values`` as a C-contiguous ``ndim``-D numpy array of ``dtype``: returned as is when it
+    already is one (checked through the buffer protocol, ~0.1 us), else converted (copy)."""
+    cdef Py_buffer view
+    cdef bint ready = False
+    if type(values) is np.ndarray and values.dtype is dtype:
+        try:
+            PyObject_GetBuffer(values, &view, PyBUF_C_CONTIGUOUS)
+        except (BufferError, ValueError):
+            pass
+        else:
+            ready = view.ndim == ndim
+            PyBuffer_Release(&view)
+    if ready:
+        return values
+    arr = np.ascontiguousarray(values, dtype=dtype)
+    if arr.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
+    return arr
 
 
 cdef object _as_1d(object values, object dtype, str name):
     """``values`` as a C-contiguous 1-D numpy array of ``dtype`` (no copy when it already is)."""
-    arr = np.ascontiguousarray(values, dtype=dtype)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    return arr
+    return _as_array(values, dtype, 1, name)
+
+
+cdef object _as_real_2d(object values, str name):
+    """``values`` as a C-contiguous 2-D float32 array if it is float32, else float64."""
+    if type(values) is not np.ndarray:
+        values = np.asarray(values)
+    return _as_array(values, _DT_F32 if values.dtype == _DT_F32 else _DT_F64, 2, name)
 
 
 cdef object _readonly(object view):
@@ -411,7 +448,7 @@ cdef class TokenTree:
                 buf[pos] = i
         if <int64_t>n * per_leaf > self.capacity - size:
             n = 0
-        out = np.empty(n, np.int32)
+        out = np.empty(n, _DT_I32)
         if n:
             memcpy(_i32_ptr(out), buf, n * sizeof(int32_t))
         return out
@@ -425,7 +462,7 @@ cdef class TokenTree:
                 (slots below hold the committed prefix); the engine passes
                 ``root_pos + num_expanded``.
         """
-        arr = _as_1d(leaves, np.int32, "assign_slots: leaves")
+        arr = _as_1d(leaves, _DT_I32, "assign_slots: leaves")
         cdef Py_ssize_t n = arr.shape[0]
         if n == 0:
             return
@@ -459,18 +496,18 @@ cdef class TokenTree:
             mask: bool[n, ncols]; ``mask[i, j]`` is True iff ``j < root_pos`` (committed prefix)
             or j is the kv_slot of leaves[i] or of one of its ancestors (root included).
         """
-        arr = _as_1d(leaves, np.int32, "masks: leaves")
+        arr = _as_1d(leaves, _DT_I32, "masks: leaves")
         cdef Py_ssize_t n = arr.shape[0]
         cdef int32_t* ids = _i32_ptr(arr) if n else NULL
         if ncols < self._root_pos:
             raise ValueError(f"masks: ncols {ncols} < root_pos {self._root_pos}")
         self._check_nodes(ids, n, "masks", False)
-        positions = np.empty(n, np.int64)
-        mask_u8 = np.empty((n, ncols), np.uint8)
+        positions = np.empty(n, _DT_I64)
+        mask_arr = np.empty((n, ncols), np.bool_)
         if n == 0:
-            return positions, mask_u8.view(np.bool_)
+            return positions, mask_arr
         cdef int64_t* pos = _i64_ptr(positions)
-        cdef uint8_t* mask = _u8_ptr(mask_u8.reshape(-1)) if ncols else NULL
+        cdef uint8_t* mask = _u8_ptr(mask_arr) if ncols else NULL
         cdef uint8_t* row
         cdef Py_ssize_t i
         cdef int32_t node, slot
@@ -496,7 +533,7 @@ cdef class TokenTree:
         if bad_slot >= 0:
             raise ValueError(f"masks: kv_slot {bad_slot} on the root path of leaf {node} is >= "
                              f"ncols {ncols}")
-        return positions, mask_u8.view(np.bool_)
+        return positions, mask_arr
 
     def expand(self, leaves, topk_ids, topk_logprobs):
         """Add the draft's top-k children under each forwarded leaf.
@@ -517,23 +554,18 @@ cdef class TokenTree:
             ValueError: bad shapes or ids, a leaf not expanded / already expanded with children,
                 NaN log-probabilities, or ``size + n * k > capacity`` (tree unchanged).
         """
-        leaf_arr = _as_1d(leaves, np.int32, "expand: leaves")
-        ids_arr = np.ascontiguousarray(topk_ids, dtype=np.int64)
-        lp_arr = np.asarray(topk_logprobs)
-        if lp_arr.dtype != np.float32:
-            lp_arr = np.ascontiguousarray(lp_arr, dtype=np.float64)
-        else:
-            lp_arr = np.ascontiguousarray(lp_arr)
+        leaf_arr = _as_1d(leaves, _DT_I32, "expand: leaves")
+        ids_arr = _as_array(topk_ids, _DT_I64, 2, "expand: topk_ids")
+        lp_arr = _as_real_2d(topk_logprobs, "expand: topk_logprobs")
         cdef Py_ssize_t n = leaf_arr.shape[0]
-        if ids_arr.ndim != 2 or lp_arr.ndim != 2 or ids_arr.shape[0] != n or \
-                lp_arr.shape[0] != n or ids_arr.shape[1] != lp_arr.shape[1]:
+        if ids_arr.shape[0] != n or lp_arr.shape[0] != n or ids_arr.shape[1] != lp_arr.shape[1]:
             raise ValueError(f"expand: need topk_ids and topk_logprobs of shape [n={n}, k], got "
                              f"{ids_arr.shape} and {lp_arr.shape}")
         cdef Py_ssize_t k = ids_arr.shape[1]
         if k < 1:
             raise ValueError("expand: k (columns of topk_ids) must be >= 1")
         if n == 0:
-            return np.empty(0, np.int32)
+            return np.empty(0, _DT_I32)
         cdef int32_t* ids = _i32_ptr(leaf_arr)
         cdef Py_ssize_t i
         cdef int32_t node
@@ -552,18 +584,19 @@ cdef class TokenTree:
                              f"{self._size} + {n} leaves x {k} children; reroot or use a larger "
                              f"capacity")
         cdef int first_new = self._size
-        cdef const int64_t* tok = _i64_ptr(ids_arr.reshape(-1))
-        if lp_arr.dtype == np.float32:
-            bad = self._expand_impl[float](ids, n, k, tok, lp_arr)
+        cdef const int64_t* tok = _i64_ptr(ids_arr)
+        cdef Py_ssize_t bad
+        if lp_arr.dtype is _DT_F32:
+            bad = self._expand_impl(ids, n, k, tok, <const float*>_data(lp_arr))
         else:
-            bad = self._expand_impl[double](ids, n, k, tok, lp_arr)
+            bad = self._expand_impl(ids, n, k, tok, <const double*>_data(lp_arr))
         if bad >= 0:
             raise ValueError(f"expand: topk_logprobs[{bad // k}, {bad % k}] is NaN")
         self._last_k = <int>k
         return np.arange(first_new, first_new + n * k, dtype=np.int32)
 
     cdef Py_ssize_t _expand_impl(self, const int32_t* ids, Py_ssize_t n, Py_ssize_t k,
-                                 const int64_t* tok, const real_t[:, ::1] lp):
+                                 const int64_t* tok, const real_t* lp):
         """Append the children; return -1, or the flat index of a NaN (tree unchanged then)."""
         cdef Py_ssize_t i, j
         cdef int32_t node, child
@@ -571,7 +604,7 @@ cdef class TokenTree:
         with nogil:
             for i in range(n):
                 for j in range(k):
-                    if isnan(lp[i, j]):
+                    if isnan(lp[i * k + j]):
                         return i * k + j
             child = self._size
             for i in range(n):
@@ -583,8 +616,8 @@ cdef class TokenTree:
                     self._token[child] = tok[i * k + j]
                     self._parent[child] = node
                     self._depth[child] = self._depth[node] + 1
-                    self._logprob[child] = <double>lp[i, j]
-                    self._score[child] = leaf_score + <double>lp[i, j]
+                    self._logprob[child] = <double>lp[i * k + j]
+                    self._score[child] = leaf_score + <double>lp[i * k + j]
                     self._kv_slot[child] = -1
                     self._state[child] = _ALIVE
                     self._expanded[child] = 0
@@ -614,8 +647,8 @@ cdef class TokenTree:
         if bs < 1:
             raise ValueError(f"best_subtree: bs must be >= 1, got {bs}")
         cdef int n = bs if bs < self._size else self._size
-        nodes = np.empty(n, np.int32)
-        parents_local = np.empty(n, np.int32)
+        nodes = np.empty(n, _DT_I32)
+        parents_local = np.empty(n, _DT_I32)
         cdef int32_t* out_nodes = _i32_ptr(nodes)
         cdef int32_t* out_parents = _i32_ptr(parents_local)
         cdef int32_t* heap = self._work
@@ -647,9 +680,9 @@ cdef class TokenTree:
 
     def tokens_of(self, nodes):
         """int64[n]: the tokens of node ids ``nodes`` (int32[n])."""
-        arr = _as_1d(nodes, np.int32, "tokens_of: nodes")
+        arr = _as_1d(nodes, _DT_I32, "tokens_of: nodes")
         cdef Py_ssize_t n = arr.shape[0]
-        out = np.empty(n, np.int64)
+        out = np.empty(n, _DT_I64)
         if n == 0:
             return out
         cdef int32_t* ids = _i32_ptr(arr)
@@ -692,7 +725,7 @@ cdef class TokenTree:
             ValueError: k == 0, or an accepted draft token is not a child of the previous node
                 (the tree is unchanged then).
         """
-        acc_arr = _as_1d(accepted_tokens, np.int64, "reroot: accepted_tokens")
+        acc_arr = _as_1d(accepted_tokens, _DT_I64, "reroot: accepted_tokens")
         cdef Py_ssize_t k = acc_arr.shape[0]
         if k < 1:
             raise ValueError("reroot: accepted_tokens must hold at least the bonus token")
@@ -734,8 +767,8 @@ cdef class TokenTree:
                 c += 1
         # 2. the plan, sized for the worst case (k committed + every survivor)
         cdef int max_moves = <int>k + (self._size - new_root if new_root >= 0 else 0)
-        src_arr = np.empty(max_moves, np.int64)
-        dst_arr = np.empty(max_moves, np.int64)
+        src_arr = np.empty(max_moves, _DT_I64)
+        dst_arr = np.empty(max_moves, _DT_I64)
         cdef int64_t* src = _i64_ptr(src_arr)
         cdef int64_t* dst = _i64_ptr(dst_arr)
         cdef int moves = 0
@@ -857,17 +890,17 @@ def subtree_masks(parents_local, int64_t root_pos):
         mask: bool[n, root_pos + n]: the n nodes are written at slots root_pos + i; row i sees
             columns ``[0, root_pos)`` and ``root_pos + j`` for j = i and every ancestor of i.
     """
-    arr = _as_1d(parents_local, np.int32, "subtree_masks: parents_local")
+    arr = _as_1d(parents_local, _DT_I32, "subtree_masks: parents_local")
     cdef Py_ssize_t n = arr.shape[0]
     if root_pos < 0:
         raise ValueError(f"subtree_masks: root_pos must be >= 0, got {root_pos}")
     cdef const int32_t* parents = _i32_ptr(arr) if n else NULL
     _check_parents(parents, n, "subtree_masks")
     cdef Py_ssize_t ncols = root_pos + n
-    positions = np.empty(n, np.int64)
-    mask_u8 = np.empty((n, ncols), np.uint8)
+    positions = np.empty(n, _DT_I64)
+    mask_arr = np.empty((n, ncols), np.bool_)
     cdef int64_t* pos = _i64_ptr(positions)
-    cdef uint8_t* mask = _u8_ptr(mask_u8.reshape(-1))
+    cdef uint8_t* mask = _u8_ptr(mask_arr)
     cdef Py_ssize_t i
     with nogil:
         pos[0] = root_pos
@@ -878,7 +911,7 @@ def subtree_masks(parents_local, int64_t root_pos):
             pos[i] = pos[parents[i]] + 1
             memcpy(mask + i * ncols, mask + parents[i] * ncols, ncols)
             mask[i * ncols + root_pos + i] = 1
-    return positions, mask_u8.view(np.bool_)
+    return positions, mask_arr
 
 
 def verify_greedy(tokens, parents_local, target_argmax):
@@ -895,9 +928,9 @@ def verify_greedy(tokens, parents_local, target_argmax):
         accepted_tokens: int64[a], tokens[path[1:]] followed by the bonus
             target_argmax[path[-1]].
     """
-    tok_arr = _as_1d(tokens, np.int64, "verify_greedy: tokens")
-    par_arr = _as_1d(parents_local, np.int32, "verify_greedy: parents_local")
-    arg_arr = _as_1d(target_argmax, np.int64, "verify_greedy: target_argmax")
+    tok_arr = _as_1d(tokens, _DT_I64, "verify_greedy: tokens")
+    par_arr = _as_1d(parents_local, _DT_I32, "verify_greedy: parents_local")
+    arg_arr = _as_1d(target_argmax, _DT_I64, "verify_greedy: target_argmax")
     cdef Py_ssize_t n = par_arr.shape[0]
     if tok_arr.shape[0] != n or arg_arr.shape[0] != n:
         raise ValueError(f"verify_greedy: tokens {tok_arr.shape}, parents_local {par_arr.shape} "
@@ -906,7 +939,7 @@ def verify_greedy(tokens, parents_local, target_argmax):
     _check_parents(parents, n, "verify_greedy")
     cdef const int64_t* tok = _i64_ptr(tok_arr)
     cdef const int64_t* argmax = _i64_ptr(arg_arr)
-    path_buf = np.empty(n, np.int32)
+    path_buf = np.empty(n, _DT_I32)
     cdef int32_t* path = _i32_ptr(path_buf)
     cdef Py_ssize_t a = 1, j
     cdef int32_t cur = 0
@@ -926,30 +959,49 @@ def verify_greedy(tokens, parents_local, target_argmax):
                     break
             if not moved:
                 break
-    accepted = np.empty(a, np.int64)
+    accepted = np.empty(a, _DT_I64)
     cdef int64_t* acc = _i64_ptr(accepted)
     for j in range(1, a):
         acc[j - 1] = tok[path[j]]
     acc[a - 1] = argmax[cur]
-    return path_buf[:a].copy(), accepted
+    return path_buf[:a], accepted
 
 
-cdef Py_ssize_t _sample_walk(const real_t[:, ::1] probs, const int64_t* tok,
+cdef inline double _row_sum(const real_t* row, Py_ssize_t vocab) noexcept nogil:
+    """float64 sum of row[:vocab] in four interleaved lanes (lane = v % 4), combined as
+    (lane0 + lane1) + (lane2 + lane3): four independent add chains instead of one."""
+    cdef double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0
+    cdef Py_ssize_t v = 0
+    while v + 4 <= vocab:
+        s0 += <double>row[v]
+        s1 += <double>row[v + 1]
+        s2 += <double>row[v + 2]
+        s3 += <double>row[v + 3]
+        v += 4
+    if v < vocab:
+        s0 += <double>row[v]
+    if v + 1 < vocab:
+        s1 += <double>row[v + 1]
+    if v + 2 < vocab:
+        s2 += <double>row[v + 2]
+    return (s0 + s1) + (s2 + s3)
+
+
+cdef Py_ssize_t _sample_walk(const real_t* probs, Py_ssize_t vocab, const int64_t* tok,
                              const int32_t* parents, Py_ssize_t n, const double* uniforms,
                              int32_t* path, int64_t* acc, int64_t* rejected) noexcept nogil:
     """The lossless multi-branch walk. Returns the path length a >= 1, or -(1 + row) when a
     visited row has no positive mass."""
-    cdef Py_ssize_t vocab = probs.shape[1]
     cdef Py_ssize_t a = 1, ui = 0, j, v, r, n_rej, insert_at
     cdef int32_t cur = 0
     cdef int64_t t, chosen, last_positive
     cdef double total, pc, u, threshold, running, best
     cdef bint moved, is_rejected
+    cdef const real_t* row
     path[0] = 0
     while True:
-        total = 0.0
-        for v in range(vocab):
-            total += <double>probs[cur, v]
+        row = probs + cur * vocab
+        total = _row_sum(row, vocab)
         if not total > 0.0:
             return -(1 + cur)
         n_rej = 0
@@ -963,7 +1015,7 @@ cdef Py_ssize_t _sample_walk(const real_t[:, ::1] probs, const int64_t* tok,
                 if rejected[r] == t:
                     is_rejected = True
                     break
-            pc = 0.0 if is_rejected else <double>probs[cur, t]
+            pc = 0.0 if is_rejected else <double>row[t]
             u = uniforms[ui]
             ui += 1
             if pc > 0.0 and (pc >= total or u * total < pc):
@@ -993,7 +1045,7 @@ cdef Py_ssize_t _sample_walk(const real_t[:, ::1] probs, const int64_t* tok,
             if r < n_rej and rejected[r] == v:
                 r += 1
                 continue
-            pc = <double>probs[cur, v]
+            pc = <double>row[v]
             if pc > 0.0:
                 running += pc
                 last_positive = v
@@ -1005,8 +1057,8 @@ cdef Py_ssize_t _sample_walk(const real_t[:, ::1] probs, const int64_t* tok,
         if chosen < 0:                   # only rounding left mass outside the rejected tokens
             best = -1.0
             for v in range(vocab):
-                if <double>probs[cur, v] > best:
-                    best = <double>probs[cur, v]
+                if <double>row[v] > best:
+                    best = <double>row[v]
                     chosen = v
         acc[a - 1] = chosen
         return a
@@ -1016,7 +1068,7 @@ def verify_sample(tokens, parents_local, target_probs, uniforms):
     """Lossless sampling verification of a deterministic top-k tree (SpecInfer / EAGLE rule).
 
     At the current node (starting at the root) with target distribution p = the node's row
-    (normalized by its float64 sum), the residual r starts as p; its children are tried in local
+    (normalized by its float64 sum, taken in four interleaved lanes), the residual r starts as p; its children are tried in local
     order: child c is accepted with probability r(c) (one uniform each); on rejection r(c) is set
     to 0 and r renormalized. An accepted child becomes the current node (restart with its own
     row). If every child is rejected (or there is none), the bonus token is drawn from r by
@@ -1034,16 +1086,12 @@ def verify_sample(tokens, parents_local, target_probs, uniforms):
         path: int32[a], local indices from the root (path[0] == 0).
         accepted_tokens: int64[a], tokens[path[1:]] followed by the bonus token.
     """
-    tok_arr = _as_1d(tokens, np.int64, "verify_sample: tokens")
-    par_arr = _as_1d(parents_local, np.int32, "verify_sample: parents_local")
-    u_arr = _as_1d(uniforms, np.float64, "verify_sample: uniforms")
-    probs = np.asarray(target_probs)
-    if probs.dtype != np.float32:
-        probs = np.ascontiguousarray(probs, dtype=np.float64)
-    else:
-        probs = np.ascontiguousarray(probs)
+    tok_arr = _as_1d(tokens, _DT_I64, "verify_sample: tokens")
+    par_arr = _as_1d(parents_local, _DT_I32, "verify_sample: parents_local")
+    u_arr = _as_1d(uniforms, _DT_F64, "verify_sample: uniforms")
+    probs = _as_real_2d(target_probs, "verify_sample: target_probs")
     cdef Py_ssize_t n = par_arr.shape[0]
-    if tok_arr.shape[0] != n or probs.ndim != 2 or probs.shape[0] != n:
+    if tok_arr.shape[0] != n or probs.shape[0] != n:
         raise ValueError(f"verify_sample: need tokens [n], parents_local [n], target_probs "
                          f"[n, V]; got {tok_arr.shape}, {par_arr.shape}, {probs.shape}")
     if u_arr.shape[0] < n + 1:
@@ -1058,24 +1106,28 @@ def verify_sample(tokens, parents_local, target_probs, uniforms):
         if tok[j] < 0 or tok[j] >= vocab:
             raise ValueError(f"verify_sample: tokens[{j}] = {tok[j]} outside the vocabulary "
                              f"[0, {vocab})")
-    path_buf = np.empty(n, np.int32)
-    acc_buf = np.empty(n, np.int64)
-    rejected_buf = np.empty(n, np.int64)
-    cdef const float[:, ::1] probs32
-    cdef const double[:, ::1] probs64
+    path_buf = np.empty(n, _DT_I32)
+    acc_buf = np.empty(n, _DT_I64)
     cdef const double* u_ptr = _f64_ptr(u_arr)
     cdef int32_t* path_ptr = _i32_ptr(path_buf)
     cdef int64_t* acc_ptr = _i64_ptr(acc_buf)
-    cdef int64_t* rejected_ptr = _i64_ptr(rejected_buf)
+    cdef int64_t* rejected_ptr = <int64_t*>malloc(n * sizeof(int64_t))
+    if rejected_ptr == NULL:
+        raise MemoryError()
+    cdef const float* probs32
+    cdef const double* probs64
     cdef Py_ssize_t a
-    if probs.dtype == np.float32:
-        probs32 = probs
+    if probs.dtype is _DT_F32:
+        probs32 = <const float*>_data(probs)
         with nogil:
-            a = _sample_walk(probs32, tok, parents, n, u_ptr, path_ptr, acc_ptr, rejected_ptr)
+            a = _sample_walk(probs32, vocab, tok, parents, n, u_ptr, path_ptr, acc_ptr,
+                             rejected_ptr)
     else:
-        probs64 = probs
+        probs64 = <const double*>_data(probs)
         with nogil:
-            a = _sample_walk(probs64, tok, parents, n, u_ptr, path_ptr, acc_ptr, rejected_ptr)
+            a = _sample_walk(probs64, vocab, tok, parents, n, u_ptr, path_ptr, acc_ptr,
+                             rejected_ptr)
+    free(rejected_ptr)
     if a < 0:
         raise ValueError(f"verify_sample: target_probs row {-a - 1} has no positive mass")
-    return path_buf[:a].copy(), acc_buf[:a].copy()
+    return path_buf[:a], acc_buf[:a]

@@ -432,20 +432,23 @@ def plot_timeline(trace, path: str, window=None, title: str = "") -> tuple[float
         if 0 in leaders and 1 in leaders:
             vl, dl = leaders[0], leaders[1]
             kv, ks, kr = ev.kind_index("verify"), ev.kind_index("send"), ev.kind_index("reroot")
-            v_starts = np.sort(ev.t_start[(ev.rank == vl) & (ev.kind == kv)])
-            v_ends = np.sort(ev.t_end[(ev.rank == vl) & (ev.kind == kv) & inwin])
-            r_starts = np.sort(ev.t_start[(ev.rank == dl) & (ev.kind == kr)])
-            sends = np.sort(ev.t_end[(ev.rank == dl) & (ev.kind == ks) & inwin])
             arrows = 0
-            for src, targets, y0, y1, color in ((sends, v_starts, ypos[dl], ypos[vl], KIND_COLORS["send"]),
-                                                (v_ends, r_starts, ypos[vl], ypos[dl], KIND_COLORS["verify"])):
-                for t in src:
-                    j = np.searchsorted(targets, t - 1e-9)
-                    if j >= len(targets) or arrows > 400:
-                        continue
-                    ax.annotate("", xy=(targets[j], y1), xytext=(t, y0),
-                                arrowprops=dict(arrowstyle="->", color=color, lw=0.7, alpha=0.7))
-                    arrows += 1
+            # (source: event ends on one leader) -> (the other leader's next event of that request)
+            pairs = (((ev.rank == dl) & (ev.kind == ks), (ev.rank == vl) & (ev.kind == kv),
+                      ypos[dl], ypos[vl], KIND_COLORS["send"]),
+                     ((ev.rank == vl) & (ev.kind == kv), (ev.rank == dl) & (ev.kind == kr),
+                      ypos[vl], ypos[dl], KIND_COLORS["verify"]))
+            for src_m, dst_m, y0, y1, color in pairs:
+                src_m = src_m & inwin
+                for req in np.unique(ev.request[src_m]).tolist():
+                    targets = np.sort(ev.t_start[dst_m & (ev.request == req)])
+                    for t in np.sort(ev.t_end[src_m & (ev.request == req)]):
+                        j = np.searchsorted(targets, t - 1e-9)
+                        if j >= len(targets) or arrows > 400:
+                            continue
+                        ax.annotate("", xy=(targets[j], y1), xytext=(t, y0),
+                                    arrowprops=dict(arrowstyle="->", color=color, lw=0.7, alpha=0.7))
+                        arrows += 1
     else:  # no /events: the verify steps of each request on one row
         for r in trace.requests:
             if r.steps is None or not len(r.steps):

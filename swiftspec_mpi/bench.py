@@ -8,7 +8,7 @@ each, log in OUT_DIR/<mode>.log), hf-greedy (HF transformers `generate`) and hf-
 assisted generation with the draft as `assistant_model`), in-process. Same models, dtype,
 threads, max new tokens and prompts for all; the HF baselines take the prompt token ids from our
 first trace that has them, so every system starts from identical ids (else they tokenize with
-the target's HF tokenizer and the same --chat choice). One HDF5 trace per system in OUT_DIR
+the engine's tokenizer and the same --chat choice). One HDF5 trace per system in OUT_DIR
 (docs/trace-format.md), then OUT_DIR/bench.md and bench.json:
   tokens/s              sum of new tokens / sum of request seconds (prefill start to last token)
   speedup               tokens/s over hf-greedy's
@@ -57,7 +57,8 @@ def add_arguments(parser) -> None:
                              "(default: engine default per rank; all cores for HF)")
     parser.add_argument("--systems", default=",".join(ALL_SYSTEMS),
                         help="comma list of %(default)s (run in that canonical order)")
-    parser.add_argument("--np", type=int, default=2, help="MPI ranks for our modes (default %(default)s)")
+    parser.add_argument("--np", type=int, default=2, help="MPI ranks for each of our modes: ar/sync use them as one tensor-parallel group, "
+                             "async splits them into draft + verify (default %(default)s)")
     parser.add_argument("--draft-ranks", type=int, default=None,
                         help="ranks in the draft group for async (default: the engine's)")
     parser.add_argument("--target", default=None, help="target HF folder (default: the embedded pair's)")
@@ -346,16 +347,32 @@ def build_markdown(results: list[dict], meta: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def _resolve_models(args) -> None:
-    if args.target and args.draft:
-        return
-    if args.target or args.draft:
+    """Fill args.target/args.draft with folders: the embedded pair by default; a registry name
+    (e.g. qwen2.5-coder-1.5b) becomes its prepared folder, so the HF baselines can load it too."""
+    if bool(args.target) != bool(args.draft):
         raise UserError("give both --target and --draft, or neither (the embedded pair)")
+    log = lambda msg: print(f"swiftspec bench: {msg}", file=sys.stderr)  # noqa: E731
     try:
-        from swiftspec_mpi.registry import default_pair
+        from swiftspec_mpi import registry
     except ImportError as exc:
-        raise UserError(f"the embedded model pair is not available ({exc}); pass --target DIR --draft DIR") from None
-    target, draft = default_pair(log=lambda msg: print(f"swiftspec bench: {msg}", file=sys.stderr))
-    args.target, args.draft = str(target), str(draft)
+        if not args.target:
+            raise UserError(f"the embedded model pair is not available ({exc}); pass --target DIR --draft DIR") from None
+        registry = None
+    try:
+        if not args.target:
+            target, draft = registry.default_pair(log=log)
+            args.target, args.draft = str(target), str(draft)
+        elif registry is not None:
+            args.target = str(registry.resolve_model(args.target, log=log))
+            args.draft = str(registry.resolve_model(args.draft, log=log))
+    except UserError:
+        raise
+    except Exception as exc:  # fetching/converting the embedded models failed (no network, disk)
+        raise UserError(f"could not prepare the models ({type(exc).__name__}: {exc}); pass existing "
+                        "--target DIR --draft DIR folders") from None
+    for name, path in (("--target", args.target), ("--draft", args.draft)):
+        if not os.path.exists(path):
+            raise UserError(f"{name} {path} does not exist; pass an existing model folder")
 
 
 def main(args) -> int:
@@ -377,9 +394,6 @@ def main(args) -> int:
     ours = [s for s in systems if s in OUR_SYSTEMS]
     mpi, swiftspec = launcher(args.mpiexec) if ours else (None, None)
     _resolve_models(args)
-    for name, path in (("--target", args.target), ("--draft", args.draft)):
-        if not os.path.exists(path):
-            raise UserError(f"{name} {path} does not exist; pass an existing model folder")
     out_dir = args.out_dir or os.path.join("runs", time.strftime("bench-%Y%m%d-%H%M%S"))
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -414,7 +428,8 @@ def main(args) -> int:
                                      progress=bar.update):
                 results.append({"system": r.system, "status": r.status, "error": r.error, "file": r.path,
                                 "log": None, "wall_s": r.wall_s, "returncode": None,
-                                "prompt_ids_from": "trace" if len(ids) == len(prompts) else "hf-tokenizer"})
+                                "prompt_ids_from": "trace" if len(ids) == len(prompts) else
+                                ("tokenizer" if not ids else "trace+tokenizer")})
                 bar.update(max(0, len(prompts) - r.done))
                 bar.write(f"{r.system}: {r.status} in {r.wall_s:.1f} s" + (f" ({r.error})" if r.error else ""))
     except KeyboardInterrupt:
@@ -425,7 +440,9 @@ def main(args) -> int:
     done = {r["system"] for r in results}
     for s in systems:
         if s not in done:
-            results.append({"system": s, "status": "failed", "error": "not run (interrupted)", "file": None})
+            path = os.path.join(out_dir, f"{s}.h5")
+            results.append({"system": s, "status": "partial" if os.path.exists(path) else "failed",
+                            "error": "interrupted", "file": path if os.path.exists(path) else None})
 
     for r in results:
         r["summary"] = None
@@ -440,6 +457,7 @@ def main(args) -> int:
     setup = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "target": args.target, "draft": args.draft,
              "dtype": args.dtype, "threads": args.threads or "default", "ranks (our modes)": args.np,
              "draft ranks (async)": args.draft_ranks or "engine default",
+             "HF baselines": f"in-process, torch threads {args.threads or 'default (all cores)'}",
              "prompts": f"{len(prompts)} from {args.prompts} ({args.per_category} per category)",
              "max new tokens": args.max_new_tokens, "temperature": args.temperature, "chat": args.chat,
              "host cores": os.cpu_count(), "extra run args": args.run_args or "none", "out dir": out_dir}

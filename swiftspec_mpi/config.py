@@ -212,11 +212,25 @@ def check_output_path(cfg: RunConfig) -> None:
     try:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise UserError(f"cannot create the folder of --out {out} ({exc.strerror}); choose a writable path") from None
+        why = exc.strerror
+        if isinstance(exc, FileExistsError):   # a file where a folder of the path should be
+            why = f"{exc.filename} is a file, not a folder"
+        raise UserError(f"cannot create the folder of --out {out} ({why}); choose a writable path") from None
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; give a file name like {out}/run.h5")
     if not os.access(parent, os.W_OK):
         raise UserError(f"cannot write --out {out}: folder {parent} is not writable; choose a writable path")
+    # os.access says yes to root on a read-only folder (/proc, a read-only bind mount, a full
+    # quota...): the trace is written as PATH.tmp.<pid> then renamed, so really create one now,
+    # rather than find out after the whole generation ran
+    probe = parent / f".{out.name}.probe.{os.getpid()}"
+    try:
+        with open(probe, "wb"):
+            pass
+        os.unlink(probe)
+    except OSError as exc:
+        raise UserError(f"cannot write --out {out}: creating a file in {parent} fails "
+                        f"({exc.strerror}); choose a writable path") from None
 
 
 def check_slurm_world(world_size: int) -> None:

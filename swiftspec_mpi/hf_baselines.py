@@ -16,6 +16,9 @@ How steps and times are measured (no guessing from totals):
   and `accepted` = tokens committed (accepted candidates + the target's bonus token);
 - step times are the target forward's start and end on the job clock (t = 0 when the system
   starts); `seconds` runs from the call to `generate` to its return (prompt ids in, ids out).
+Prompt ids come from our own trace when bench has one, else from the engine's tokenizer
+(`swiftspec_mpi.tokenizer.TextTokenizer`: same ids, chat template and EOS set as `swiftspec run`);
+generation stops at that same EOS set.
 A short untimed warm-up generation runs before the first request (one-off lazy inits).
 The models' own generation_config.json (sampling defaults, repetition penalty...) is replaced
 by a neutral one, so greedy means argmax of the raw logits, as in our engine.
@@ -84,29 +87,57 @@ def load_model(folder: str, dtype: str):
 
 
 def load_tokenizer(folder: str):
-    """AutoTokenizer (brings the chat template of tokenizer_config.json / chat_template.jinja);
-    a bare tokenizer.json through PreTrainedTokenizerFast if that fails."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    """The engine's own TextTokenizer (same ids, chat template and EOS set as `swiftspec run`);
+    without it, transformers' PreTrainedTokenizerFast over tokenizer.json (not AutoTokenizer:
+    for some model types it rebuilds the pre-tokenizer and splits text differently)."""
     try:
-        return AutoTokenizer.from_pretrained(folder)
-    except Exception:
-        path = os.path.join(folder, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise UserError(f"{folder} has no loadable tokenizer (no tokenizer.json); add one or pass "
-                            "prompts whose token ids come from the ar trace") from None
-        return PreTrainedTokenizerFast(tokenizer_file=path)
+        from swiftspec_mpi.tokenizer import TextTokenizer
+    except ImportError:
+        TextTokenizer = None
+    if TextTokenizer is not None:
+        return TextTokenizer.from_hf_folder(folder)
+    from transformers import PreTrainedTokenizerFast
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise UserError(f"{folder} has no tokenizer.json; add the model's fast-tokenizer file")
+    tok = PreTrainedTokenizerFast(tokenizer_file=path)
+    template = None
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+    except (OSError, ValueError):
+        pass
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if not template and os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            template = f.read()
+    if template:
+        tok.chat_template = template
+    return tok
+
+
+def _is_engine_tokenizer(tok) -> bool:
+    return type(tok).__module__ == "swiftspec_mpi.tokenizer"
+
+
+def tokenizer_eos(tok) -> list[int]:
+    """The engine's EOS set ([] for an HF tokenizer: then the model's generation config decides)."""
+    return [int(i) for i in tok.eos_token_ids] if _is_engine_tokenizer(tok) else []
 
 
 def encode(tokenizer, text: str, chat: bool) -> list[int]:
+    if _is_engine_tokenizer(tokenizer):
+        if chat and not tokenizer.chat_template:
+            raise UserError("--chat was given but the target has no chat template; drop --chat or add "
+                            "chat_template to its tokenizer_config.json")
+        return [int(i) for i in tokenizer.encode(tokenizer.apply_chat_template(text) if chat else text)]
     if chat:
         if not getattr(tokenizer, "chat_template", None):
-            raise UserError("--chat was given but the target's tokenizer has no chat template; drop "
-                            "--chat or add chat_template to the model folder")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+            raise UserError("--chat was given but the target has no chat template; drop --chat or add "
+                            "chat_template to its tokenizer_config.json")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+        return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
     return [int(i) for i in tokenizer(text)["input_ids"]]
 
 
@@ -227,8 +258,11 @@ def run_systems(systems: list[str], *, target: str, draft: str, prompts: list[Pr
     transformers.utils.logging.disable_progress_bar()
     try:
         target_model, eos = load_model(target, dtype)
-        need_ids = [p for p in prompts if p.prompt_ids is None]
-        tokenizer = load_tokenizer(target) if need_ids else None
+        tokenizer = load_tokenizer(target)
+        if tokenizer_eos(tokenizer):  # stop exactly where the engine stops
+            eos = tokenizer_eos(tokenizer)
+            target_model.generation_config.eos_token_id = eos
+            target_model.generation_config.pad_token_id = eos[0]
         encoded = {p.index: (list(p.prompt_ids) if p.prompt_ids is not None else encode(tokenizer, p.text, chat))
                    for p in prompts}
         draft_model = load_model(draft, dtype)[0] if "hf-assisted" in systems else None
@@ -273,8 +307,7 @@ def run_systems(systems: list[str], *, target: str, draft: str, prompts: list[Pr
                                  recorder=recorder)
                 out = g["output_ids"]
                 stop = "eos" if out and out[-1] in eos else "max_new_tokens"
-                text = tokenizer.decode(out, skip_special_tokens=True) if tokenizer is not None else \
-                    _decode(target, out)
+                text = tokenizer.decode(out, skip_special_tokens=True)
                 done.append(RequestResult(index=p.index, category=p.category, prompt_text=p.text,
                                           prompt_ids=ids, output_ids=out, text=text, t_start=g["t_start"],
                                           t_first=g["t_first"], t_end=g["t_end"], stop_reason=stop,
@@ -298,20 +331,6 @@ def run_systems(systems: list[str], *, target: str, draft: str, prompts: list[Pr
             recorder.remove()
         res.done, res.wall_s = len(done), time.perf_counter() - t0
     return results
-
-
-_TOKENIZERS: dict = {}
-
-
-def _decode(folder: str, ids: list[int]) -> str:
-    """Text for ids when prompts came as ids (no tokenizer loaded yet); '' if none loads."""
-    if folder not in _TOKENIZERS:
-        try:
-            _TOKENIZERS[folder] = load_tokenizer(folder)
-        except Exception:
-            _TOKENIZERS[folder] = None
-    tok = _TOKENIZERS[folder]
-    return tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
 
 
 def _try(fn, *args):

@@ -41,13 +41,18 @@ def _resolve(spec: str | None, role: str) -> str:
                         "folder, a .gguf file, or a name from `swiftspec models list`") from None
 
 
-def prepare_config(flags: dict, config_path: str | None, world_size: int) -> C.RunConfig:
+def prepare_config(flags: dict, config_path: str | None, world_size: int,
+                   ranks_on_node: int = 1) -> C.RunConfig:
+    """Everything rank 0 checks before any rank reads weights; raises UserError with the fix.
+    `ranks_on_node`: the ranks sharing rank 0's node (its memory)."""
     toml_values = C.load_toml(config_path) if config_path else {}
     cfg = C.merge(toml_values, flags)
     C.validate_basic(cfg, world_size)
     C.check_slurm_world(world_size)
     C.check_output_path_default(cfg)
     tcfg, ttok, dcfg = resolve_models(cfg)
+    for path in dict.fromkeys(p for p in (cfg.target, cfg.draft) if p is not None):
+        check_weight_files(path)
     # tensor-parallel degrees must divide the heads
     if cfg.mode == "async":
         groups = [("target", tcfg, world_size - cfg.draft_ranks), ("draft", dcfg, cfg.draft_ranks)]
@@ -85,8 +90,122 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int) -> C.R
                         f"{longest + cfg.max_new_tokens + cfg.verify_size}")
     if cfg.max_context is None:
         cfg.max_context = need_slots
+    check_memory(cfg, tcfg, dcfg, world_size, ranks_on_node)
     C.check_output_path(cfg)
     return cfg
+
+
+def check_weight_files(path: str) -> None:
+    """Validate the safetensors headers of a Hugging Face folder against the file sizes (cheap:
+    the JSON headers only, no torch), so a truncated or corrupt weights file fails here on rank 0
+    instead of after every rank loaded its other model. GGUF headers and extents were already
+    checked by read_model_config. Raises CheckpointError (a UserError)."""
+    import json
+
+    from swiftspec_mpi.errors import CheckpointError
+    if not os.path.isdir(path):
+        return
+    fix = "re-download or re-convert the checkpoint"
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, KeyError, TypeError, AttributeError, UnicodeDecodeError, ValueError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc!r}); {fix}") from None
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json "
+                                  f"(pickled *.bin/*.pt weights are never loaded); {fix}")
+    from safetensors import safe_open
+    for name in files:
+        file = os.path.join(path, str(name))
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file}: missing; {fix}")
+        try:
+            with safe_open(file, framework="numpy"):
+                pass
+        except Exception as exc:  # noqa: BLE001 - SafetensorError: bad header or size
+            raise CheckpointError(f"{file}: truncated or corrupt safetensors file ({exc}); "
+                                  f"{fix}") from None
+
+
+def _host_memory_available() -> int | None:
+    """Bytes this node can still give (MemAvailable, capped by a cgroup v2 limit); None if
+    unknown."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max" and avail is not None:
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def _gpu_visible() -> bool:
+    import glob
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def rank_memory_bytes(cfg: C.RunConfig, tcfg, dcfg, world_size: int) -> list[tuple[int, int]]:
+    """(static buffers = KV cache + RoPE tables, weights) in bytes for each world rank: what
+    its Transformer(s) allocate up front (model.py: K and V [layers, max_context, local KV
+    heads, head_dim], float32 RoPE tables of max_context + 256 rows)."""
+    elem = 4 if cfg.dtype == "float32" else 2
+
+    def one(m, tp):
+        if m is None:
+            return 0, 0
+        kv_local = max(1, -(-m.num_kv_heads // tp))
+        kv = 2 * m.num_layers * cfg.max_context * kv_local * m.head_dim * elem
+        rope = 4 * (cfg.max_context + 256) * m.head_dim * 4
+        return kv + rope, m.param_count() * elem // tp
+
+    if dcfg is not None and cfg.draft_layers is not None:
+        dcfg = dcfg.with_layers(min(cfg.draft_layers, dcfg.num_layers))
+    if cfg.mode == "async":
+        v = world_size - cfg.draft_ranks
+        return [one(tcfg, v)] * v + [one(dcfg, cfg.draft_ranks)] * cfg.draft_ranks
+    t, d = one(tcfg, world_size), one(dcfg if cfg.mode == "sync" else None, world_size)
+    return [(t[0] + d[0], t[1] + d[1])] * world_size
+
+
+def check_memory(cfg: C.RunConfig, tcfg, dcfg, world_size: int, ranks_on_node: int) -> None:
+    """Refuse a CPU run whose up-front allocations cannot fit in rank 0's node: a too large
+    --max-context would otherwise get the ranks killed by the OOM killer (no message, after
+    minutes of loading) instead of this one line. GPU runs are checked when they allocate."""
+    if cfg.device == "cuda" or (cfg.device == "auto" and _gpu_visible()):
+        return
+    avail = _host_memory_available()
+    if avail is None:
+        return
+    per_rank = rank_memory_bytes(cfg, tcfg, dcfg, world_size)
+    mine = per_rank[:max(1, min(ranks_on_node, world_size))]   # block placement: 0..L-1
+    buffers, weights = sum(b for b, _ in mine), sum(w for _, w in mine)
+    if buffers + weights > 0.9 * avail:
+        gib = 2 ** 30
+        raise UserError(f"not enough memory: the KV cache of --max-context {cfg.max_context} slots "
+                        f"needs {max(b for b, _ in mine) / gib:.2f} GiB per rank, "
+                        f"{(buffers + weights) / gib:.2f} GiB with the weights for the "
+                        f"{len(mine)} rank(s) on this node, but only {avail / gib:.2f} GiB is "
+                        "available; lower --max-context or --max-new-tokens, use --dtype "
+                        "bfloat16, or spread the ranks over more nodes")
 
 
 def resolve_models(cfg: C.RunConfig):
@@ -161,17 +280,23 @@ def run_job(flags: dict, config_path: str | None) -> int:
     signal.signal(signal.SIGTERM, stop_flag.set)
     signal.signal(signal.SIGINT, stop_flag.set)
 
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    ranks_on_node = node.Get_size()
+    node.Free()
     verdict = None
     if rank == 0:
         try:
-            verdict = ("ok", prepare_config(flags, config_path, world.Get_size()))
+            verdict = ("ok", prepare_config(flags, config_path, world.Get_size(), ranks_on_node))
         except UserError as exc:
             verdict = ("error", str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug: still end every rank, not just this one
+            traceback.print_exc()
+            verdict = ("crash", f"{type(exc).__name__}: {exc}")
     status, payload = world.bcast(verdict, root=0)
-    if status == "error":
+    if status != "ok":
         if rank == 0:
             print(f"swiftspec run: error: {payload}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
+        return EXIT_USER_ERROR if status == "error" else EXIT_RUNTIME_ERROR
     cfg: C.RunConfig = payload
     job = Job(cfg, world, stop_flag, AbortWatch(world))
     return job.run()
@@ -212,24 +337,32 @@ class Job:
         self.topo = topo = build_topology(self.world, cfg.mode, cfg.draft_ranks)
         self.threads = pin_threads(topo, cfg.threads)
         self.device = choose_device(cfg, topo)
-        error = None
+        error = None      # (exit code, one-line message) of this rank's load failure
+        target = draft = tokenizer = None
         try:
             target, draft, tokenizer = load_models(cfg, topo, self.device)
         except UserError as exc:
-            error, target, draft, tokenizer = str(exc), None, None, None
+            error = (EXIT_USER_ERROR, str(exc))
         except (MemoryError, RuntimeError) as exc:
             if "memory" not in str(exc).lower() and not isinstance(exc, MemoryError):
-                raise
-            error = (f"out of memory while allocating the model and its KV cache of "
-                     f"{cfg.max_context} slots ({kv_bytes_estimate(cfg, topo) / 2**30:.2f} GiB of KV "
-                     f"per rank); lower --max-context / --max-new-tokens or use more ranks")
-            target = draft = tokenizer = None
+                traceback.print_exc()
+                error = (EXIT_RUNTIME_ERROR, f"rank {self.rank} ({topo.role_name}) failed while "
+                                             f"loading: {type(exc).__name__}: {exc}")
+            else:
+                error = (EXIT_USER_ERROR,
+                         f"out of memory while allocating the model and its KV cache of "
+                         f"{cfg.max_context} slots ({kv_bytes_estimate(cfg, topo) / 2**30:.2f} GiB "
+                         f"of KV per rank); lower --max-context / --max-new-tokens or use more ranks")
+        except Exception as exc:  # noqa: BLE001 - a bug: every rank still leaves together
+            traceback.print_exc()
+            error = (EXIT_RUNTIME_ERROR, f"rank {self.rank} ({topo.role_name}) failed while "
+                                         f"loading: {type(exc).__name__}: {exc}")
         errors = self.world.allgather(error)
         first = next((e for e in errors if e), None)
         if first:
             if self.rank == 0:
-                print(f"swiftspec run: error: {first}", file=sys.stderr, flush=True)
-            return EXIT_USER_ERROR
+                print(f"swiftspec run: error: {first[1]}", file=sys.stderr, flush=True)
+            return first[0]
         self.world.Barrier()
         clock = Clock()
         role = topo.role
@@ -276,7 +409,7 @@ class Job:
                 result.t_end = ctx.clock.now()
                 tracker.finish()
                 self.tracker = None
-                self.write(complete=False, status="running", events=None)
+                self.maybe_checkpoint()
 
     # -- output ----------------------------------------------------------------------------------
     def maybe_checkpoint(self) -> None:
@@ -333,13 +466,18 @@ class Job:
 
     def fail(self, exc: BaseException) -> int:
         from swiftspec_mpi.protocol import notify_rank0_and_abort
+        from swiftspec_mpi.protocol import RemoteFailure
         role = self.topo.role_name if getattr(self, "topo", None) else "?"
         if isinstance(exc, (UserError, PeerError)):
             msg = str(exc)
         else:
             msg = f"{type(exc).__name__}: {exc}"
             traceback.print_exc()
-        print(f"swiftspec run: error on rank {self.rank} ({role}): {msg}", file=sys.stderr, flush=True)
+        line = f"swiftspec run: error on rank {self.rank} ({role}): {msg}"
+        if isinstance(exc, RemoteFailure):   # relayed: name the rank that failed, not rank 0
+            line = f"swiftspec run: error on rank {exc.rank} ({exc.role}): {exc.message}"
+        if self.rank == 0:   # other ranks leave the one-line message to rank 0 (see below)
+            print(line, file=sys.stderr, flush=True)
         if self.rank == 0:
             for r in self.results:
                 if r.t_end is None:
@@ -351,7 +489,7 @@ class Job:
                 print(f"swiftspec run: could not write {self.cfg.out}: {write_exc}", file=sys.stderr)
             sys.stdout.flush(), sys.stderr.flush()
             self.world.Abort(EXIT_RUNTIME_ERROR)
-        notify_rank0_and_abort(self.world, f"{role}: {msg}", EXIT_RUNTIME_ERROR)
+        notify_rank0_and_abort(self.world, f"{role}: {msg}", EXIT_RUNTIME_ERROR, fallback_line=line)
         return EXIT_RUNTIME_ERROR
 
 

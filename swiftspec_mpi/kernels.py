@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import shutil
+import sys
 import threading
 from pathlib import Path
 
@@ -23,9 +25,12 @@ import torch
 
 MAX_TREE_TOKENS = 64       # query tokens per tree_attention call
 MAX_GEMM_ROWS = 16         # rows M of gemm_rowparallel / gemm_allreduce
-_TA_TILE, _TA_STAGES, _TA_THREADS, _TA_CLUSTER = 64, 4, 128, 8   # must match cuda/tree_attention.cu
-_GEMM_THREADS = 256                                                # must match cuda/gemm_allreduce.cu
+# Must match cuda/tree_attention.cu: 64-slot tiles, 128 threads; cluster size -> ring stages.
+_TA_TILE, _TA_THREADS, _TA_STAGES = 64, 128, {8: 4, 16: 3}
+TREE_ATTENTION_CLUSTER = 8   # blocks per cluster (KV splits); 16 needs a non-portable cluster size
+_GEMM_THREADS = 256          # must match cuda/gemm_allreduce.cu
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 _LOG2E = 1.4426950408889634
 
 _lock = threading.Lock()
@@ -47,6 +52,37 @@ def cuda_source_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "cuda"
 
 
+def import_cupy():
+    """`import cupy`, also from a source checkout whose root is on sys.path (pytest's conftest,
+    PYTHONPATH=.): the checkout's cuda/ folder (a regular package holding the .cu files) would
+    then shadow the `cuda` namespace package (cuda.pathfinder, cuda.bindings) CuPy imports.
+    The root is left out of sys.path for the import, and a wrongly imported `cuda` evicted."""
+    if "cupy" in sys.modules:
+        return sys.modules["cupy"]
+    root = Path(__file__).resolve().parent.parent
+
+    def is_root(p: str) -> bool:
+        try:
+            return Path(p or os.getcwd()).resolve() == root
+        except OSError:
+            return False
+
+    for name in [m for m in sys.modules if m == "cuda" or m.startswith("cuda.")]:
+        locs = list(getattr(sys.modules[name], "__path__", None) or [])
+        f = getattr(sys.modules[name], "__file__", None)
+        if f:
+            locs.append(str(Path(f).parent))
+        if any(is_root(str(Path(x).parent)) for x in locs):
+            del sys.modules[name]
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if not is_root(p)]
+    try:
+        import cupy
+    finally:
+        sys.path[:] = saved
+    return cupy
+
+
 def available() -> bool:
     """True when the fused kernels can run here: CuPy importable, an NVIDIA GPU of compute
     capability >= 9.0 (Hopper: clusters, which tree attention uses) visible to torch, and nvcc
@@ -59,7 +95,7 @@ def available() -> bool:
 
 def _probe_available() -> bool:
     try:
-        import cupy  # noqa: F401
+        import_cupy()
         from cupy.cuda import get_nvcc_path
     except Exception:
         return False
@@ -80,8 +116,7 @@ def _module(name: str, variant: str, device: int):
     with _lock:
         mod = _modules.get(key)
         if mod is None:
-            import cupy
-
+            cupy = import_cupy()
             major, minor = torch.cuda.get_device_capability(device)
             opts = ["-std=c++17", f"-arch=sm_{major}{minor}", "-O3"]
             if variant == "nccl":
@@ -102,11 +137,12 @@ def _module(name: str, variant: str, device: int):
     return mod
 
 
-def _function(name: str, variant: str, kernel: str, device: int, dyn_smem: int = 0) -> int:
+def _function(name: str, variant: str, kernel: str, device: int, dyn_smem: int = 0,
+              nonportable_cluster: bool = False) -> int:
     key = (name, variant, kernel, device)
     f = _functions.get(key)
     if f is None:
-        import cupy
+        cupy = import_cupy()
         from cupy.cuda import driver
 
         mod = _module(name, variant, device)
@@ -114,6 +150,8 @@ def _function(name: str, variant: str, kernel: str, device: int, dyn_smem: int =
             f = mod.get_function(kernel).kernel.ptr
             if dyn_smem > 48 * 1024:
                 driver.funcSetAttribute(f, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dyn_smem)
+            if nonportable_cluster:
+                driver.funcSetAttribute(f, _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
         _functions[key] = f
     return f
 
@@ -144,14 +182,15 @@ def _check_bf16(name: str, t: torch.Tensor, ndim: int) -> None:
         raise ValueError(f"{name} must have a contiguous last dim and a 16-byte aligned start")
 
 
-def tree_attention_smem_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of one tree_attention block: the 4-stage K/V ring."""
-    return _TA_STAGES * 2 * _TA_TILE * (head_dim + 8) * 2
+def tree_attention_smem_bytes(head_dim: int, cluster: int = 8) -> int:
+    """Dynamic shared memory of one tree_attention block: its K/V ring (4 stages for clusters of
+    8 blocks, 3 for 16)."""
+    return _TA_STAGES[cluster] * 2 * _TA_TILE * (head_dim + 8) * 2
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
                    n_valid: int | torch.Tensor | None = None, out: torch.Tensor | None = None,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, cluster: int | None = None) -> torch.Tensor:
     """Masked attention of N <= 64 tree tokens over L KV slots, GQA, one launch.
 
     Args:
@@ -168,6 +207,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                new context length). Default: mask.shape[1].
       out:     [N, H, D] bfloat16 (head stride D, last stride 1), written in full; allocated if None.
       scale:   softmax scale, default 1/sqrt(D).
+      cluster: KV splits per KV head (thread-block cluster size), 8 or 16; default
+               TREE_ATTENTION_CLUSTER.
 
     Returns:
       out: [N, H, D] bfloat16 = softmax(q k^T * scale, masked) v per head. A token that sees no
@@ -210,15 +251,18 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     R = N * G
     mt = 1 if R <= 16 else 2 if R <= 32 else 4
     rg = -(-R // (16 * mt))
+    cs = TREE_ATTENTION_CLUSTER if cluster is None else int(cluster)
+    if cs not in _TA_STAGES:
+        raise ValueError(f"cluster must be one of {sorted(_TA_STAGES)}")
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    smem = tree_attention_smem_bytes(D)
-    f = _function("tree_attention", "", f"tree_attention_d{D}_mt{mt}", dev, smem)
+    smem = tree_attention_smem_bytes(D, cs)
+    f = _function("tree_attention", "", f"tree_attention_d{D}_mt{mt}_cs{cs}", dev, smem, cs > 8)
     scale = D ** -0.5 if scale is None else float(scale)
     args = [_ptr(q), ctypes.c_int64(q.stride(0)), _ptr(k_cache), _ptr(v_cache), ctypes.c_int64(k_cache.stride(0)),
             _ptr(mask), ctypes.c_int64(mask.stride(0)), nv_ptr, ctypes.c_int32(nv),
             _ptr(out), ctypes.c_int64(out.stride(0)),
             ctypes.c_int32(N), ctypes.c_int32(H), ctypes.c_int32(Hkv), ctypes.c_float(scale * _LOG2E)]
-    _launch(f, (_TA_CLUSTER, Hkv, rg), _TA_THREADS, smem, torch.cuda.current_stream(dev).cuda_stream, args)
+    _launch(f, (cs, Hkv, rg), _TA_THREADS, smem, torch.cuda.current_stream(dev).cuda_stream, args)
     return out
 
 
@@ -277,7 +321,9 @@ def gemm_allreduce(x: torch.Tensor, w: torch.Tensor, ar, out: torch.Tensor | Non
         raise ValueError(f"N={N} exceeds the DeviceAllReduce window (max_n={ar.max_n})")
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     f = _function("gemm_allreduce", "nccl", "gemm_allreduce_m8" if M <= 8 else "gemm_allreduce_m16", dev)
-    grid = min(N // 8, ar.n_ctas)
+    # Always the full persistent grid: block b owns tiles b, b + n_ctas, ... on every call, which
+    # the double-buffered window relies on (a block with no tile still meets its barrier).
+    grid = ar.n_ctas
     args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(out), ctypes.c_int64(out.stride(0)),
             ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K),
             ctypes.c_uint64(ar.window), _ptr(ar.dev_comm), _ptr(ar.seq)]

@@ -292,6 +292,18 @@ class Nccl:
         self._check("ncclAllReduce", self.lib.ncclAllReduce(send, recv, count, dtype, op, comm, stream), comm)
 
 
+def loaded_nccl_libraries() -> list[str]:
+    """Distinct libnccl files mapped into this process (Linux /proc/self/maps; [] elsewhere).
+    Two different ones mean a communicator made by one (e.g. CuPy's) must not be handed to the
+    other (this shim): set NCCL_LIBRARY to the file CuPy / torch use."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libnccl.so" in line}
+    except OSError:
+        return []
+    return sorted({os.path.realpath(p) for p in paths if p.startswith("/")})
+
+
 _NCCL: Nccl | None = None
 
 
@@ -316,8 +328,10 @@ class DeviceAllReduce:
       device copy of it (`dev_comm`, a uint8 CUDA tensor) that the kernel reads;
     - `seq`: int32 [n_ctas] per-CTA call counters on the device (buffer parity).
 
-    Every rank of `comm` must create it with the same max_n / n_ctas, and launch the fused
-    kernel the same number of times with the same grid. All ranks must be in one LSA team
+    `comm` is an ncclComm_t as int: from Nccl.comm_init_rank, or CuPy's
+    `NcclCommunicator.comm` when CuPy loaded the same libnccl (checked). Every rank of `comm`
+    must create it with the same max_n / n_ctas, and launch the fused kernel the same number
+    of times (the grid is always n_ctas). All ranks must be in one LSA team
     (one NVLink domain); n_ctas must not exceed what the GPU keeps resident at once (the
     kernel's blocks wait for each other across ranks). Call close() (collective) to free.
     """
@@ -326,6 +340,10 @@ class DeviceAllReduce:
         import torch
 
         self.nccl = nccl or get_nccl()
+        libs = loaded_nccl_libraries()
+        if len(libs) > 1:
+            raise NcclError(f"two different NCCL libraries are loaded ({', '.join(libs)}); set "
+                            "NCCL_LIBRARY to the one that made the communicator")
         self.comm = comm
         self.nranks = self.nccl.comm_count(comm)
         self.rank = self.nccl.comm_rank(comm)

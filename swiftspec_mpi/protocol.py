@@ -41,6 +41,14 @@ class StopFlag:
         return self.signum != 0
 
 
+class RemoteFailure(PeerError):
+    """Another rank failed and told world rank 0 (abort notice); `str()` names it by rank and role."""
+
+    def __init__(self, rank: int, role: str, message: str):
+        super().__init__(f"rank {rank} ({role}) failed: {message}")
+        self.rank, self.role, self.message = rank, role, message
+
+
 class AbortWatch:
     """World rank 0 listens for abort notices from other ranks while it waits."""
 
@@ -54,7 +62,10 @@ class AbortWatch:
         if self.world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_ABORT, status=self.status):
             src = self.status.Get_source()
             msg = self.world.recv(source=src, tag=TAG_ABORT)
-            raise PeerError(f"rank {src} failed: {msg}")
+            role, sep, rest = str(msg).partition(": ")   # the notice is "ROLE: MESSAGE"
+            if not sep:
+                role, rest = "?", str(msg)
+            raise RemoteFailure(src, role, rest)
 
 
 def wait_for(req: MPI.Request, timeout: float, what: str, stop_flag: StopFlag,
@@ -77,8 +88,8 @@ def wait_for(req: MPI.Request, timeout: float, what: str, stop_flag: StopFlag,
                 watch.check()
             if time.perf_counter() - start > timeout:
                 req.Cancel()
-                raise PeerError(f"no {what} within {timeout:.0f} s (--peer-timeout); the peer rank "
-                                "died or hangs")
+                raise PeerError(f"no {what} within {timeout:g} s (--peer-timeout): that rank died "
+                                "or hangs (if it is only slow, raise --peer-timeout)")
 
 
 class LeaderChannel:
@@ -122,9 +133,13 @@ class LeaderChannel:
         return int(b[1]), int(b[2]), b[HEADER:HEADER + a].copy(), bool(b[4])
 
 
-def notify_rank0_and_abort(world: MPI.Intracomm, message: str, code: int, grace_s: float = 5.0) -> None:
-    """A failing rank other than 0 tells rank 0 (which writes the partial output and aborts the
-    job), waits a little for that, then aborts the job itself."""
+def notify_rank0_and_abort(world: MPI.Intracomm, message: str, code: int, grace_s: float = 5.0,
+                           fallback_line: str | None = None) -> None:
+    """A failing rank other than 0 tells rank 0 (which prints the error once, writes the partial
+    output and aborts the job), waits a little for that, then aborts the job itself. When rank 0
+    did not end the job within the grace period (it is stuck in a collective, or dead), this rank
+    prints `fallback_line` itself, so the error is never lost."""
+    import sys
     try:
         req = world.isend(message, dest=0, tag=TAG_ABORT)
         deadline = time.perf_counter() + grace_s
@@ -132,5 +147,7 @@ def notify_rank0_and_abort(world: MPI.Intracomm, message: str, code: int, grace_
             if req.Test():
                 pass
             time.sleep(0.01)
+        if fallback_line:
+            print(fallback_line, file=sys.stderr, flush=True)
     finally:
         world.Abort(code)

@@ -291,6 +291,8 @@ def write_safetensors_streaming(path: Path, source, names: list[str], dtype: str
 def prepare_folder(gguf_file: Path, dest: Path, dtype: str = "bfloat16", sha256: str = "",
                    log: Log = _quiet, label: str = "") -> Path:
     """Convert a GGUF to an HF folder at `dest` (written to a temp dir, then renamed)."""
+    import torch
+
     from swiftspec_mpi.gguf_loader import GGUFSource, gguf_tokenizer_files
 
     if dtype not in _DTYPES:
@@ -300,7 +302,7 @@ def prepare_folder(gguf_file: Path, dest: Path, dtype: str = "bfloat16", sha256:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        src = GGUFSource(gguf_file)
+        src = GGUFSource(gguf_file, dtype=getattr(torch, dtype))   # no float32 copies
         try:
             cfg = src.config.to_hf_dict()
             cfg["torch_dtype"] = dtype

@@ -10,12 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-import synthetic_trace as st  # noqa: E402
-
-from swiftspec_mpi import bench  # noqa: E402
-from swiftspec_mpi.errors import UserError  # noqa: E402
-from swiftspec_mpi.trace_read import read_trace  # noqa: E402
+from swiftspec_mpi import bench
+from swiftspec_mpi.errors import UserError
+from swiftspec_mpi.trace_read import read_trace
 
 MAX_NEW = 12
 
@@ -92,6 +89,20 @@ def test_hf_traces_read_back(hf_run, pair):
     assert greedy.requests[1].output_ids.tolist() == ref
 
 
+def test_tokenizer_fallback_matches_engine(pair, monkeypatch):
+    """Without the engine's TextTokenizer, the HF fallback gives the same ids (AutoTokenizer
+    would not: it rebuilds a Qwen2 pre-tokenizer)."""
+    from swiftspec_mpi import hf_baselines as hfb
+    text = "The vertices of a triangle are at points (0, 0), (-1, 1), and (3, 3). Area?"
+    engine = hfb.load_tokenizer(pair[0])
+    assert type(engine).__name__ == "TextTokenizer"
+    monkeypatch.setitem(sys.modules, "swiftspec_mpi.tokenizer", None)   # import fails
+    hf = hfb.load_tokenizer(pair[0])
+    assert type(hf).__name__ != "TextTokenizer"
+    for chat in (False, True):
+        assert hfb.encode(hf, text, chat) == hfb.encode(engine, text, chat)
+
+
 def test_hf_failure_is_reported(tmp_path):
     from swiftspec_mpi import hf_baselines as hfb
     empty = tmp_path / "nomodel"
@@ -122,6 +133,8 @@ def test_load_prompts_per_category(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         bench.load_prompts(str(tmp_path / "nope.jsonl"), 1)
     assert bench.parse_systems("hf-greedy,ar") == ["ar", "hf-greedy"]
+    with pytest.raises(UserError, match="both --target and --draft"):
+        bench._resolve_models(argparse.Namespace(target=str(tmp_path), draft=None))
     with pytest.raises(UserError, match="unknown system"):
         bench.parse_systems("ar,vllm")
 

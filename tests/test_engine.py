@@ -26,6 +26,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
+    """Made through the real CLI (`swiftspec tiny-checkpoint DIR`)."""
     d = tmp_path_factory.mktemp("tiny")
     subprocess.run([sys.executable, "-m", "swiftspec_mpi", "tiny-checkpoint", str(d)], check=True,
                    capture_output=True, timeout=120)
@@ -116,3 +117,54 @@ def test_sampling_is_reproducible_and_equals_ar(pair, prompts_file, tmp_path):
     other = read_outputs(_run(pair, prompts_file, tmp_path, "ar", 1,
                               ["--temperature", "0.8", "--seed", "8"], name="t-ar-seed8"))
     assert other != outs["ar"]
+
+
+def _chi2_pvalue(observed: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson chi-square goodness of fit; categories with expected < 5 pooled. p-value by the
+    Wilson-Hilferty normal approximation (no scipy needed)."""
+    import math
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    k = len(obs) - 1
+    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_sampling_matches_target_distribution(pair, tmp_path):
+    """async at temperature 0.7: the first and second committed tokens are distributed as the
+    target's own distribution (one request per sample; seeds differ per request index)."""
+    import torch
+
+    from swiftspec_mpi.checkpoint import load_model
+    from swiftspec_mpi.model import chain_mask
+    T, R = 0.7, 300
+    prompt = "Write a story about a dragon"
+    prompts = write_prompts(tmp_path / "same.jsonl", [prompt] * R)
+    out = tmp_path / "samples.h5"
+    run_swiftspec(2, ["--target", pair[0], "--draft", pair[1], "--mode", "async", "--prompts", prompts,
+                      "--max-new-tokens", "2", "--temperature", str(T), "--seed", "3",
+                      "--ignore-eos", "--out", str(out), "--quiet"], timeout=600)
+    samples = np.array(read_outputs(out))                       # [R, 2]
+    assert samples.shape == (R, 2)
+    model, tok = load_model(pair[0], max_slots=64)
+    ids = tok.encode(prompt)
+
+    def next_probs(seq, temperature):
+        n = len(seq)
+        logits = model.forward(torch.tensor(seq), torch.arange(n), 0, chain_mask(0, n))[-1]
+        return torch.softmax(logits.double() / temperature, -1).numpy()
+
+    p1 = next_probs(ids, T)
+    counts1 = np.bincount(samples[:, 0], minlength=len(p1))
+    assert _chi2_pvalue(counts1, R * p1) > 1e-3
+    # the test has power: a sharper distribution is rejected
+    assert _chi2_pvalue(counts1, R * next_probs(ids, T / 3)) < 1e-3
+    # second token, conditioned on the most frequent first token
+    top = int(np.argmax(counts1))
+    second = samples[samples[:, 0] == top, 1]
+    p2 = next_probs(ids + [top], T)
+    assert _chi2_pvalue(np.bincount(second, minlength=len(p2)), len(second) * p2) > 1e-3

@@ -262,16 +262,20 @@ def test_interactive_under_salloc(slurm_cluster, base_env, workdir, generated):
     assert ref["text"].strip()[:20] in r.stdout, r.stdout   # streamed to the terminal
 
 
-def test_scancel_leaves_partial_trace(slurm_cluster, base_env, tmp_path):
-    """scancel (SIGTERM to script and ranks): the ranks finish their step, write a partial trace
-    (complete=False, exit_status interrupted) and exit EXIT_INTERRUPTED; the job is CANCELLED."""
+@pytest.mark.parametrize("how", ["scancel", "time-limit-signal"])
+def test_cancel_leaves_partial_trace(slurm_cluster, base_env, tmp_path, how):
+    """Mid-run SIGTERM: the ranks finish their step, write a partial trace (complete=False,
+    exit_status interrupted) and exit EXIT_INTERRUPTED, which the script passes on.
+    scancel: SIGTERM to script and ranks -> CANCELLED. time-limit-signal: `scancel --signal=TERM`
+    reaches the ranks only, exactly what `#SBATCH --signal=TERM@120` does before the time limit
+    -> the job ends FAILED with exit code 4 (not killed at the limit)."""
     many = tmp_path / "many.jsonl"
     many.write_text("".join(json.dumps({"prompt": f"Story number {i}: once upon a time"}) + "\n"
                             for i in range(200)))
     out = tmp_path / "runs" / "cancelled.h5"
     job = slurm_cluster.submit(JOBS / "generate.sbatch", cwd=tmp_path, options=["--ntasks=2"],
                                export={**base_env, "MODE": "async", "PROMPTS": str(many),
-                                       "MAX_NEW_TOKENS": "200", "OUT": str(out)})
+                                       "MAX_NEW_TOKENS": "64", "OUT": str(out)})
     deadline = time.monotonic() + JOB_TIMEOUT
     while not out.exists():   # the first checkpoint: decoding is under way
         state = slurm_cluster.job(job)["JobState"]
@@ -279,17 +283,89 @@ def test_scancel_leaves_partial_trace(slurm_cluster, base_env, tmp_path):
         assert time.monotonic() < deadline, "no checkpoint file\n" + job_log(slurm_cluster, job)
         time.sleep(0.2)
     assert slurm_cluster.job(job)["JobState"] == "RUNNING"
-    slurm_cluster.run(["scancel", str(job)], timeout=30)
+    cmd = ["scancel", str(job)] if how == "scancel" else ["scancel", "--signal=TERM", str(job)]
+    slurm_cluster.run(cmd, timeout=30)
     info = slurm_cluster.wait_job(job, timeout=120)
     log = slurm_cluster.job_output(job)
-    assert info["JobState"] == "CANCELLED", f"{info}\n{log}"
+    want = "CANCELLED" if how == "scancel" else "FAILED"
+    assert info["JobState"] == want, f"{info}\n{log}"
     assert f"swiftspec exited with status {EXIT_INTERRUPTED}" in log, log
     assert info["ExitCode"] == f"{EXIT_INTERRUPTED}:0", f"{info}\n{log}"
     trace = read_trace(out)
     assert bool(trace["root"]["complete"]) is False
     assert trace["root"]["exit_status"] == "interrupted", trace["root"]
     assert 1 <= len(trace["requests"]) < 200
-    assert all(len(r["output_ids"]) >= 1 for r in trace["requests"])
+    assert all(len(r["output_ids"]) >= 1 for r in trace["requests"][:-1])
+    assert trace["requests"][-1]["stop_reason"] == "interrupted"   # the one in flight
+
+
+def test_mpiexec_inside_allocation(slurm_cluster, base_env, tmp_path, generated):
+    """`salloc -n 2 jobs/mpirun-local.sh`: MPICH's mpiexec inside an allocation (hydra starts its
+    proxy through srun, so the ranks see SLURM_NTASKS=1 of the proxy step but a world of 2) must
+    run, not be mistaken for a PMI mismatch."""
+    out = tmp_path / "hydra.h5"
+    r = slurm_cluster.run(["salloc", "-n", "2", "-c", "1", str(JOBS / "mpirun-local.sh")],
+                          timeout=JOB_TIMEOUT, check=False, cwd=tmp_path,
+                          extra_env={**base_env, "NP": "2", "MODE": "async", "PROMPT": PROMPTS[0],
+                                     "THREADS": "1", "OUT": str(out)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    trace = read_trace(out)
+    assert bool(trace["root"]["complete"]) and len(trace["ranks"]) == 2
+    assert trace["requests"][0]["output_ids"] == outputs(read_trace(generated["ar"]["h5"]))[0]
+
+
+def test_bench_job(slurm_cluster, base_env, workdir, generated):
+    """jobs/bench.sbatch: `swiftspec bench --systems async` inside the job (its mpiexec starts 2
+    ranks with the fork bootstrap): COMPLETED, table + json + a complete trace; first prompt of
+    each of 2 categories, same tokens as the ar job gave for those prompts."""
+    prompts = workdir / "bench-prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [p], "category": c}) + "\n"
+                               for p, c in zip(PROMPTS, ["writing", "writing", "coding"])))
+    job = slurm_cluster.submit(JOBS / "bench.sbatch", cwd=workdir,
+                               options=["--ntasks=2", "--cpus-per-task=1"],
+                               export={**base_env, "PROMPTS": str(prompts), "PER_CATEGORY": "1",
+                                       "SYSTEMS": "async"})
+    info = slurm_cluster.wait_job(job, timeout=JOB_TIMEOUT)
+    assert_completed(slurm_cluster, job, info)
+    out_dir = workdir / "runs" / f"bench-{job}"
+    assert "async" in (out_dir / "bench.md").read_text()
+    result = json.loads((out_dir / "bench.json").read_text())
+    assert [(s["system"], s["status"]) for s in result["systems"]] == [("async", "ok")], result
+    trace = read_trace(out_dir / "async.h5")
+    assert bool(trace["root"]["complete"]) and len(trace["ranks"]) == 2
+    ar = outputs(read_trace(generated["ar"]["h5"]))
+    assert outputs(trace) == [ar[0], ar[2]]      # PROMPTS[0] (writing) and PROMPTS[2] (coding)
+
+
+def test_bench_time_limit_signal(slurm_cluster, base_env, tmp_path):
+    """`#SBATCH --signal=B:TERM@120` signals only the batch script; it turns that into Ctrl-C for
+    bench, which stops the running system (partial trace) and still writes its table."""
+    prompts = tmp_path / "many.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"Story {i}: once upon a time"],
+                                           "category": "writing"}) + "\n" for i in range(100)))
+    out_dir = tmp_path / "bench"
+    job = slurm_cluster.submit(JOBS / "bench.sbatch", cwd=tmp_path,
+                               options=["--ntasks=2", "--cpus-per-task=1"],
+                               export={**base_env, "PROMPTS": str(prompts), "PER_CATEGORY": "100",
+                                       "SYSTEMS": "ar", "MAX_NEW_TOKENS": "64",
+                                       "OUT_DIR": str(out_dir)})
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not (out_dir / "ar.h5").exists():
+        state = slurm_cluster.job(job)["JobState"]
+        assert state in ("PENDING", "RUNNING"), f"{state}\n" + job_log(slurm_cluster, job)
+        assert time.monotonic() < deadline, "no trace\n" + job_log(slurm_cluster, job)
+        time.sleep(0.2)
+    slurm_cluster.run(["scancel", "--batch", "--signal=TERM", str(job)], timeout=30)
+    info = slurm_cluster.wait_job(job, timeout=120)
+    log = slurm_cluster.job_output(job)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", f"{info}\n{log}"
+    assert "asking bench to stop" in log, log
+    result = json.loads((out_dir / "bench.json").read_text())
+    (ar,) = result["systems"]
+    assert ar["system"] == "ar" and ar["status"] != "ok", ar
+    trace = read_trace(out_dir / "ar.h5")
+    assert trace["root"]["exit_status"] == "interrupted" and not bool(trace["root"]["complete"])
+    assert (out_dir / "bench.md").is_file()
 
 
 def test_mpirun_local_without_slurm(tiny, tmp_path):

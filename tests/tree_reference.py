@@ -29,7 +29,7 @@ class Node:
 
 def rank_key(node_id: int, node: Node) -> tuple:
     """Sort key: higher score first, then lower depth, then lower id."""
-    return (-node.score, node_id)
+    return (-node.score, node.depth, node_id)
 
 
 class RefTree:
@@ -258,7 +258,8 @@ def ref_verify_greedy(tokens, parents_local, target_argmax):
 
 def ref_verify_sample(tokens, parents_local, target_probs, uniforms):
     """Multi-branch residual rule; float arithmetic in the same order as the Cython walk
-    (float64 sequential row sum, residual mass by subtraction, inverse CDF by token id)."""
+    (float64 row sum in four lanes, residual mass by subtraction, sequential inverse CDF by
+    token id)."""
     ref_depths(parents_local)
     u_iter = iter(float(u) for u in uniforms)
     path = [0]
@@ -266,9 +267,10 @@ def ref_verify_sample(tokens, parents_local, target_probs, uniforms):
     while True:
         current = path[-1]
         row = [float(p) for p in target_probs[current]]
-        mass = 0.0
-        for p in row:
-            mass += p
+        lanes = [0.0, 0.0, 0.0, 0.0]          # the Cython row sum: lane v % 4, then pairs
+        for v, p in enumerate(row):
+            lanes[v % 4] += p
+        mass = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])
         if not mass > 0.0:
             raise ValueError("row without mass")
         rejected: set[int] = set()

@@ -4,6 +4,7 @@
 #
 #   tools/compile_cuda.sh            # cubins go to a temp dir and are discarded
 #   VERBOSE=1 tools/compile_cuda.sh  # also print ptxas' registers / spills / shared memory
+#   CUBIN_DIR=dir tools/compile_cuda.sh  # keep the cubins there
 #
 # Flags: nvcc -arch=sm_90 -std=c++17 -O3 --cubin, plus -I<NCCL include> -DSWIFTSPEC_WITH_NCCL for
 # the fused GEMM + all-reduce (gemm_allreduce.cu is also compiled without NCCL, as kernels.py
@@ -61,8 +62,13 @@ NCCL_INC=$(find_nccl_include)
 [[ -f "$NCCL_INC/nccl_device.h" ]] || { echo "compile_cuda.sh: no nccl_device.h in '$NCCL_INC'" >&2; exit 2; }
 echo "NCCL include: $NCCL_INC"
 
-OUTDIR=$(mktemp -d)
-trap 'rm -rf "$OUTDIR"' EXIT
+if [[ -n "${CUBIN_DIR:-}" ]]; then   # keep the cubins (e.g. for cuobjdump -sass)
+  OUTDIR=$CUBIN_DIR
+  mkdir -p "$OUTDIR"
+else
+  OUTDIR=$(mktemp -d)
+  trap 'rm -rf "$OUTDIR"' EXIT
+fi
 FLAGS=(-arch=sm_90 -std=c++17 -O3 --cubin)
 [[ -n "${VERBOSE:-}" ]] && FLAGS+=(-Xptxas -v)
 
@@ -76,9 +82,9 @@ start() {  # name, args...
 }
 for cu in "$ROOT"/cuda/*.cu; do
   base=$(basename "$cu" .cu)
-  start "$base+nccl" -I"$NCCL_INC" -DSWIFTSPEC_WITH_NCCL "$cu" -o "$OUTDIR/$base+nccl.cubin"
+  start "$base" "$cu" -o "$OUTDIR/$base.cubin"
   if grep -q SWIFTSPEC_WITH_NCCL "$cu"; then
-    start "$base" "$cu" -o "$OUTDIR/$base.cubin"
+    start "$base+nccl" -I"$NCCL_INC" -DSWIFTSPEC_WITH_NCCL "$cu" -o "$OUTDIR/$base+nccl.cubin"
   fi
 done
 

@@ -1,0 +1,306 @@
+"""Fused CUDA kernels (swiftspec_mpi.kernels, cuda/*.cu) against float64 references.
+
+GPU tests (`-m gpu`) need CuPy, nvcc and an sm_90 GPU and skip cleanly otherwise. Every check
+draws fresh random inputs, poisons the output with NaN first and requires it fully written.
+The CPU tests compile every cuda/*.cu with tools/compile_cuda.sh (skipped without nvcc) and read
+NCCL's struct layouts with the shim's nvcc probe.
+"""
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from swiftspec_mpi import kernels, nccl_shim
+
+ROOT = Path(__file__).resolve().parent.parent
+needs_gpu = pytest.mark.skipif(not kernels.available(), reason="needs CuPy, nvcc and an sm_90 GPU")
+BF16_TOL = 1e-2
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------------------------- CPU
+_compiled_include: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def compiled_include() -> str:
+    """Runs tools/compile_cuda.sh once; returns the NCCL include dir it used."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not on PATH")
+    if not _compiled_include:
+        r = subprocess.run(["bash", str(ROOT / "tools" / "compile_cuda.sh")], capture_output=True,
+                           text=True, timeout=900)
+        assert r.returncode == 0, f"compile_cuda.sh failed:\n{r.stdout}\n{r.stderr}"
+        m = re.search(r"^NCCL include: (.+)$", r.stdout, re.M)
+        assert m, r.stdout
+        assert "FAIL" not in r.stdout
+        assert r.stdout.count("ok   ") >= 3, r.stdout      # tree_attention, gemm_allreduce (+nccl)
+        _compiled_include.append(m.group(1))
+    return _compiled_include[0]
+
+
+def test_cuda_sources_compile(compiled_include):
+    assert (Path(compiled_include) / "nccl_device.h").is_file()
+
+
+def test_nccl_layout_probe(compiled_include):
+    layout = nccl_shim.probe_layout(compiled_include)
+    assert layout["version"] == nccl_shim.header_version(compiled_include) >= 22800
+    assert 0 < layout["lsa_barrier_count_offset"] < layout["req_size"]
+    assert len(bytes.fromhex(layout["req_bytes"])) == layout["req_size"]
+    assert layout["devcomm_size"] >= 64
+
+
+# ------------------------------------------------------------------------------- helpers
+def tree_parents(n: int, gen: torch.Generator) -> list[int]:
+    """Random tree on n nodes in topological order: parent[0] = -1, parent[i] < i."""
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+
+
+def make_mask(kind: str, N: int, L: int, Lpad: int, gen: torch.Generator) -> torch.Tensor:
+    """[N, Lpad] bool with the real pattern in [:, :L] and junk (True) beyond it.
+
+    tree:   committed prefix [0, L-N) visible, the N tree tokens in the last N slots, each seeing
+            its ancestors and itself (the verify call).
+    draft:  prefix [0, P) visible, then older tree nodes [P, L-N) of which each new leaf sees a
+            random ancestor chain, then the N new leaves (each sees itself only).
+    chain:  plain causal over the last N slots.
+    random: Bernoulli(0.5) with the diagonal of the last N slots set.
+    """
+    m = torch.ones(N, Lpad, dtype=torch.bool)
+    m[:, :L] = False
+    base = L - N
+    if kind in ("tree", "chain"):
+        m[:, :base] = True
+        par = tree_parents(N, gen) if kind == "tree" else [-1] + list(range(N - 1))
+        for i in range(N):
+            j = i
+            while j >= 0:
+                m[i, base + j] = True
+                j = par[j]
+    elif kind == "draft":
+        P = max(0, base - 3 * N)
+        m[:, :P] = True
+        older = base - P
+        for i in range(N):
+            if older:
+                sel = torch.rand(older, generator=gen) < 0.3
+                m[i, P:base] = sel
+            m[i, base + i] = True
+    elif kind == "random":
+        m[:, :L] = torch.rand(N, L, generator=gen) < 0.5
+        for i in range(N):
+            m[i, base + i] = True
+    else:
+        raise ValueError(kind)
+    return m
+
+
+ATTN_CASES = [
+    # (L, N, H, Hkv, D, mask kind)
+    (1024, 8, 32, 8, 128, "tree"),     # Llama-3-8B heads, the goal shapes
+    (4096, 8, 32, 8, 128, "tree"),
+    (16384, 8, 32, 8, 128, "tree"),
+    (1000, 1, 32, 8, 128, "chain"),    # plain decode, L not a multiple of 64
+    (3001, 64, 32, 8, 128, "tree"),    # biggest tree: 256 rows per KV head, 4 row groups
+    (2311, 16, 32, 8, 64, "draft"),    # Llama-3.2-1B heads (D = 64)
+    (1500, 12, 12, 2, 128, "draft"),   # Qwen2-1.5B heads (G = 6: rows straddle m16 tiles)
+    (777, 5, 28, 4, 128, "random"),    # Qwen2.5-7B heads (G = 7)
+    (40, 8, 32, 8, 128, "tree"),       # shorter than one tile per cluster block: empty splits
+]
+
+
+def attn_inputs(L, N, H, Hkv, D, kind, seed, q_scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    dev = "cuda"
+    S = L + 37                                    # slots past L hold NaN: must be ignored
+    k = torch.randn(S, Hkv, D, generator=gen).to(torch.bfloat16)
+    v = torch.randn(S, Hkv, D, generator=gen).to(torch.bfloat16)
+    k[L:] = float("nan")
+    v[L:] = float("nan")
+    # q as a slice of a fused [N, (H + 2 Hkv) * D] projection (token stride > H * D)
+    qkv = torch.randn(N, H + 2 * Hkv, D, generator=gen).mul_(q_scale).to(torch.bfloat16)
+    mask = make_mask(kind, N, L, L + 24, gen)
+    return (qkv.to(dev)[:, :H], k.to(dev), v.to(dev), mask.to(dev))
+
+
+# ------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: "L%d-N%d-H%d-KV%d-D%d-%s" % c)
+def test_tree_attention_matches_float64(case):
+    L, N, H, Hkv, D, kind = case
+    for seed, q_scale, cluster in ((1, 1.0, 8), (2, 4.0, 8), (3, 1.0, 16)):  # soft / peaked softmax
+        q, k, v, mask = attn_inputs(L, N, H, Hkv, D, kind, seed * 1000 + L, q_scale)
+        out = torch.full((N, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+        kernels.tree_attention(q, k, v, mask, L, out=out, cluster=cluster)
+        torch.cuda.synchronize()
+        ref = kernels.tree_attention_reference(q, k, v, mask, L)
+        assert torch.isfinite(out).all(), f"cluster {cluster}: output not fully written (NaN left)"
+        err = rel_err(out, ref)
+        assert err <= BF16_TOL, f"{case} seed {seed} cluster {cluster}: rel err {err:.3e}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_tree_attention_cuda_graph_new_length():
+    """n_valid read on the device: one captured graph serves growing contexts."""
+    N, H, Hkv, D, Lmax = 8, 32, 8, 128, 3000
+    gen = torch.Generator().manual_seed(7)
+    k = torch.randn(Lmax, Hkv, D, generator=gen).to(torch.bfloat16).cuda()
+    v = torch.randn(Lmax, Hkv, D, generator=gen).to(torch.bfloat16).cuda()
+    q = torch.empty(N, H, D, dtype=torch.bfloat16, device="cuda")
+    mask = torch.zeros(N, Lmax, dtype=torch.bool, device="cuda")
+    n_valid = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = torch.empty(N, H, D, dtype=torch.bfloat16, device="cuda")
+
+    def fill(L, seed):
+        g = torch.Generator().manual_seed(seed)
+        q.copy_(torch.randn(N, H, D, generator=g).to(torch.bfloat16))
+        mask.copy_(make_mask("tree", N, L, Lmax, g)[:, :Lmax])
+        n_valid.fill_(L)
+
+    fill(500, 1)
+    kernels.tree_attention(q, k, v, mask, n_valid, out=out)    # warm-up: compile + load
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.tree_attention(q, k, v, mask, n_valid, out=out)
+    for L, seed in ((700, 2), (2999, 3), (65, 4)):
+        fill(L, seed)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = kernels.tree_attention_reference(q, k, v, mask, L)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) <= BF16_TOL, f"replay at L={L}"
+
+
+GEMM_SHAPES = [(4096, 4096), (4096, 14336), (64, 200), (2048, 8192)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("M", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("NK", GEMM_SHAPES, ids=lambda s: "N%d-K%d" % s)
+def test_gemm_rowparallel_matches_float64(M, NK):
+    N, K = NK
+    gen = torch.Generator().manual_seed(M * 7919 + N + K)
+    xbuf = torch.randn(M, K + 8, generator=gen).to(torch.bfloat16).cuda()
+    x = xbuf[:, :K]                                            # row stride K + 8
+    w = (torch.randn(N, K, generator=gen) / math.sqrt(K)).to(torch.bfloat16).cuda()
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kernels.gemm_rowparallel(x, w, out=out)
+    torch.cuda.synchronize()
+    ref = x.double() @ w.double().T
+    assert torch.isfinite(out).all(), "output not fully written"
+    err = rel_err(out, ref)
+    assert err <= BF16_TOL, f"M={M} N={N} K={K}: rel err {err:.3e}"
+
+
+def _single_rank_allreduce(max_n: int, n_ctas: int):
+    nccl = nccl_shim.get_nccl()
+    comm = nccl.comm_init_rank(1, nccl.get_unique_id(), 0)
+    try:
+        ar = nccl_shim.DeviceAllReduce(comm, max_n=max_n, n_ctas=n_ctas)
+    except nccl_shim.NcclError as e:
+        nccl.comm_destroy(comm)
+        pytest.skip(f"this NCCL gives no device communicator on 1 rank: {e}")
+    return nccl, comm, ar
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gemm_allreduce_single_rank_equals_plain_gemm():
+    """TP = 1 run of the fused kernel on a 1-rank NCCL communicator: the all-reduce of one
+    partial is the identity, so the bits must equal gemm_rowparallel's; also inside a graph."""
+    if nccl_shim.nccl_include_dir() is None:
+        pytest.skip("no NCCL >= 2.28 headers")
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    nccl, comm, ar = _single_rank_allreduce(14336, 2 * n_sms)
+    try:
+        assert kernels.devcomm_sizeof() == ar.layout["devcomm_size"]
+        gen = torch.Generator().manual_seed(11)
+        for M, N, K in ((1, 4096, 4096), (8, 4096, 14336), (16, 4096, 4096), (5, 14336, 1024)):
+            x = torch.randn(M, K, generator=gen).to(torch.bfloat16).cuda()
+            w = (torch.randn(N, K, generator=gen) / math.sqrt(K)).to(torch.bfloat16).cuda()
+            plain = kernels.gemm_rowparallel(x, w)
+            for _ in range(3):                       # both window halves
+                out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+                kernels.gemm_allreduce(x, w, ar, out=out)
+                torch.cuda.synchronize()
+                assert torch.equal(out, plain), f"M={M} N={N} K={K}"
+        out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            kernels.gemm_allreduce(x, w, ar, out=out)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, plain)
+    finally:
+        ar.close()
+        nccl.comm_destroy(comm)
+
+
+def _allreduce_worker(rank, world, uid, q):
+    try:
+        torch.cuda.set_device(rank)
+        nccl = nccl_shim.get_nccl()
+        comm = nccl.comm_init_rank(world, uid, rank)
+        n_sms = torch.cuda.get_device_properties(rank).multi_processor_count
+        ar = nccl_shim.DeviceAllReduce(comm, max_n=4096, n_ctas=2 * n_sms)
+        errs = []
+        for M, N, Kl in ((1, 4096, 4096 // world), (8, 4096, 14336 // world), (16, 1024, 512)):
+            xs, ws = [], []
+            for r in range(world):
+                g = torch.Generator().manual_seed(1000 * M + r)
+                xs.append(torch.randn(M, Kl, generator=g).to(torch.bfloat16))
+                ws.append((torch.randn(N, Kl, generator=g) / math.sqrt(Kl * world)).to(torch.bfloat16))
+            ref = sum(xs[r].double() @ ws[r].double().T for r in range(world))
+            x, w = xs[rank].cuda(), ws[rank].cuda()
+            for _ in range(3):
+                out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+                kernels.gemm_allreduce(x, w, ar, out=out)
+                torch.cuda.synchronize()
+                ok = bool(torch.isfinite(out).all())
+                errs.append(rel_err(out.cpu(), ref) if ok else float("inf"))
+        digest = float(out.double().sum())            # same bits on every rank
+        ar.close()
+        nccl.comm_destroy(comm)
+        q.put((rank, max(errs), digest, None))
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        q.put((rank, float("inf"), 0.0, repr(e)))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2+ GPUs")
+def test_gemm_allreduce_multi_gpu():
+    world = min(torch.cuda.device_count(), 4)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    uid = nccl_shim.get_nccl().get_unique_id()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_worker, args=(r, world, uid, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    for rank, err, _, exc in results:
+        assert exc is None, f"rank {rank}: {exc}"
+        assert err <= BF16_TOL, f"rank {rank}: rel err {err:.3e}"
+    assert len({d for _, _, d, _ in results}) == 1, "ranks disagree"
