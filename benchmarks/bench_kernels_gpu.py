@@ -106,19 +106,25 @@ def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int) -> d
     mask = tree_mask(N, L, gen).cuda()
     out = torch.full((n_layers, N, H, D), float("nan"), dtype=BF16, device="cuda")
     ref = kernels.tree_attention_reference(q[0], kc[0], vc[0], mask, L)
-    res = {}
-    for cs in (8, 16):
+    R = N * H // Hkv
+    row_choices = [1] if R <= 16 else [1, 2] if R <= 32 else [2, 4]
+    default = kernels.tree_attention_config(R, L)
+    configs = [(cs, st, mt) for cs, st in kernels.TREE_ATTENTION_VARIANTS for mt in row_choices]
+    if default not in configs:
+        configs.append(default)
+    sweep, err, finite = {}, 0.0, True
+    for cfg in configs:
         out.fill_(float("nan"))
-        kernels.tree_attention(q[0], kc[0], vc[0], mask, L, out=out[0], cluster=cs)
+        kernels.tree_attention(q[0], kc[0], vc[0], mask, L, out=out[0], config=cfg)
         torch.cuda.synchronize()
-        res[f"err{cs}"] = ((out[0].double() - ref).norm() / ref.norm()).item()
-        res[f"finite{cs}"] = bool(torch.isfinite(out[0]).all())
-        ours = [lambda i=i: kernels.tree_attention(q[i], kc[i], vc[i], mask, L, out=out[i], cluster=cs)
-                for i in range(n_layers)]
-        res[f"us{cs}"] = graph_time_us(ours, replays)
-    err = max(res["err8"], res["err16"])
-    finite = res["finite8"] and res["finite16"]
-    t_ours = min(res["us8"], res["us16"])
+        err = max(err, ((out[0].double() - ref).norm() / ref.norm()).item())
+        finite = finite and bool(torch.isfinite(out[0]).all())
+        calls = [lambda i=i: kernels.tree_attention(q[i], kc[i], vc[i], mask, L, out=out[i], config=cfg)
+                 for i in range(n_layers)]
+        sweep["%d/%d/%d" % cfg] = graph_time_us(calls, replays)
+    best = min(sweep, key=sweep.get)
+    t_ours = sweep[best]
+    t_default = sweep["%d/%d/%d" % default]
 
     # SDPA as model.py calls it: q [1, H, N, D], K/V strided views [1, Hkv, L, D] of the cache.
     q4 = [q[i].transpose(0, 1).unsqueeze(0) for i in range(n_layers)]
@@ -132,7 +138,8 @@ def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int) -> d
     del kc, vc, q, out
     torch.cuda.empty_cache()
     return dict(L=L, N=N, H=H, Hkv=Hkv, D=D, layers=n_layers, kv_bytes=kv_layer, err=err, finite=finite,
-                sdpa_err=sdpa_err, us=t_ours, sdpa_us=t_sdpa, **res)
+                sdpa_err=sdpa_err, us=t_ours, best=best, default_us=t_default,
+                default="%d/%d/%d" % default, sdpa_us=t_sdpa, sweep=sweep)
 
 
 def bench_gemm(M: int, N: int, K: int, replays: int, ar=None) -> dict:
@@ -187,15 +194,44 @@ def sanitize_run() -> int:
     return 0
 
 
+PROFILE_CONFIGS = ((8, 4, 2), (16, 2, 1))
+
+
+def profile_run(what: str) -> int:
+    """attention: L=4096, N=8, configs PROFILE_CONFIGS, each launched twice (warm-up, profiled);
+    gemm: o_proj 4096x4096 at M=8, launched twice. For `ncu --launch-skip K --launch-count K`."""
+    gg = torch.Generator(device="cuda").manual_seed(5)
+    if what == "attention":
+        L, N = 4096, 8
+        kc = torch.randn(L, 8, 128, generator=gg, device="cuda").to(BF16)
+        vc = torch.randn(L, 8, 128, generator=gg, device="cuda").to(BF16)
+        q = torch.randn(N, 32, 128, generator=gg, device="cuda").to(BF16)
+        mask = tree_mask(N, L, torch.Generator().manual_seed(5)).cuda()
+        for _ in range(2):
+            for cfg in PROFILE_CONFIGS:
+                kernels.tree_attention(q, kc, vc, mask, L, config=cfg)
+    else:
+        x = torch.randn(8, 4096, generator=gg, device="cuda").to(BF16)
+        w = torch.randn(4096, 4096, generator=gg, device="cuda").to(BF16)
+        for _ in range(2):
+            kernels.gemm_rowparallel(x, w)
+    torch.cuda.synchronize()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="folder for bench_kernels.md / .json")
     ap.add_argument("--quick", action="store_true", help="fewer replays")
     ap.add_argument("--sanitize", action="store_true",
                     help="only run each kernel once on small inputs (for compute-sanitizer)")
+    ap.add_argument("--profile", choices=("attention", "gemm"), default=None,
+                    help="warm up, then run a few launches (for ncu --launch-skip)")
     args = ap.parse_args()
     if args.sanitize:
         return sanitize_run()
+    if args.profile:
+        return profile_run(args.profile)
     if not kernels.available():
         print("kernels unavailable: needs CuPy, nvcc and an sm_90 GPU", file=sys.stderr)
         return 2
@@ -219,8 +255,8 @@ def main() -> int:
     for L, N in ((1024, 8), (4096, 8), (16384, 8), (4096, 1), (4096, 64), (16384, 64)):
         r = bench_attention(L, N, 32, 8, 128, replays)
         attn.append(r)
-        print(f"attn L={L} N={N}: cluster 8 {r['us8']:.2f} us, cluster 16 {r['us16']:.2f} us "
-              f"(SDPA {r['sdpa_us']:.1f}), err {r['err']:.2e}", flush=True)
+        print(f"attn L={L} N={N}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["sweep"].items())
+              + f" us (SDPA {r['sdpa_us']:.1f}), err {r['err']:.2e}", flush=True)
 
     ar = None
     nccl = comm = None
@@ -251,13 +287,17 @@ def main() -> int:
              f"{info['copy_bw_TBps']:.2f} TB/s (read + write). {info['date']}.", "",
              "Tree attention, one layer, Llama-3-8B heads (32 q / 8 KV heads, D 128), bf16, random "
              "tree mask over the last N slots; CUDA graph, median per call:", "",
-             "| context L | tokens N | fused, cluster 8 (µs) | fused, cluster 16 (µs) | torch SDPA + bool mask (µs) "
-             "| speed-up (best) | KV bytes floor (µs) | rel. err vs float64 |",
+             "| context L | tokens N | fused kernel, default config (µs) | best config (cluster/stages/row tiles): µs "
+             "| torch SDPA + bool mask (µs) | speed-up | KV bytes floor (µs) | max rel. err vs float64 |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in attn:
         floor = r["kv_bytes"] / bw * 1e6
-        lines.append(f"| {r['L']} | {r['N']} | {r['us8']:.2f} | {r['us16']:.2f} | {r['sdpa_us']:.1f} "
-                     f"| {r['sdpa_us'] / r['us']:.1f}x | {floor:.2f} | {r['err']:.1e}{'' if r['finite'] else ' (NaN!)'} |")
+        lines.append(f"| {r['L']} | {r['N']} | {r['default_us']:.2f} ({r['default']}) | {r['best']}: {r['us']:.2f} "
+                     f"| {r['sdpa_us']:.1f} | {r['sdpa_us'] / r['default_us']:.1f}x | {floor:.2f} "
+                     f"| {r['err']:.1e}{'' if r['finite'] else ' (NaN!)'} |")
+    lines += ["", "All tree-attention configs timed (µs), cluster/stages/row tiles:", ""]
+    for r in attn:
+        lines.append(f"- L={r['L']} N={r['N']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["sweep"].items()))
     lines += ["", "Row-parallel GEMM Y = X W^T (bf16, fp32 accumulate), weights rotated through "
               ">= 256 MB so each call streams them from HBM; % = weight bytes / time / copy bandwidth:", "",
               "| layer | M | N x K | fused kernel (µs) | % of copy BW | cuBLAS F.linear (µs) | fused + all-reduce, 1-rank NCCL (µs) | rel. err |",

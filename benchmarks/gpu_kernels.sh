@@ -8,6 +8,7 @@
 # 3. tests.log     pytest -m gpu tests/test_kernels_gpu.py (float64 references, NaN poisoning)
 # 4. bench.log     benchmarks/bench_kernels_gpu.py; tables in bench_kernels.md / .json
 # 5. sanitizer.log compute-sanitizer memcheck over one small call of each kernel (if present)
+# 6. ncu.txt       Nsight Compute sections of one tree-attention and one GEMM launch (NO_NCU=1 skips)
 # Needs: python3 with torch (CUDA), cupy-cuda12x/13x, nvidia-nccl-cu12/13 >= 2.28, nvcc.
 # Exit status: non-zero if the build, a test or a correctness check failed.
 set -uo pipefail
@@ -65,7 +66,20 @@ if command -v compute-sanitizer >/dev/null; then
   echo "== compute-sanitizer memcheck (t=${SECONDS}s)"
   timeout 120 compute-sanitizer --tool memcheck --print-limit 20 "$PY" benchmarks/bench_kernels_gpu.py --sanitize \
     >"$OUT/sanitizer.log" 2>&1
-  tail -n 25 "$OUT/sanitizer.log"
+  tail -n 8 "$OUT/sanitizer.log"
+fi
+
+if command -v ncu >/dev/null && [[ -z "${NO_NCU:-}" ]]; then
+  echo "== ncu (t=${SECONDS}s)"   # hardware counters of one launch per config (clocks left alone)
+  NCU=(ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy
+       --section LaunchStats --section MemoryWorkloadAnalysis)
+  {
+    timeout 150 "${NCU[@]}" -k regex:tree_attention --launch-skip 2 --launch-count 2 \
+      "$PY" benchmarks/bench_kernels_gpu.py --profile attention
+    timeout 90 "${NCU[@]}" -k regex:gemm_rowparallel --launch-skip 1 --launch-count 1 \
+      "$PY" benchmarks/bench_kernels_gpu.py --profile gemm
+  } >"$OUT/ncu.txt" 2>&1
+  grep -E "tree_attention|gemm_rowparallel|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Warp Cycles Per Issued|Stall|One or More Eligible" "$OUT/ncu.txt" | head -60
 fi
 
 echo "== status $status (t=${SECONDS}s)"

@@ -17,11 +17,16 @@
 // fragment layout into one 16-byte load per lane per operand row (no shuffles, no smem staging).
 // X (<= 448 KiB) is read through L1/L2 by every block; W bytes dominate.
 //
-// Floor: the W bytes. Llama-3-8B o_proj 4096x4096: 32 MiB -> 7.9 us, down_proj 4096x14336:
-// 112 MiB -> 27.6 us at the measured 4.25 TB/s of the H200. FLOPs (2*M*N*K, <= 1.9 GFLOP at
-// M = 16) are nothing for mma.sync; on CUDA cores the bf16->fp32 conversions plus M FMAs per
-// weight would make M = 8..16 compute bound, which is why the tensor cores are used even for
-// a GEMV. Measured: see "Fused kernels (H200)" in docs/benchmarks.md.
+// Floor: the W bytes. Llama-3-8B o_proj 4096x4096: 32 MiB -> 8.0 us, down_proj 4096x14336:
+// 112 MiB -> 28.1 us at the 4.18 TB/s copy bandwidth measured on the H200. FLOPs (2*M*N*K,
+// <= 1.9 GFLOP at M = 16) are nothing for mma.sync; on CUDA cores the bf16->fp32 conversions
+// plus M FMAs per weight would make M = 8..16 compute bound, hence the tensor cores in a GEMV.
+// Measured (H200, CUDA graph, weights streamed from HBM, 2026-11-29): o_proj 12.1 us at M = 1
+// and 8 (66 % of copy bandwidth; cuBLAS 13.6), down_proj 36.2 / 34.4 us (78 / 82 %; cuBLAS
+// 32.9 / 33.5). Goal >= 85 %: NOT met. Limit (ncu, o_proj M = 8): SMs busy 77 % of the elapsed
+// cycles (ramp-up and tail of a 12 us kernel), 30 cycles between issues per warp at 47 %
+// occupancy, i.e. too few bytes in flight per SM (4 x 16 B per lane, 64 registers); next:
+// deeper per-warp prefetch (software-pipelined W loads) with fewer, fatter blocks.
 //
 // Fused all-reduce (TP > 1, all ranks in one LSA team, i.e. one NVLink domain): a persistent
 // grid of `gridDim.x <= lsaBarrierCount` blocks, every block resident (grid <= SMs x occupancy).

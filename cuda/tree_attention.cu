@@ -21,17 +21,25 @@
 // m16n8k16 (bf16 in, fp32 accumulate) with an online softmax in registers (FlashAttention-2
 // style). At the end every warp leaves (m, l, O) for its 16 rows in shared memory; after a
 // cluster barrier each block of the cluster reduces 1/CS of the outputs by reading the partials
-// of all CS blocks through DSMEM, then a second cluster barrier keeps the shared memory alive
+// of all CS blocks through DSMEM (after a local pre-combine of the block's warps, so one DSMEM
+// round trip reads CS partials per output), then a second cluster barrier keeps the shared memory alive
 // until everyone has read it.
 //
 // Floor (Llama-3-8B heads: 32 q / 8 KV heads, D 128, N = 8, one layer): the KV bytes,
 // L * 8 * 128 * 2 B * 2 = 4 MiB at 1k context, 16 MiB at 4k, 64 MiB at 16k, i.e. about 1 / 4 /
-// 16 us at the 4.25 TB/s measured on the H200. FLOPs are 4*N*H*L*D = 0.13 / 0.54 / 2.1 GFLOP:
-// negligible on the tensor cores (mma.sync), which is why the CUDA-core version is not an option
-// at N = 64. Measured time, limits: see the "Fused kernels (H200)" section of docs/benchmarks.md
-// (with CS = 8 clusters only Hkv*CS*RG = 64 SMs work for N = 8: at 1k the kernel is latency
-// bound (launch, one DRAM round trip for Q/K/V, two cluster barriers); at 16k it is bound by the
-// bandwidth 64 SMs can pull).
+// 16 us at the 4.18 TB/s copy bandwidth measured on the H200. FLOPs are 4*N*H*L*D = 0.13 / 0.54 /
+// 2.1 GFLOP: nothing for the tensor cores (mma.sync), which is why the CUDA-core version is no
+// option at N = 64.
+// Measured (H200, CUDA graph, best default config, benchmarks/gpu_kernels.sh, 2026-11-29):
+// 9.7 us at 1k, 18.8 us at 4k, 44.7 us at 16k (torch SDPA with the bool mask: 32 / 95 / 346 us).
+// Goals were <= 8 us at 1k and <= 12 us at 4k: NOT met. What limits it (ncu, 4k, config 8/4/2):
+// DRAM throughput 15 %, 1 warp per scheduler (occupancy 6 %: 139 KiB of smem per block), one
+// instruction issued every 5.4 cycles, ~1000 instructions per warp per 64-slot tile: the kernel
+// is issue/latency bound, not memory bound; 16/2/1 (3 blocks per SM) raises occupancy to 14 %
+// and DRAM throughput to 18 %. Next steps: mask as a packed bitmask (one 32-bit load per tile
+// instead of 16 byte loads and the packing), the K/V tile with one bulk copy (TMA) per stage
+// instead of 16 cp.async per thread, 8 warps per block over a 128-slot tile, and a per-token
+// "prefix length" so the mask is only read for the tree's own columns.
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -46,7 +54,7 @@ constexpr int THREADS = 128;  // 4 warps
 // Instantiated: CS (blocks per cluster = KV splits per KV head and row group) 8 with a 4-stage
 // cp.async ring (139 KiB smem at D 128, one block per SM), and 16 (non-portable cluster size,
 // the host sets cudaFuncAttributeNonPortableClusterSizeAllowed) with 3 stages (104 KiB: two
-// blocks per SM, so 16-block clusters find room in a GPC).
+// blocks per SM) or 2 stages (70 KiB: three blocks per SM, latency hidden by more warps).
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -108,7 +116,8 @@ __device__ __forceinline__ void tree_attention_body(
   constexpr int CHUNKS = D / 8;               // 16-byte chunks per K/V row
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static_assert(NT <= 8, "mask bits");
-  static_assert(STAGES * Smem<D>::STAGE_ELEMS * 2 >= (4 * 16 * D + 4 * 16 * 2) * 4, "partials fit the ring");
+  static_assert(STAGES * Smem<D>::STAGE_ELEMS * 2 >= (4 * 16 * D + 4 * 16 * 2 + RB * D + 2 * RB) * 4,
+                "warp and block partials fit in the K/V ring");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);
@@ -315,42 +324,71 @@ __device__ __forceinline__ void tree_attention_body(
     *reinterpret_cast<float2*>(&part_o[(warp * 16 + g) * D + c]) = make_float2(o[i][0], o[i][1]);
     *reinterpret_cast<float2*>(&part_o[(warp * 16 + g + 8) * D + c]) = make_float2(o[i][2], o[i][3]);
   }
-  cluster.sync();  // partials of all CS blocks written and visible cluster-wide
+  __syncthreads();
 
-  // Combine: this block finalizes items [crank*per, (crank+1)*per) of the RB x D/4 outputs.
-  constexpr int ITEMS = RB * (D / 4);
-  constexpr int PER = (ITEMS + CS - 1) / CS;
-  for (int item = crank * PER + tid; item < min(ITEMS, (crank + 1) * PER); item += THREADS) {
-    const int rl = item / (D / 4), d4 = item % (D / 4);
-    const int row = rg * RB + rl;
-    if (row >= R) continue;
+  // 1. Local pre-combine: the KV_PARTS warps sharing a row tile -> one (m, l, O) per row of the
+  //    block, so the cluster step reads CS partials per row, all in one DSMEM round trip.
+  constexpr int D4 = D / 4;
+  constexpr int ITEMS = RB * D4;
+  float* blk_o = part_l + 4 * 16;                        // [RB][D]
+  float* blk_m = blk_o + RB * D;                         // [RB]
+  float* blk_l = blk_m + RB;                             // [RB]
+  for (int item = tid; item < ITEMS; item += THREADS) {
+    const int rl = item / D4, d4 = item % D4;
     const int wmt = rl / 16, rr = rl % 16;
-    float mi[CS * KV_PARTS];
+    float mp[KV_PARTS];
     float mmax = -INFINITY;
 #pragma unroll
-    for (int cb = 0; cb < CS; ++cb) {
-      const float* rm = cluster.map_shared_rank(part_m, cb);
-#pragma unroll
-      for (int p = 0; p < KV_PARTS; ++p) {
-        mi[cb * KV_PARTS + p] = rm[(wmt + MT_BLK * p) * 16 + rr];
-        mmax = fmaxf(mmax, mi[cb * KV_PARTS + p]);
-      }
+    for (int p = 0; p < KV_PARTS; ++p) {
+      mp[p] = part_m[(wmt + MT_BLK * p) * 16 + rr];
+      mmax = fmaxf(mmax, mp[p]);
     }
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float lsum = 0.f;
     if (mmax != -INFINITY) {
 #pragma unroll
-      for (int cb = 0; cb < CS; ++cb) {
-        const float* rl_ = cluster.map_shared_rank(part_l, cb);
-        const float* ro = cluster.map_shared_rank(part_o, cb);
+      for (int p = 0; p < KV_PARTS; ++p) {
+        const int w = wmt + MT_BLK * p;
+        const float sc = exp2f(mp[p] - mmax);
+        lsum += sc * part_l[w * 16 + rr];
+        const float4 v = *reinterpret_cast<const float4*>(&part_o[(w * 16 + rr) * D + 4 * d4]);
+        acc.x += sc * v.x; acc.y += sc * v.y; acc.z += sc * v.z; acc.w += sc * v.w;
+      }
+    }
+    *reinterpret_cast<float4*>(&blk_o[rl * D + 4 * d4]) = acc;
+    if (d4 == 0) {
+      blk_m[rl] = mmax;
+      blk_l[rl] = lsum;
+    }
+  }
+  cluster.sync();  // block partials of all CS blocks written and visible cluster-wide
+
+  // 2. Cluster combine: this block finalizes items [crank*PER, (crank+1)*PER) of RB x D/4,
+  //    loading (m, l, O[4]) of all CS blocks at once (independent DSMEM loads), then reducing.
+  constexpr int PER = (ITEMS + CS - 1) / CS;
+  for (int item = crank * PER + tid; item < min(ITEMS, (crank + 1) * PER); item += THREADS) {
+    const int rl = item / D4, d4 = item % D4;
+    const int row = rg * RB + rl;
+    if (row >= R) continue;
+    float mi[CS], li[CS];
+    float4 oi[CS];
 #pragma unroll
-        for (int p = 0; p < KV_PARTS; ++p) {
-          const int w = wmt + MT_BLK * p;
-          const float sc = exp2f(mi[cb * KV_PARTS + p] - mmax);
-          lsum += sc * rl_[w * 16 + rr];
-          const float4 v = *reinterpret_cast<const float4*>(&ro[(w * 16 + rr) * D + 4 * d4]);
-          acc.x += sc * v.x; acc.y += sc * v.y; acc.z += sc * v.z; acc.w += sc * v.w;
-        }
+    for (int cb = 0; cb < CS; ++cb) {
+      mi[cb] = *cluster.map_shared_rank(blk_m + rl, cb);
+      li[cb] = *cluster.map_shared_rank(blk_l + rl, cb);
+      oi[cb] = *cluster.map_shared_rank(reinterpret_cast<const float4*>(blk_o + rl * D + 4 * d4), cb);
+    }
+    float mmax = -INFINITY;
+#pragma unroll
+    for (int cb = 0; cb < CS; ++cb) mmax = fmaxf(mmax, mi[cb]);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float lsum = 0.f;
+    if (mmax != -INFINITY) {
+#pragma unroll
+      for (int cb = 0; cb < CS; ++cb) {
+        const float sc = exp2f(mi[cb] - mmax);
+        lsum += sc * li[cb];
+        acc.x += sc * oi[cb].x; acc.y += sc * oi[cb].y; acc.z += sc * oi[cb].z; acc.w += sc * oi[cb].w;
       }
     }
     const float inv = lsum > 0.f ? 1.f / lsum : 0.f;   // a row that sees nothing gives zeros
@@ -368,7 +406,7 @@ __device__ __forceinline__ void tree_attention_body(
 
 #define TREE_ATTN_KERNEL(D, MT, CS, ST)                                                               \
   extern "C" __global__ void __cluster_dims__(CS, 1, 1) __launch_bounds__(tree_attn::THREADS)         \
-  tree_attention_d##D##_mt##MT##_cs##CS(                                                              \
+  tree_attention_d##D##_mt##MT##_cs##CS##_st##ST(                                                     \
       const __nv_bfloat16* __restrict__ q, long long q_tok_stride,                                    \
       const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v, long long kv_slot_stride, \
       const uint8_t* __restrict__ mask, long long mask_stride,                                        \
@@ -392,3 +430,9 @@ TREE_ATTN_KERNEL(128, 4, 16, 3)
 TREE_ATTN_KERNEL(64, 1, 16, 3)
 TREE_ATTN_KERNEL(64, 2, 16, 3)
 TREE_ATTN_KERNEL(64, 4, 16, 3)
+TREE_ATTN_KERNEL(128, 1, 16, 2)
+TREE_ATTN_KERNEL(128, 2, 16, 2)
+TREE_ATTN_KERNEL(128, 4, 16, 2)
+TREE_ATTN_KERNEL(64, 1, 16, 2)
+TREE_ATTN_KERNEL(64, 2, 16, 2)
+TREE_ATTN_KERNEL(64, 4, 16, 2)

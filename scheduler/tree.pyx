@@ -531,8 +531,8 @@ cdef class TokenTree:
                 if bad_slot >= 0:
                     break
         if bad_slot >= 0:
-            raise ValueError(f"masks: kv_slot {bad_slot} on the root path of leaf {node} is >= "
-                             f"ncols {ncols}")
+            raise ValueError(f"masks: kv_slot {bad_slot} of node {node} (on the root path of "
+                             f"leaves[{i}]) is >= ncols {ncols}")
         return positions, mask_arr
 
     def expand(self, leaves, topk_ids, topk_logprobs):

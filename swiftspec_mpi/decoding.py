@@ -46,9 +46,9 @@ class TargetSide:
         """tokens int64[n] (tokens[0] = root), parents int32[n] (-1 for the root, parents before
         children) -> target logits float32[n, vocab]. KV of the n nodes goes to [P, P+n)."""
         positions, mask = _tree.subtree_masks(np.ascontiguousarray(parents, dtype=np.int32), self.P)
-        return self.model.forward(torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)).to(self.device),
-                                  torch.from_numpy(positions).to(self.device), self.P,
-                                  torch.from_numpy(mask).to(self.device))
+        # host tensors: the model (or its CUDA-graph wrapper) moves them in one go
+        return self.model.forward(torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)),
+                                  torch.from_numpy(positions), self.P, torch.from_numpy(mask))
 
     def commit(self, path: np.ndarray) -> None:
         """Keep the KV of the accepted path (local node indices, root first) contiguous at
@@ -58,7 +58,7 @@ class TargetSide:
         dst = torch.arange(self.P, self.P + a, dtype=torch.long)
         moved = src != dst
         if bool(moved.any()):
-            self.model.compact_kv(src[moved].to(self.device), dst[moved].to(self.device))
+            self.model.compact_kv(src[moved], dst[moved])
         self.P += a
 
 
@@ -98,9 +98,9 @@ class DraftSide:
         n = len(leaves)
         self.tree.assign_slots(leaves, self.kv_used)
         positions, mask = self.tree.masks(leaves, self.kv_used + n)
-        tokens = torch.from_numpy(self.tree.tokens_of(leaves)).to(self.device)
-        logits = self.model.forward(tokens, torch.from_numpy(positions).to(self.device), self.kv_used,
-                                    torch.from_numpy(mask).to(self.device))
+        tokens = torch.from_numpy(self.tree.tokens_of(leaves))
+        logits = self.model.forward(tokens, torch.from_numpy(positions), self.kv_used,
+                                    torch.from_numpy(mask))
         top = torch.topk(torch.log_softmax(logits.float(), dim=-1), self.topk, dim=-1)
         ids = top.indices.cpu().numpy().astype(np.int64)
         lps = top.values.cpu().numpy().astype(np.float32)
@@ -113,14 +113,38 @@ class DraftSide:
         nodes, parents = self.tree.best_subtree(bs)
         return self.tree.tokens_of(nodes), parents
 
-    def reroot(self, accepted: np.ndarray) -> int:
+    def reroot(self, accepted: np.ndarray, share=None) -> int:
         """Re-root on the accepted tokens (draft tokens + bonus); move the surviving KV.
-        Returns the number of KV slots kept for the surviving subtree."""
+        Returns the number of KV slots kept for the surviving subtree.
+
+        When the target accepted a leaf the draft never forwarded (its KV is missing at slot
+        P-1, P = the new root position), that token and the new root are forwarded as one
+        2-token chain: the hole is filled and the root expanded in the same pass."""
         src, dst, new_root_pos, _needs_forward = self.tree.reroot(np.ascontiguousarray(accepted, dtype=np.int64))
         if len(src):
-            self.model.compact_kv(torch.from_numpy(src).to(self.device), torch.from_numpy(dst).to(self.device))
+            self.model.compact_kv(torch.from_numpy(src), torch.from_numpy(dst))
         self.kv_used = new_root_pos + self.tree.num_expanded
+        if self.tree.prefix_kv_missing:
+            self._fill_hole_and_expand_root(int(accepted[-2]) if len(accepted) > 1 else None, share)
         return int(self.tree.num_expanded)
+
+    def _fill_hole_and_expand_root(self, last_committed: int | None, share) -> None:
+        P = self.tree.root_pos
+        if last_committed is None:
+            raise RuntimeError("draft KV hole without an accepted draft token (scheduler bug)")
+        tokens = torch.tensor([last_committed, int(self.tree.token[0])], dtype=torch.long)
+        positions = torch.tensor([P - 1, P], dtype=torch.long)
+        logits = self.model.forward(tokens, positions, P - 1, chain_mask(P - 1, 2),
+                                    logits_rows=torch.tensor([1]))
+        top = torch.topk(torch.log_softmax(logits.float(), dim=-1), self.topk, dim=-1)
+        ids = top.indices.cpu().numpy().astype(np.int64)
+        lps = top.values.cpu().numpy().astype(np.float32)
+        if share is not None:
+            ids, lps = share(ids, lps)
+        root = np.zeros(1, dtype=np.int32)
+        self.tree.assign_slots(root, P)
+        self.tree.expand(root, ids, lps)
+        self.kv_used = P + 1
 
 
 class Acceptor:

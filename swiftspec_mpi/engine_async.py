@@ -140,7 +140,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
             if control[2]:
                 return
             tr = clock.now()
-            kept = draft.reroot(control[3:3 + int(control[1])].copy())
+            kept = draft.reroot(control[3:3 + int(control[1])].copy(), share)
             rec.record(KIND["reroot"], request, seq, tr, clock.now(), 0, kept)
         elif action == ACT_SEND:
             ts = clock.now()

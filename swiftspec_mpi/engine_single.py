@@ -74,7 +74,7 @@ def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, 
         target.commit(path)
         if draft is not None:
             tr = clock.now()
-            kept = draft.reroot(accepted)
+            kept = draft.reroot(accepted, share)
             rec.record(KIND["reroot"], request, step, tr, clock.now(), 0, kept)
         root = int(accepted[-1])
         step += 1

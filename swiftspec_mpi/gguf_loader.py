@@ -425,7 +425,7 @@ class GGUFSource:
         cols = slice(start, stop) if dim == 1 else slice(None)
         n_head = self._permuted.get(name)
         if n_head is not None:
-            pass
+            rows = _unpermute_rows(rows, n_head, n_rows)
 
         if len(shape) == 1:                        # norms, biases: small, read whole
             flat = self._dequantize(self._read(info.offset, info.nbytes), info.qtype)

@@ -50,6 +50,12 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
     C.validate_basic(cfg, world_size)
     C.check_slurm_world(world_size)
     C.check_output_path_default(cfg)
+    # cheap checks that need no model first (fail fast); then the models' configs and headers
+    C.check_output_path(cfg)
+    if cfg.prompts is not None:
+        cfg.requests = C.read_prompts_file(cfg.prompts)
+    else:
+        cfg.requests = [C.Request(0, cfg.prompt if cfg.prompt is not None else DEFAULT_PROMPT)]
     tcfg, ttok, dcfg = resolve_models(cfg)
     for path in dict.fromkeys(p for p in (cfg.target, cfg.draft) if p is not None):
         check_weight_files(path)
@@ -64,10 +70,6 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
                             f"group of {tp} ranks; choose a group size (--draft-ranks / -n) that "
                             "divides it")
     # requests
-    if cfg.prompts is not None:
-        cfg.requests = C.read_prompts_file(cfg.prompts)
-    else:
-        cfg.requests = [C.Request(0, cfg.prompt if cfg.prompt is not None else DEFAULT_PROMPT)]
     limit = min(tcfg.max_position_embeddings,
                 dcfg.max_position_embeddings if cfg.draft is not None else 1 << 30)
     margin = tree_margin(cfg)
@@ -91,7 +93,6 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
     if cfg.max_context is None:
         cfg.max_context = need_slots
     check_memory(cfg, tcfg, dcfg, world_size, ranks_on_node)
-    C.check_output_path(cfg)
     return cfg
 
 
@@ -200,9 +201,9 @@ def check_memory(cfg: C.RunConfig, tcfg, dcfg, world_size: int, ranks_on_node: i
     buffers, weights = sum(b for b, _ in mine), sum(w for _, w in mine)
     if buffers + weights > 0.9 * avail:
         gib = 2 ** 30
-        raise UserError(f"not enough memory: the KV cache of --max-context {cfg.max_context} slots "
-                        f"needs {max(b for b, _ in mine) / gib:.2f} GiB per rank, "
-                        f"{(buffers + weights) / gib:.2f} GiB with the weights for the "
+        raise UserError(f"not enough memory: the KV cache (and RoPE tables) of --max-context "
+                        f"{cfg.max_context} slots needs {max(b for b, _ in mine) / gib:.2f} GiB per "
+                        f"rank, {(buffers + weights) / gib:.2f} GiB with the weights for the "
                         f"{len(mine)} rank(s) on this node, but only {avail / gib:.2f} GiB is "
                         "available; lower --max-context or --max-new-tokens, use --dtype "
                         "bfloat16, or spread the ranks over more nodes")
@@ -545,12 +546,20 @@ def load_models(cfg, topo, device):
 
 
 def load_one(cfg, path, comm, dtype, device, num_layers):
+    """-> (model, tokenizer); on a GPU with bf16 and the fused kernels, the model replays CUDA
+    graphs for its decode-sized forwards (cuda_graphs.GraphedModel, same interface)."""
     from swiftspec_mpi import checkpoint
     if cfg.load_format == "dummy":
         from swiftspec_mpi.dummy import dummy_model
-        return dummy_model(path, comm, cfg.max_context, dtype, device, num_layers)
-    return checkpoint.load_model(path, comm=comm, max_slots=cfg.max_context, dtype=dtype,
-                                 device=device, num_layers=num_layers)
+        model, tok = dummy_model(path, comm, cfg.max_context, dtype, device, num_layers)
+    else:
+        model, tok = checkpoint.load_model(path, comm=comm, max_slots=cfg.max_context, dtype=dtype,
+                                           device=device, num_layers=num_layers)
+    if device.startswith("cuda") and not os.environ.get("SWIFTSPEC_NO_GRAPHS"):
+        from swiftspec_mpi.cuda_graphs import GraphedModel, graphs_supported
+        if graphs_supported(model):
+            model = GraphedModel(model)
+    return model, tok
 
 
 def kv_bytes_estimate(cfg, topo) -> int:

@@ -25,9 +25,10 @@ import torch
 
 MAX_TREE_TOKENS = 64       # query tokens per tree_attention call
 MAX_GEMM_ROWS = 16         # rows M of gemm_rowparallel / gemm_allreduce
-# Must match cuda/tree_attention.cu: 64-slot tiles, 128 threads; cluster size -> ring stages.
-_TA_TILE, _TA_THREADS, _TA_STAGES = 64, 128, {8: 4, 16: 3}
-TREE_ATTENTION_CLUSTER = 8   # blocks per cluster (KV splits); 16 needs a non-portable cluster size
+# Must match cuda/tree_attention.cu: 64-slot tiles, 128 threads, instantiated variants
+# (cluster size = KV splits, cp.async ring stages); row tiles per block 1, 2 or 4.
+_TA_TILE, _TA_THREADS = 64, 128
+TREE_ATTENTION_VARIANTS = ((8, 4), (16, 3), (16, 2))
 _GEMM_THREADS = 256          # must match cuda/gemm_allreduce.cu
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
@@ -40,16 +41,13 @@ _available: bool | None = None
 
 
 def cuda_source_dir() -> Path:
-    """Folder of the .cu files: the installed package data, or cuda/ of a source checkout."""
-    try:
-        from importlib.resources import files
-
-        p = Path(str(files("swiftspec_mpi.cuda")))
+    """Folder of the .cu files: the installed package data (swiftspec_mpi/cuda), or cuda/ of a
+    source checkout (editable install)."""
+    here = Path(__file__).resolve().parent
+    for p in (here / "cuda", here.parent / "cuda"):
         if (p / "tree_attention.cu").is_file():
             return p
-    except (ImportError, ModuleNotFoundError, TypeError):
-        pass
-    return Path(__file__).resolve().parent.parent / "cuda"
+    raise FileNotFoundError(f"CUDA sources not found next to {here}; reinstall swiftspec-mpi")
 
 
 def import_cupy():
@@ -182,15 +180,30 @@ def _check_bf16(name: str, t: torch.Tensor, ndim: int) -> None:
         raise ValueError(f"{name} must have a contiguous last dim and a 16-byte aligned start")
 
 
-def tree_attention_smem_bytes(head_dim: int, cluster: int = 8) -> int:
-    """Dynamic shared memory of one tree_attention block: its K/V ring (4 stages for clusters of
-    8 blocks, 3 for 16)."""
-    return _TA_STAGES[cluster] * 2 * _TA_TILE * (head_dim + 8) * 2
+def tree_attention_smem_bytes(head_dim: int, stages: int) -> int:
+    """Dynamic shared memory of one tree_attention block: its K/V ring of `stages` 64-slot tiles."""
+    return stages * 2 * _TA_TILE * (head_dim + 8) * 2
+
+
+def tree_attention_config(rows: int, max_len: int) -> tuple[int, int, int]:
+    """(cluster, stages, row_tiles) used by default for `rows` = N * (H / Hkv) query rows per KV
+    head and a mask of `max_len` columns (the largest context the call may see; a graph captured
+    over a static [N, max_slots] mask gets the long-context choice).
+
+    From the sweep on the H200 (docs/benchmarks.md, "Fused kernels (H200)", Llama-3-8B heads):
+    up to 2k slots, 8 blocks per cluster with a 4-stage ring (N = 8 at 1k: 9.7 us vs 11.3-15.5);
+    beyond, 16 blocks per cluster with a 2-stage ring (3 blocks per SM), one row tile per block
+    for <= 32 rows (N = 8 at 4k: 18.8 us vs 22.9; at 16k: 44.7 vs 77.2) and 4 for more (N = 64:
+    65 us at 4k, 166 at 16k, vs 74 / 245).
+    """
+    if max_len <= 2048:
+        return 8, 4, 1 if rows <= 16 else 2 if rows <= 32 else 4
+    return 16, 2, 1 if rows <= 32 else 4
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
                    n_valid: int | torch.Tensor | None = None, out: torch.Tensor | None = None,
-                   scale: float | None = None, cluster: int | None = None) -> torch.Tensor:
+                   scale: float | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Masked attention of N <= 64 tree tokens over L KV slots, GQA, one launch.
 
     Args:
@@ -207,8 +220,9 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                new context length). Default: mask.shape[1].
       out:     [N, H, D] bfloat16 (head stride D, last stride 1), written in full; allocated if None.
       scale:   softmax scale, default 1/sqrt(D).
-      cluster: KV splits per KV head (thread-block cluster size), 8 or 16; default
-               TREE_ATTENTION_CLUSTER.
+      config:  (cluster, stages, row_tiles): KV splits per KV head (thread-block cluster size),
+               K/V ring depth, m16 row tiles per block; one of TREE_ATTENTION_VARIANTS x {1,2,4}.
+               Default: tree_attention_config(N * H // Hkv, mask.shape[1]).
 
     Returns:
       out: [N, H, D] bfloat16 = softmax(q k^T * scale, masked) v per head. A token that sees no
@@ -249,14 +263,14 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         nv_ptr = ctypes.c_uint64(0)
     G = H // Hkv
     R = N * G
-    mt = 1 if R <= 16 else 2 if R <= 32 else 4
+    cs, st, mt = tree_attention_config(R, mask.shape[1]) if config is None else config
+    if (cs, st) not in TREE_ATTENTION_VARIANTS or mt not in (1, 2, 4):
+        raise ValueError(f"config {(cs, st, mt)}: (cluster, stages) must be one of "
+                         f"{TREE_ATTENTION_VARIANTS} and row_tiles 1, 2 or 4")
     rg = -(-R // (16 * mt))
-    cs = TREE_ATTENTION_CLUSTER if cluster is None else int(cluster)
-    if cs not in _TA_STAGES:
-        raise ValueError(f"cluster must be one of {sorted(_TA_STAGES)}")
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    smem = tree_attention_smem_bytes(D, cs)
-    f = _function("tree_attention", "", f"tree_attention_d{D}_mt{mt}_cs{cs}", dev, smem, cs > 8)
+    smem = tree_attention_smem_bytes(D, st)
+    f = _function("tree_attention", "", f"tree_attention_d{D}_mt{mt}_cs{cs}_st{st}", dev, smem, cs > 8)
     scale = D ** -0.5 if scale is None else float(scale)
     args = [_ptr(q), ctypes.c_int64(q.stride(0)), _ptr(k_cache), _ptr(v_cache), ctypes.c_int64(k_cache.stride(0)),
             _ptr(mask), ctypes.c_int64(mask.stride(0)), nv_ptr, ctypes.c_int32(nv),

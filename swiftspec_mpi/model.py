@@ -303,49 +303,63 @@ class Transformer(torch.nn.Module):
         if S > self.max_slots:
             raise ValueError(f"KV overflow: start {start} + {N} new tokens > max_slots "
                              f"{self.max_slots}")
-        cfg, sh = self.cfg, self.shard
-        comm = self.comm
-        eps = cfg.rms_norm_eps
-        hshape = (cfg.hidden_size,)
-        hd, half = cfg.head_dim, self._half
+        sh = self.shard
+        hd = self.cfg.head_dim
         nh_l, nkv_l, g = sh.nh_l, sh.nkv_l, sh.group
-        nqk = nh_l + nkv_l
-        qk_cols = nqk * hd
-        il = sh.inter_l
         dev = self.device
         if tokens.device != dev:
             tokens, positions, mask = tokens.to(dev), positions.to(dev), mask.to(dev)
 
-        x = F.embedding(tokens, self.embed)
-        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)   # [N, 1, hd]
-        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
         fold = N * g <= _FOLD_MAX_ROWS
         if fold:
             # GQA folded into the query-length dim: q [nkv_l, g*N, hd], additive mask [g*N, S]
             am = torch.zeros(N, S, dtype=self.dtype, device=dev).masked_fill_(~mask, -math.inf)
             if g > 1:
                 am = am.repeat(g, 1)
-        for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in self.layers:
-            h = F.rms_norm(x, hshape, ln1, eps)
-            qkv = F.linear(h, wqkv, bqkv)                                   # [N, (nh+2kv)*hd]
-            qk = qkv[:, :qk_cols].view(N, nqk, hd)
-            qk = torch.addcmul(qk * cos, torch.roll(qk, half, -1), sin)     # RoPE on q and k
-            kc[start:S].copy_(qk[:, nh_l:])
-            vc[start:S].copy_(qkv[:, qk_cols:].view(N, nkv_l, hd))
+
+        def write_kv(kc, vc, k, v):
+            kc[start:S].copy_(k)
+            vc[start:S].copy_(v)
+
+        def attend(q, kc, vc):                                             # q [N, nh_l, hd]
             k = kc[:S].transpose(0, 1)                                     # [nkv_l, S, hd]
             v = vc[:S].transpose(0, 1)
             if fold:
-                q = qk[:, :nh_l].reshape(N, nkv_l, g, hd).permute(1, 2, 0, 3).reshape(
-                    nkv_l, g * N, hd)
+                q = q.reshape(N, nkv_l, g, hd).permute(1, 2, 0, 3).reshape(nkv_l, g * N, hd)
                 o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0),
                                                    v.unsqueeze(0), attn_mask=am)
-                o = o.view(nkv_l, g, N, hd).permute(2, 0, 1, 3).reshape(N, nh_l * hd)
-            else:
-                q = qk[:, :nh_l].transpose(0, 1)                           # [nh_l, N, hd]
-                o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0),
-                                                   v.unsqueeze(0), attn_mask=mask,
-                                                   enable_gqa=g > 1)
-                o = o[0].transpose(0, 1).reshape(N, nh_l * hd)
+                return o.view(nkv_l, g, N, hd).permute(2, 0, 1, 3).reshape(N, nh_l * hd)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0),
+                                               v.unsqueeze(0), attn_mask=mask, enable_gqa=g > 1)
+            return o[0].transpose(0, 1).reshape(N, nh_l * hd)
+
+        x = self._layers(tokens, positions, write_kv, attend)
+        if logits_rows is not None:
+            x = x.index_select(0, logits_rows.to(dev))
+        return self._logits(x)
+
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, write_kv, attend) -> torch.Tensor:
+        """Embedding + every decoder layer -> hidden states [N, hidden] (before the final norm).
+        `write_kv(kc, vc, k [N, nkv_l, hd], v)` stores the new tokens' KV in one layer's buffers;
+        `attend(q [N, nh_l, hd], kc, vc) -> [N, nh_l*hd]` is the (tree) attention."""
+        cfg, sh, comm = self.cfg, self.shard, self.comm
+        N = tokens.shape[0]
+        eps = cfg.rms_norm_eps
+        hshape = (cfg.hidden_size,)
+        hd, half = cfg.head_dim, self._half
+        nh_l, nkv_l = sh.nh_l, sh.nkv_l
+        qk_cols = (nh_l + nkv_l) * hd
+        il = sh.inter_l
+        x = F.embedding(tokens, self.embed)
+        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)   # [N, 1, hd]
+        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
+        for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in self.layers:
+            h = F.rms_norm(x, hshape, ln1, eps)
+            qkv = F.linear(h, wqkv, bqkv)                                   # [N, (nh+2kv)*hd]
+            qk = qkv[:, :qk_cols].view(N, nh_l + nkv_l, hd)
+            qk = torch.addcmul(qk * cos, torch.roll(qk, half, -1), sin)     # RoPE on q and k
+            write_kv(kc, vc, qk[:, nh_l:], qkv[:, qk_cols:].view(N, nkv_l, hd))
+            o = attend(qk[:, :nh_l], kc, vc)
             a = F.linear(o, wo, bo)
             comm.all_reduce_(a)
             x.add_(a)
@@ -355,15 +369,39 @@ class Transformer(torch.nn.Module):
             d = F.linear(m, wd)
             comm.all_reduce_(d)
             x.add_(d)
-        if logits_rows is not None:
-            x = x.index_select(0, logits_rows.to(dev))
-        x = F.rms_norm(x, hshape, self.norm, eps)
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm + (vocab-parallel) head: [R, hidden] -> float32 [R, vocab_size]."""
+        x = F.rms_norm(x, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
         logits = F.linear(x, self.head)                                    # [R, v_chunk]
-        if comm.size > 1:
-            logits = comm.all_gather_lastdim(logits)
-            if logits.shape[1] != cfg.vocab_size:
-                logits = logits[:, :cfg.vocab_size]
+        if self.comm.size > 1:
+            logits = self.comm.all_gather_lastdim(logits)
+            if logits.shape[1] != self.cfg.vocab_size:
+                logits = logits[:, :self.cfg.vocab_size]
         return logits.float()
+
+    @torch.inference_mode()
+    def forward_graphable(self, tokens: torch.Tensor, positions: torch.Tensor,
+                          write_slots: torch.Tensor, mask: torch.Tensor,
+                          n_valid: torch.Tensor) -> torch.Tensor:
+        """The CUDA-graph-safe forward: no shape depends on the context length.
+
+        tokens [N] long, positions [N] long, write_slots [N] long (KV slots of the new tokens),
+        mask [N, max_slots] bool/uint8 (only columns < L matter), n_valid int32 [1] = L, the
+        slots attended, read on the device by the fused tree-attention kernel. All on the GPU,
+        bf16 model. Returns float32 logits [N, vocab_size]. Same math as `forward`.
+        """
+        from swiftspec_mpi import kernels
+
+        def write_kv(kc, vc, k, v):
+            kc.index_copy_(0, write_slots, k)
+            vc.index_copy_(0, write_slots, v)
+
+        def attend(q, kc, vc):
+            return kernels.tree_attention(q, kc, vc, mask, n_valid).view(q.shape[0], -1)
+
+        return self._logits(self._layers(tokens, positions, write_kv, attend))
 
     # ------------------------------------------------------------------------------ KV plan
     @torch.inference_mode()

@@ -78,6 +78,11 @@ class ModelConfig:
                     f"unsupported rope scaling type {rtype!r}; supported: "
                     + ", ".join(_SUPPORTED_ROPE_TYPES))
 
+    def __hash__(self):  # rope_scaling is a dict: hash its items
+        rs = tuple(sorted((k, repr(v)) for k, v in (self.rope_scaling or {}).items()))
+        return hash(tuple(getattr(self, f.name) if f.name != "rope_scaling" else rs
+                          for f in dataclasses.fields(self)))
+
     # --- derived -----------------------------------------------------------------------------
     @property
     def rope_type(self) -> str:

@@ -76,7 +76,8 @@ MODELS: dict[str, RegistryModel] = {m.name: m for m in [
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1117320768),
     RegistryModel(
         name="qwen2.5-coder-0.5b", short="qdraft", role="draft",
-        description="Qwen2.5-Coder-0.5B-Instruct, qwen2, 24 layers, d=896, 14/2 heads, Q4_K_M (Apache-2.0)",
+        description="Qwen2.5-Coder-0.5B-Instruct (GGUF made from the AWQ release), qwen2, 24 layers, "
+                    "d=896, 14/2 heads, Q4_K_M (Apache-2.0)",
         packages=_QDRAFT[0], members=_QDRAFT[1],
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491400064),
     RegistryModel(

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,9 @@ import h5py
 import numpy as np
 
 BIN = Path(sys.executable).parent
-MPIEXEC = os.environ.get("SWIFTSPEC_TEST_MPIEXEC", str(BIN / "mpiexec"))
+# the venv's mpiexec (mpich wheel); elsewhere the site's, or SWIFTSPEC_TEST_MPIEXEC="mpirun --flags"
+MPIEXEC = shlex.split(os.environ.get("SWIFTSPEC_TEST_MPIEXEC", "")) or \
+    [str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else (shutil.which("mpiexec") or "mpiexec")]
 
 
 def env_for_tests() -> dict:
@@ -22,7 +26,7 @@ def env_for_tests() -> dict:
 
 def run_swiftspec(n: int, args: list[str], timeout: float = 240, check: bool = True):
     """mpiexec -n N python -m swiftspec_mpi run ARGS; -> CompletedProcess (text)."""
-    cmd = [MPIEXEC, "-n", str(n), sys.executable, "-m", "swiftspec_mpi", "run", "--threads", "1",
+    cmd = [*MPIEXEC, "-n", str(n), sys.executable, "-m", "swiftspec_mpi", "run", "--threads", "1",
            *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env_for_tests())
     if check and proc.returncode != 0:

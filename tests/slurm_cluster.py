@@ -19,6 +19,7 @@ by hand:
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import signal
@@ -154,6 +155,11 @@ class SlurmCluster:
             "ReturnToService=2",
             "SchedulerType=sched/builtin",                   # start jobs in order, at once
             "MinJobAge=600",                                 # finished jobs stay in scontrol for 10 min
+            # Job ids from a random start, not 1: MPICH names its shared-memory segment after the PMI
+            # job id ("<jobid>.<step>" under srun), and a segment left in /dev/shm by a killed job of
+            # an earlier private cluster with the same id would be attached by the new job
+            # (MPI_Init then fails with "Message truncated" / UCX "invalid bandwidth").
+            f"FirstJobId={random.randrange(1_000_000, 60_000_000)}",
             "KillWait=30",                                   # SIGTERM -> SIGKILL grace (Slurm's default)
             "InactiveLimit=0",
             "MessageTimeout=30",                             # loaded 2-core CI machines are slow to answer

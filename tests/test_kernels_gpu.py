@@ -141,15 +141,18 @@ def attn_inputs(L, N, H, Hkv, D, kind, seed, q_scale=1.0):
 @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: "L%d-N%d-H%d-KV%d-D%d-%s" % c)
 def test_tree_attention_matches_float64(case):
     L, N, H, Hkv, D, kind = case
-    for seed, q_scale, cluster in ((1, 1.0, 8), (2, 4.0, 8), (3, 1.0, 16)):  # soft / peaked softmax
-        q, k, v, mask = attn_inputs(L, N, H, Hkv, D, kind, seed * 1000 + L, q_scale)
+    # the default config, then every (cluster, stages) x row-tiles variant, soft and peaked softmax
+    configs = [None] + [(cs, st, mt) for cs, st in kernels.TREE_ATTENTION_VARIANTS for mt in (1, 2, 4)]
+    for i, config in enumerate(configs):
+        q_scale = 4.0 if i % 2 else 1.0
+        q, k, v, mask = attn_inputs(L, N, H, Hkv, D, kind, i * 1000 + L, q_scale)
         out = torch.full((N, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
-        kernels.tree_attention(q, k, v, mask, L, out=out, cluster=cluster)
+        kernels.tree_attention(q, k, v, mask, L, out=out, config=config)
         torch.cuda.synchronize()
         ref = kernels.tree_attention_reference(q, k, v, mask, L)
-        assert torch.isfinite(out).all(), f"cluster {cluster}: output not fully written (NaN left)"
+        assert torch.isfinite(out).all(), f"config {config}: output not fully written (NaN left)"
         err = rel_err(out, ref)
-        assert err <= BF16_TOL, f"{case} seed {seed} cluster {cluster}: rel err {err:.3e}"
+        assert err <= BF16_TOL, f"{case} config {config}: rel err {err:.3e}"
 
 
 @pytest.mark.gpu

@@ -58,7 +58,7 @@ def build_hf(arch: str, folder, seed: int = 0, **kw):
     return model
 
 
-def load_ours(folder, max_slots=128) -> Transformer:
+def load_ours(folder, max_slots=192) -> Transformer:
     src = SafetensorsSource(str(folder))
     m = Transformer(src.config, max_slots=max_slots)
     m.load_weights(src)
@@ -87,6 +87,18 @@ def test_prefill_matches(pair):
     assert out.dtype == torch.float32 and out.shape == (24, VOCAB)
     assert (out - ref).abs().max().item() < TOL
     assert ref.abs().max().item() > 0.5   # the comparison is not vacuous
+
+
+def test_long_prefill_matches(pair):
+    """Long enough (N * group > 256) for the non-folded SDPA path (enable_gqa, bool mask)."""
+    hf, ours, _ = pair
+    toks = torch.randint(0, VOCAB, (150,), generator=torch.Generator().manual_seed(5))
+    ref = hf_logits(hf, toks)
+    out = ours.forward(toks, torch.arange(150), 0, chain_mask(0, 150))
+    assert (out - ref).abs().max().item() < TOL
+    step = ours.forward(toks[:1], torch.tensor([150]), 150, chain_mask(150, 1))
+    ref = hf_logits(hf, torch.cat([toks, toks[:1]]))[-1]
+    assert (step[0] - ref).abs().max().item() < TOL
 
 
 def test_step_decode_and_chunked_prefill_match(pair):

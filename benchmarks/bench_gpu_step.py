@@ -1,0 +1,138 @@
+"""Batch-1 step times on one GPU: ours (CUDA graphs + fused tree attention) vs eager torch and HF
+transformers eager, bf16, random weights at real shapes. Prints a Markdown table.
+
+    python benchmarks/bench_gpu_step.py --context 1024 [--shapes llama-3-8b,llama-3.2-1b]
+
+Rows: device copy bandwidth (the floor); for each shape the single-token step, the 8-node tree
+step (verify) and, for the draft shape, the w=8 leaf expansion; HF eager decode of one token.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def cuda_time(fn, iters=50, warmup=5) -> float:
+    """Median wall ms per call, each call followed by a device sync (as the engine does)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return 1e3 * times[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    n = 2 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = cuda_time(lambda: b.copy_(a), iters=20)
+    return 2 * n / (ms / 1e3) / 1e12     # TB/s, read + write
+
+
+def tree_mask(start: int, n: int) -> torch.Tensor:
+    """A binary-ish tree of n nodes over a prefix (node i's parent is (i-1)//2)."""
+    m = torch.zeros(n, start + n, dtype=torch.bool)
+    m[:, :start] = True
+    for i in range(n):
+        j = i
+        while True:
+            m[i, start + j] = True
+            if j == 0:
+                break
+            j = (j - 1) // 2
+    return m
+
+
+def ours(shape: str, context: int, sizes: list[int]) -> dict:
+    from swiftspec_mpi.comm import SingleComm
+    from swiftspec_mpi.cuda_graphs import GraphedModel, graphs_supported
+    from swiftspec_mpi.dummy import dummy_model
+    from swiftspec_mpi.model import chain_mask
+    model, _ = dummy_model(shape, SingleComm(), context + 128, torch.bfloat16, "cuda")
+    weight_gb = model.weight_bytes() / 1e9
+    dev = "cuda"
+    pre = torch.randint(0, 1000, (context,), device=dev)
+    model.forward(pre, torch.arange(context, device=dev), 0, chain_mask(0, context).to(dev))
+    res = {"weight_gb": weight_gb, "graphs": graphs_supported(model)}
+    graphed = GraphedModel(model) if res["graphs"] else None
+    for n in sizes:
+        toks = torch.randint(0, 1000, (n,))
+        pos = torch.arange(context, context + n)
+        mask = tree_mask(context, n)
+        res[f"eager_{n}"] = cuda_time(lambda: model.forward(toks, pos, context, mask).argmax(-1).cpu())
+        if graphed is not None:
+            res[f"graph_{n}"] = cuda_time(lambda: graphed.forward(toks, pos, context, mask).argmax(-1).cpu())
+    del model, graphed
+    torch.cuda.empty_cache()
+    return res
+
+
+def hf(shape: str, context: int) -> float:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from swiftspec_mpi.dummy import SHAPES
+    c = SHAPES[shape]
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                      intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
+                      num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+                      rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+                      max_position_embeddings=c.max_position_embeddings)
+    with torch.device("cuda"):
+        m = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 1000, (1, context), device="cuda")
+    with torch.inference_mode():
+        out = m(ids, use_cache=True)
+        past = out.past_key_values
+        nxt = out.logits[:, -1:].argmax(-1)
+        times = []
+        for _ in range(30):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = m(nxt, past_key_values=past, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            nxt.cpu()
+            times.append(time.perf_counter() - t)
+            past = out.past_key_values
+    times.sort()
+    del m
+    torch.cuda.empty_cache()
+    return 1e3 * times[len(times) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--shapes", default="llama-3-8b,llama-3.2-1b")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--json", help="also write the raw numbers here")
+    a = ap.parse_args()
+    bw = copy_bandwidth()
+    rows = {"copy_TBps": bw, "gpu": torch.cuda.get_device_name(), "context": a.context, "torch": torch.__version__}
+    print(f"device copy bandwidth: {bw:.2f} TB/s  ({rows['gpu']}, torch {torch.__version__})", flush=True)
+    print("| shape | weights GB | floor ms | N | eager ms | graph ms | HF eager ms (N=1) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for shape in a.shapes.split(","):
+        r = ours(shape, a.context, [1, 8])
+        r["hf_1"] = None if a.no_hf else hf(shape, a.context)
+        rows[shape] = r
+        floor = r["weight_gb"] / bw          # ms: every weight byte read once at HBM speed
+        for n in (1, 8):
+            print(f"| {shape} | {r['weight_gb']:.2f} | {floor:.2f} | {n} | {r[f'eager_{n}']:.2f} | "
+                  f"{r.get(f'graph_{n}', float('nan')):.2f} | "
+                  f"{(r['hf_1'] if n == 1 and r['hf_1'] else float('nan')):.2f} |", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

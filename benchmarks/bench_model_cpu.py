@@ -1,0 +1,245 @@
+"""Per-token decode latency of the real Qwen models on this CPU: ours vs Hugging Face transformers.
+
+Both run the SAME weights (the prepared bf16 cache folder of `swiftspec models prepare`, cast to
+the dtype under test), the same prompt (the Qwen chat template around a code request), greedy
+decoding, one token per forward, the same torch thread count, in the SAME process:
+
+    ours      swiftspec_mpi Transformer (checkpoint.load_model), forward(tok[1], pos[1], start,
+              mask[1, start+1]) over its static KV slots
+    HF sdpa   AutoModelForCausalLM, attn_implementation="sdpa" (transformers' CPU default),
+              model(input_ids[1,1], past_key_values=DynamicCache) in eager PyTorch
+    HF eager  the same with attn_implementation="eager" (matmul + softmax attention)
+
+Rounds alternate between the implementations (ours, HF sdpa, HF eager, ours, ...) so load from
+other processes on a shared machine hits all of them alike; each round prefills the prompt and
+times `--tokens` single-token steps; the table reports the median step over all rounds.
+
+    .venv/bin/python benchmarks/bench_model_cpu.py                       # the docs table
+    .venv/bin/python benchmarks/bench_model_cpu.py --models qwen2.5-coder-0.5b --dtypes float32
+    .venv/bin/python benchmarks/bench_model_cpu.py --profile ours         # torch profiler table
+    .venv/bin/python benchmarks/bench_model_cpu.py --load-rss             # peak RSS of loading
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+PROMPT = "Write a Python function that merges two sorted lists into one sorted list."
+
+
+def _ours(folder, dtype, max_slots):
+    from swiftspec_mpi.checkpoint import load_model
+    model, tok = load_model(folder, max_slots=max_slots, dtype=dtype)
+    return model, tok
+
+
+def _hf(folder, dtype, attn):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                                attn_implementation=attn).eval()
+
+
+def decode_ours(model, prompt_ids, n_tokens):
+    """Greedy: prefill, then n_tokens single-token forwards. Returns (step seconds, tokens)."""
+    import torch
+    from swiftspec_mpi.model import chain_mask
+
+    p = len(prompt_ids)
+    logits = model(torch.tensor(prompt_ids), torch.arange(p), 0, chain_mask(0, p),
+                   logits_rows=torch.tensor([p - 1]))
+    nxt = int(logits[-1].argmax())
+    out, times = [nxt], []
+    pos = p
+    for _ in range(n_tokens):
+        t0 = time.perf_counter()
+        logits = model(torch.tensor([nxt]), torch.tensor([pos]), pos,
+                       torch.ones(1, pos + 1, dtype=torch.bool))
+        nxt = int(logits[0].argmax())
+        times.append(time.perf_counter() - t0)
+        out.append(nxt)
+        pos += 1
+    return times, out
+
+
+def decode_hf(model, prompt_ids, n_tokens):
+    import torch
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        res = model(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+        nxt = int(res.logits[0, -1].argmax())
+        out, times = [nxt], []
+        for _ in range(n_tokens):
+            t0 = time.perf_counter()
+            res = model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
+            nxt = int(res.logits[0, -1].argmax())
+            times.append(time.perf_counter() - t0)
+            out.append(nxt)
+    return times, out
+
+
+def bench_one(name, folder, dtype_name, args):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    t0 = time.time()
+    ours, tok = _ours(folder, dtype, max_slots=512)
+    load_ours = time.time() - t0
+    prompt_ids = tok.encode(tok.apply_chat_template(PROMPT))
+    impls = {"ours": (lambda: decode_ours(ours, prompt_ids, args.tokens))}
+    loads = {"ours": load_ours}
+    for attn in args.hf_attn:
+        t0 = time.time()
+        m = _hf(folder, dtype, attn)
+        loads[f"HF {attn}"] = time.time() - t0
+        impls[f"HF {attn}"] = (lambda m=m: decode_hf(m, prompt_ids, args.tokens))
+    steps = {k: [] for k in impls}
+    toks = {}
+    for k, fn in impls.items():            # warm-up (first-call allocations, oneDNN init)
+        fn()
+    for r in range(args.rounds):
+        for k, fn in impls.items():
+            times, out = fn()
+            steps[k].extend(times)
+            toks[k] = out
+    res = {"model": name, "dtype": dtype_name, "prompt_tokens": len(prompt_ids),
+           "load_s": loads, "ms": {k: 1e3 * statistics.median(v) for k, v in steps.items()},
+           "p90_ms": {k: 1e3 * sorted(v)[int(0.9 * len(v))] for k, v in steps.items()}}
+    ref = toks.get("HF sdpa") or next(v for k, v in toks.items() if k != "ours")
+    res["agree"] = sum(a == b for a, b in zip(toks["ours"], ref)) / len(ref)
+    del ours, impls
+    return res
+
+
+def table(results) -> str:
+    hf_keys = [k for k in results[0]["ms"] if k != "ours"]
+    head = ["model", "dtype", "ours ms/tok", *[f"{k} ms/tok" for k in hf_keys], "ours tok/s",
+            *[f"{k} tok/s" for k in hf_keys], "ours / best HF", "greedy agree"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
+    for r in results:
+        ms = r["ms"]
+        best = min(ms[k] for k in hf_keys)
+        row = [r["model"], r["dtype"], f"{ms['ours']:.1f}", *[f"{ms[k]:.1f}" for k in hf_keys],
+               f"{1e3 / ms['ours']:.2f}", *[f"{1e3 / ms[k]:.2f}" for k in hf_keys],
+               f"{ms['ours'] / best:.2f}x", f"{100 * r['agree']:.0f}%"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def profile(name, folder, dtype_name, which, args):
+    """torch.profiler op table of `which` (ours | HF sdpa | HF eager) decoding --tokens steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprof
+
+    dtype = getattr(torch, dtype_name)
+    ours, tok = _ours(folder, dtype, max_slots=512)
+    prompt_ids = tok.encode(tok.apply_chat_template(PROMPT))
+    if which == "ours":
+        fn = lambda: decode_ours(ours, prompt_ids, args.tokens)  # noqa: E731
+    else:
+        del ours
+        m = _hf(folder, dtype, which.split()[-1])
+        fn = lambda: decode_hf(m, prompt_ids, args.tokens)  # noqa: E731
+    fn()
+    with tprof(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    print(f"## {which}, {name} {dtype_name}, {args.tokens} decode steps (+ one prefill)")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def load_child(path, dtype_name):
+    """Peak RSS of loading one checkpoint the way a rank does (run in a fresh subprocess)."""
+    import torch
+    from swiftspec_mpi.checkpoint import load_model
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0 = time.time()
+    model, _ = load_model(path, max_slots=256, dtype=getattr(torch, dtype_name))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"path": str(path), "dtype": dtype_name, "load_s": time.time() - t0,
+                      "weight_bytes": model.weight_bytes(), "peak_rss": peak,
+                      "rss_before_load": before}))
+
+
+def load_rss(args):
+    from swiftspec_mpi import registry
+    rows = ["| checkpoint | dtype | load s | weights GiB | peak RSS GiB | RSS / weights |",
+            "|---|---|---:|---:|---:|---:|"]
+    for name in args.models:
+        for path in (registry.gguf_path(name), registry.ensure_prepared(name)):
+            for dt in args.dtypes:
+                out = subprocess.run([sys.executable, __file__, "--_load-child", str(path), dt],
+                                     check=True, capture_output=True, text=True).stdout
+                r = json.loads(out.strip().splitlines()[-1])
+                rows.append(f"| {os.path.basename(path)} | {dt} | {r['load_s']:.1f} | "
+                            f"{r['weight_bytes'] / 2**30:.2f} | {r['peak_rss'] / 2**30:.2f} | "
+                            f"{r['peak_rss'] / r['weight_bytes']:.2f} |")
+                print(rows[-1], flush=True)
+    print("\n".join(rows))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--hf-attn", default="sdpa,eager", help="HF attention implementations")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=32, help="timed decode steps per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", help="also write the raw results here")
+    ap.add_argument("--profile", choices=["ours", "HF sdpa", "HF eager"])
+    ap.add_argument("--load-rss", action="store_true", help="measure peak RSS of loading instead")
+    ap.add_argument("--_load-child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.models = [m for m in args.models.split(",") if m]
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    args.hf_attn = [a for a in args.hf_attn.split(",") if a]
+
+    import torch
+    torch.set_num_threads(args.threads)
+    if args._load_child:
+        load_child(*args._load_child)
+        return 0
+    if args.load_rss:
+        load_rss(args)
+        return 0
+    from swiftspec_mpi import registry
+
+    if args.profile:
+        name = args.models[0]
+        profile(name, str(registry.ensure_prepared(name)), args.dtypes[0], args.profile, args)
+        return 0
+    import transformers
+    results = []
+    for name in args.models:
+        folder = str(registry.ensure_prepared(name))
+        for dt in args.dtypes:
+            r = bench_one(name, folder, dt, args)
+            results.append(r)
+            print(json.dumps(r), file=sys.stderr, flush=True)
+    print(f"\nMachine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs visible, "
+          f"torch {torch.__version__} ({args.threads} threads), transformers "
+          f"{transformers.__version__}; {args.rounds} rounds x {args.tokens} decode steps after a "
+          f"{results[0]['prompt_tokens']}-token prompt, median step\n")
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+"""The fault matrix: every way a job can be misconfigured or break, run for real under mpiexec.
+
+What must hold (docs/internals.md, DESIGN.md "What must always hold"):
+- bad input is refused by rank 0 before any weights are read: exit code 2 (EXIT_USER_ERROR),
+  one line naming the problem and the fix, printed once (not once per rank), no traceback, and
+  no output file;
+- a broken model file fails before or while loading, on whichever rank reads it, and every rank
+  leaves together with one message;
+- a rank that dies, hangs or raises mid-generation ends the whole job within 30 s, never a rank
+  waiting forever, and the HDF5 file keeps what was generated (written atomically);
+- SIGTERM ends the job after the current step with exit code 4 (EXIT_INTERRUPTED), the file
+  marked complete=False, exit_status "interrupted".
+
+Cases run on the tiny random checkpoint (conftest.tiny_pair) with short generations. Damaged
+copies of it are made once per module.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from engine_helpers import read_requests, read_root, write_prompts
+from reliability_helpers import (Job, copy_model, edit_config, error_lines, patch_bytes,
+                                 run_job, safetensors_header_end, truncate_file,
+                                 write_other_tokenizer, write_tiny_gguf)
+from swiftspec_mpi.errors import EXIT_INTERRUPTED, EXIT_RUNTIME_ERROR, EXIT_USER_ERROR
+
+pytestmark = pytest.mark.mpi
+
+WALL_S = 30.0          # every failure must end the whole job within this
+NEW_TOKENS = 48        # per request in the mid-generation cases
+
+
+# ------------------------------------------------------------------------------------ fixtures
+
+@pytest.fixture(scope="module")
+def models(tiny_pair, tmp_path_factory):
+    """Damaged copies of the tiny pair, by name -> path."""
+    from safetensors.numpy import load_file, save_file
+
+    target, draft = tiny_pair
+    d = tmp_path_factory.mktemp("damaged")
+    m = {"target": target, "draft": draft}
+
+    m["truncated_st"] = copy_model(draft, d / "truncated_st")       # cut in the tensor data
+    st = os.path.join(m["truncated_st"], "model.safetensors")
+    truncate_file(st, os.path.getsize(st) // 2)
+
+    m["corrupt_st"] = copy_model(target, d / "corrupt_st")          # garbage in the JSON header
+    st = os.path.join(m["corrupt_st"], "model.safetensors")
+    patch_bytes(st, 8, b"\xff\xfe garbage \x00\x01")
+
+    m["huge_header_st"] = copy_model(draft, d / "huge_header_st")   # header length field lies
+    patch_bytes(os.path.join(m["huge_header_st"], "model.safetensors"), 0,
+                (1 << 40).to_bytes(8, "little"))
+
+    m["missing_tensor"] = copy_model(draft, d / "missing_tensor")   # valid file, one tensor gone
+    st = os.path.join(m["missing_tensor"], "model.safetensors")
+    tensors = load_file(st)
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, st, metadata={"format": "pt"})
+
+    m["unsupported_arch"] = copy_model(target, d / "unsupported_arch")
+    edit_config(m["unsupported_arch"], model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"])
+
+    m["other_tokenizer"] = copy_model(draft, d / "other_tokenizer")
+    write_other_tokenizer(m["other_tokenizer"])
+
+    m["short_context"] = copy_model(target, d / "short_context")
+    edit_config(m["short_context"], max_position_embeddings=32)
+
+    gguf = write_tiny_gguf(target, str(d / "target.gguf"))
+    size = os.path.getsize(gguf)
+    for name, cut in (("gguf_truncated_data", size - 4096), ("gguf_truncated_header", 5000)):
+        m[name] = str(d / f"{name}.gguf")
+        with open(gguf, "rb") as src, open(m[name], "wb") as dst:
+            dst.write(src.read(cut))
+    m["gguf_bad_magic"] = str(d / "bad_magic.gguf")
+    with open(gguf, "rb") as src, open(m["gguf_bad_magic"], "wb") as dst:
+        dst.write(b"GGML" + src.read()[4:])
+    return m
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    """30 prompts: far more than any mid-generation case lets finish."""
+    d = tmp_path_factory.mktemp("prompts")
+    texts = [f"Write a Python function number {i} that reverses a linked list." for i in range(30)]
+    return write_prompts(d / "many.jsonl", texts)
+
+
+def base_args(models, out, target="target", draft="draft", mode="async",
+              prompt="def fibonacci(n):", prompts=None, max_new_tokens=8):
+    source = ["--prompts", prompts] if prompts else ["--prompt", prompt]
+    return ["--target", models[target], "--draft", models[draft], "--mode", mode, *source,
+            "--max-new-tokens", str(max_new_tokens), "--out", str(out), "--quiet"]
+
+
+def assert_clean_user_error(job: Job, pattern: str, out=None) -> None:
+    """Exit 2 within WALL_S, exactly one error line (rank 0's) matching `pattern`, no traceback,
+    no output file (nothing was generated)."""
+    report = job.report()
+    assert job.proc.returncode == EXIT_USER_ERROR, report
+    lines = error_lines(job.stderr)
+    assert len(lines) == 1, f"the message must be printed once, got {len(lines)}\n{report}"
+    assert re.search(pattern, lines[0]), f"{pattern!r} not in {lines[0]!r}\n{report}"
+    assert "Traceback" not in job.stderr, report
+    assert not error_lines(job.stdout), report
+    assert job.seconds < WALL_S, report
+    if out is not None:
+        assert not os.path.exists(out), f"{out} written by a refused run\n{report}"
+        folder = os.path.dirname(out)
+        leftovers = [f for f in (os.listdir(folder) if os.path.isdir(folder) else [])
+                     if f.startswith(os.path.basename(out)) or ".probe." in f]
+        assert not leftovers, leftovers
+
+
+# ------------------------------------------------------------------------ refused by rank 0
+
+# (id, ranks, args(models, out, tmp_path) -> list, expected message regex)
+VALIDATION = [
+    ("missing-target", 2, lambda m, o, t: ["--target", str(t / "nope"), "--draft", m["draft"],
+                                           "--out", str(o)],
+     r"nope.*(neither a registry name|no such file).*(fix the path|give)"),
+    ("missing-draft", 2, lambda m, o, t: ["--target", m["target"], "--draft", str(t / "gone"),
+                                          "--out", str(o)],
+     r"gone.*(neither a registry name|no such file)"),
+    ("truncated-safetensors", 2, lambda m, o, t: base_args(m, o, draft="truncated_st"),
+     r"truncated_st/model\.safetensors: truncated or corrupt safetensors.*re-download"),
+    ("corrupt-safetensors-header", 2, lambda m, o, t: base_args(m, o, target="corrupt_st"),
+     r"corrupt_st/model\.safetensors: truncated or corrupt safetensors.*re-download"),
+    ("safetensors-header-length-lies", 2, lambda m, o, t: base_args(m, o, draft="huge_header_st"),
+     r"huge_header_st/model\.safetensors: truncated or corrupt safetensors"),
+    ("gguf-truncated-data", 2, lambda m, o, t: base_args(m, o, target="gguf_truncated_data",
+                                                         mode="ar"),
+     r"gguf_truncated_data\.gguf: truncated GGUF file: tensor .* ends at byte \d+ but the file "
+     r"has \d+"),
+    ("gguf-truncated-header", 2, lambda m, o, t: base_args(m, o, target="gguf_truncated_header",
+                                                           mode="ar"),
+     r"gguf_truncated_header\.gguf: truncated (or corrupt )?GGUF file.*re-download"),
+    ("gguf-bad-magic", 2, lambda m, o, t: base_args(m, o, target="gguf_bad_magic", mode="ar"),
+     r"bad_magic\.gguf: .*(corrupt|not a GGUF file).*re-download"),
+    ("unsupported-architecture", 2, lambda m, o, t: base_args(m, o, target="unsupported_arch"),
+     r"unsupported model architecture 'gpt_neox'.*supported: llama.*qwen2"),
+    ("different-tokenizers", 2, lambda m, o, t: base_args(m, o, draft="other_tokenizer"),
+     r"use different tokenizers.*same vocabulary"),
+    ("prompt-longer-than-context", 2,
+     lambda m, o, t: base_args(m, o, target="short_context", prompt="word " * 40),
+     r"prompt 0 has \d+ tokens.*models' context is 32; shorten the prompt"),
+    ("max-new-tokens-overflows-kv", 2,
+     lambda m, o, t: base_args(m, o, max_new_tokens=64) + ["--max-context", "40"],
+     r"--max-context 40 cannot hold.*--max-new-tokens 64; raise it to at least \d+"),
+    ("kv-cache-out-of-memory", 2,
+     lambda m, o, t: base_args(m, o) + ["--max-context", str(10 ** 9)],
+     r"not enough memory: the KV cache .*--max-context 1000000000 slots needs [\d.]+ GiB per "
+     r"rank.*only [\d.]+ GiB is available; lower --max-context"),
+    ("max-new-tokens-zero", 2, lambda m, o, t: base_args(m, o) + ["--max-new-tokens", "0"],
+     r"--max-new-tokens must be a positive integer, got 0"),
+    ("max-new-tokens-negative", 2, lambda m, o, t: base_args(m, o) + ["--max-new-tokens", "-5"],
+     r"--max-new-tokens must be a positive integer, got -5"),
+    ("max-context-zero", 2, lambda m, o, t: base_args(m, o) + ["--max-context", "0"],
+     r"--max-context must be a positive integer, got 0"),
+    ("verify-size-negative", 2, lambda m, o, t: base_args(m, o) + ["--verify-size", "-1"],
+     r"--verify-size must be a positive integer, got -1"),
+    ("temperature-negative", 2, lambda m, o, t: base_args(m, o) + ["--temperature", "-0.5"],
+     r"--temperature must be >= 0.*got -0\.5"),
+    ("temperature-nan", 2, lambda m, o, t: base_args(m, o) + ["--temperature", "nan"],
+     r"--temperature must be >= 0.*got nan"),
+    ("peer-timeout-zero", 2, lambda m, o, t: base_args(m, o) + ["--peer-timeout", "0"],
+     r"--peer-timeout must be positive"),
+    ("draft-ranks-zero", 2, lambda m, o, t: base_args(m, o) + ["--draft-ranks", "0"],
+     r"--draft-ranks must be >= 1 in async mode, got 0"),
+    ("draft-ranks-negative", 2, lambda m, o, t: base_args(m, o) + ["--draft-ranks", "-2"],
+     r"--draft-ranks must be >= 1 in async mode, got -2"),
+    ("draft-ranks-eq-world", 2, lambda m, o, t: base_args(m, o) + ["--draft-ranks", "2"],
+     r"--draft-ranks 2 leaves no verify rank in a world of 2; use at most 1"),
+    ("threads-zero", 2, lambda m, o, t: base_args(m, o) + ["--threads", "0"],
+     r"--threads must be a positive integer, got 0"),
+    ("tp-does-not-divide-heads", 3, lambda m, o, t: base_args(m, o, mode="ar"),
+     r"the target has 4 attention heads, not divisible by its group of 3 ranks"),
+    ("async-on-one-rank", 1, lambda m, o, t: base_args(m, o),
+     r"--mode async needs at least 2 MPI ranks.*mpiexec -n 2"),
+    ("unknown-mode", 2, lambda m, o, t: base_args(m, o, mode="turbo"),
+     r"unknown mode 'turbo'; use --mode async, sync or ar"),
+    ("malformed-jsonl", 2, lambda m, o, t: base_args(m, o, prompts=_jsonl(
+        t, ['{"prompt": "ok"}', "", '{"prompt": "fine"}', '{"prompt": oops}'])),
+     r"bad\.jsonl:4: not valid JSON.*one JSON object like"),
+    ("jsonl-without-prompt", 2, lambda m, o, t: base_args(m, o, prompts=_jsonl(
+        t, ['{"prompt": "ok"}', '{"text": "no prompt key"}'])),
+     r"bad\.jsonl:2: needs a string field \"prompt\""),
+    ("unwritable-output-dir", 2, lambda m, o, t: base_args(m, "/proc/swiftspec-run.h5"),
+     r"cannot write --out /proc/swiftspec-run\.h5: creating a file in /proc fails"),
+    ("output-under-a-file", 2, lambda m, o, t: base_args(m, _file(t) + "/run.h5"),
+     r"cannot create the folder of --out .*/afile/run\.h5 \(.*afile is a file, not a folder\)"),
+    ("output-is-a-folder", 2, lambda m, o, t: base_args(m, t) + ["--overwrite"],
+     r"--out .* is a folder; give a file name"),
+    ("slurm-ntasks-mismatch", 2, lambda m, o, t: base_args(m, o),
+     r"MPI world size is 2 but Slurm started 4 tasks.*--mpi=pmi2"),
+]
+SLURM_ENV = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"}
+
+
+def _jsonl(tmp_path, lines) -> str:
+    p = tmp_path / "bad.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return str(p)
+
+
+def _file(tmp_path) -> str:
+    p = tmp_path / "afile"
+    p.write_text("not a folder")
+    return str(p)
+
+
+@pytest.mark.parametrize("name,n,make_args,pattern", VALIDATION, ids=[c[0] for c in VALIDATION])
+def test_refused_by_rank0(models, tmp_path, name, n, make_args, pattern):
+    out = tmp_path / "out" / "run.h5"
+    env = SLURM_ENV if name == "slurm-ntasks-mismatch" else None
+    job = run_job(n, make_args(models, out, tmp_path), timeout=120, env=env)
+    check_out = None if name in ("unwritable-output-dir", "output-under-a-file",
+                                 "output-is-a-folder") else str(out)
+    assert_clean_user_error(job, pattern, check_out)
+
+
+def test_existing_output_refused_unless_overwrite(models, tmp_path):
+    out = tmp_path / "run.h5"
+    out.write_bytes(b"results of an earlier run")
+    job = run_job(2, base_args(models, out), timeout=120)
+    report = job.report()
+    assert job.proc.returncode == EXIT_USER_ERROR, report
+    lines = error_lines(job.stderr)
+    assert len(lines) == 1 and re.search(r"output file .*run\.h5 already exists; pass --overwrite",
+                                         lines[0]), report
+    assert job.seconds < WALL_S, report
+    assert out.read_bytes() == b"results of an earlier run"   # untouched
+    # (--overwrite replacing it is exercised by test_sigterm_writes_partial_file_and_exits_4)
+
+
+# ------------------------------------------------------------------------ failing while loading
+
+def test_load_error_on_one_rank_ends_all_together(models, tmp_path):
+    """The draft's file is valid but lacks a tensor: only the draft rank notices, while loading;
+    all ranks agree on its error and leave together, the message printed once by rank 0."""
+    out = tmp_path / "run.h5"
+    job = run_job(2, base_args(models, out, draft="missing_tensor"), timeout=180)
+    assert_clean_user_error(job, r"missing_tensor.*'model\.layers\.1\.mlp\.down_proj\.weight'.*"
+                                 r"(missing|lacks)", str(out))
+
+
+def test_bug_while_loading_on_one_rank_ends_all_together(models, tmp_path):
+    """Not a UserError (a bug) on the draft rank while loading: the failing rank prints its
+    traceback, rank 0 the one-line summary naming that rank and role; exit 3, no hang."""
+    out = tmp_path / "run.h5"
+    job = run_job(2, base_args(models, out), timeout=180, fault="1:load:1")
+    report = job.report()
+    assert job.proc.returncode == EXIT_RUNTIME_ERROR, report
+    lines = error_lines(job.stderr)
+    assert len(lines) == 1, report
+    assert re.search(r"rank 1 \(draft\) failed while loading: RuntimeError: injected fault",
+                     lines[0]), report
+    assert job.seconds < WALL_S, report
+    assert not out.exists(), report
+
+
+# ------------------------------------------------------------------------ mid-generation faults
+
+def gen_args(models, prompts, out, *extra):
+    return ["--target", models["target"], "--draft", models["draft"], "--mode", "async",
+            "--prompts", prompts, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
+            "--out", str(out), "--quiet", *extra]
+
+
+def check_partial_file(out, status_pattern: str, last_reason: str) -> list[dict]:
+    """A valid trace with complete=False; finished requests whole; the last one possibly cut
+    short, with a stop_reason matching `last_reason`."""
+    root = read_root(out)
+    assert root["format"] == "swiftspec-trace"
+    assert not bool(root["complete"])
+    assert re.search(status_pattern, root["exit_status"]), root["exit_status"]
+    reqs = read_requests(out)
+    assert reqs, "no request in the partial file"
+    assert [r["index"] for r in reqs] == list(range(len(reqs)))
+    finished = [r for r in reqs if r["stop_reason"] == "max_new_tokens"]
+    for r in finished:
+        assert r["new_tokens"] == NEW_TOKENS == len(r["output_ids"]), r
+        assert r["steps"]["accepted"].sum() == NEW_TOKENS
+    cut = [r for r in reqs if r["stop_reason"] != "max_new_tokens"]
+    assert len(cut) <= 1 and (not cut or cut[0] is reqs[-1]), [r["stop_reason"] for r in reqs]
+    if cut:
+        assert re.fullmatch(last_reason, cut[0]["stop_reason"]), cut[0]["stop_reason"]
+        assert len(cut[0]["output_ids"]) == cut[0]["new_tokens"] < NEW_TOKENS
+    return reqs
+
+
+def test_sigkill_of_draft_rank_ends_job_and_keeps_finished_requests(models, prompts, tmp_path):
+    out = tmp_path / "killed.h5"
+    job = Job(2, gen_args(models, prompts, out))
+    try:
+        job.wait_file(out, min_requests=1)
+        pids = job.wait_ranks(2)
+        os.kill(pids[1], signal.SIGKILL)
+        t_kill = time.monotonic()
+        rc = job.finish(timeout=90)
+        after = time.monotonic() - t_kill
+    finally:
+        job.kill()
+    report = job.report()
+    assert rc != 0, report
+    assert after < WALL_S, f"job took {after:.1f} s to end after the kill\n{report}"
+    assert not job.rank_pids(), "a rank survived"
+    # the launcher SIGKILLs the other ranks at once (hydra even with -disable-auto-cleanup), so
+    # the file is the last checkpoint: its running request, if any, is marked "interrupted"
+    reqs = check_partial_file(out, r"^(running|error: .*rank 1)", "interrupted|error")
+    assert sum(r["stop_reason"] == "max_new_tokens" for r in reqs) >= 1
+
+
+def test_sigterm_writes_partial_file_and_exits_4(models, prompts, tmp_path):
+    """mpiexec (hydra) forwards SIGTERM to every rank, as Slurm does at the time limit."""
+    out = tmp_path / "term.h5"
+    out.write_bytes(b"an older file, replaced because of --overwrite")
+    job = Job(2, gen_args(models, prompts, out, "--overwrite"))
+    try:
+        job.wait_file(out, min_requests=1)
+        job.proc.send_signal(signal.SIGTERM)
+        t_sig = time.monotonic()
+        rc = job.finish(timeout=90)
+        after = time.monotonic() - t_sig
+    finally:
+        job.kill()
+    report = job.report()
+    assert rc == EXIT_INTERRUPTED, report
+    assert after < WALL_S, report
+    assert job.stderr.count("interrupted (signal); writing what was generated") == 1, report
+    assert not error_lines(job.stderr), report
+    reqs = check_partial_file(out, r"^interrupted$", "interrupted")
+    assert len(reqs) < 30
+    assert len(read_root(out)["events"]) > 0
+
+
+def test_hung_draft_rank_is_reported_by_rank_and_role_after_peer_timeout(models, prompts, tmp_path):
+    """SIGSTOP: the draft rank is alive but silent (the launcher sees nothing wrong). The verify
+    leader's deadline (--peer-timeout) names it, writes the file and aborts the job."""
+    out = tmp_path / "hung.h5"
+    job = Job(2, gen_args(models, prompts, out, "--peer-timeout", "4"))
+    pids = {}
+    try:
+        job.wait_file(out, min_requests=1)
+        pids = job.wait_ranks(2)
+        os.kill(pids[1], signal.SIGSTOP)
+        t_stop = time.monotonic()
+        rc = job.finish(timeout=90)
+        after = time.monotonic() - t_stop
+    finally:
+        for pid in pids.values():
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        job.kill()
+    report = job.report()
+    assert rc == EXIT_RUNTIME_ERROR, report
+    assert 4 <= after < WALL_S, f"{after:.1f} s\n{report}"
+    lines = error_lines(job.stderr)
+    assert len(lines) == 1, report
+    assert re.search(r"error on rank 0 \(verify\): no token tree from rank 1 \(draft leader\) "
+                     r"within 4 s \(--peer-timeout\).*raise --peer-timeout", lines[0]), report
+    check_partial_file(out, r"^error: no token tree from rank 1 \(draft leader\)", "error")
+
+
+def test_exception_on_draft_rank_mid_generation(models, prompts, tmp_path):
+    """A bug on the draft rank in the third request or so: it tells rank 0, which prints the
+    one-line error naming rank 1 (draft) once, writes the partial file and aborts the job."""
+    out = tmp_path / "fault.h5"
+    stamp = tmp_path / "fault-time"
+    job = Job(2, gen_args(models, prompts, out), fault="1:expand:150",
+              env={"SWIFTSPEC_FAULT_STAMP": str(stamp)})
+    try:
+        rc = job.finish(timeout=180)
+    finally:
+        job.kill()
+    report = job.report()
+    assert rc == EXIT_RUNTIME_ERROR, report
+    after = job.ended_at - float(stamp.read_text())
+    assert after < WALL_S, f"{after:.1f} s from the fault to the end\n{report}"
+    lines = error_lines(job.stderr)
+    assert len(lines) == 1, report
+    assert re.search(r"error on rank 1 \(draft\): RuntimeError: injected fault in expand",
+                     lines[0]), report
+    assert "Traceback" in job.stderr   # the failing rank's own traceback: it is a bug
+    reqs = check_partial_file(out, r"^error: rank 1 \(draft\) failed: RuntimeError: injected "
+                              r"fault", "error")
+    assert sum(r["stop_reason"] == "max_new_tokens" for r in reqs) >= 1   # ~60 expansions each
