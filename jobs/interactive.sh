@@ -65,7 +65,8 @@ args=(run --mode "$MODE" --prompt "$PROMPT" --max-new-tokens "$MAX_NEW_TOKENS"
 args+=("$@")
 
 # --ntasks: every task of the allocation; --unbuffered: stream each token as the leader prints it;
-# --kill-on-bad-exit=1: one failing rank ends them all; Ctrl-C: srun forwards SIGINT, the engine
-# finishes the step, writes OUT and exits.
+# --kill-on-bad-exit=1: one failing rank ends them all; --quit-on-interrupt: ONE Ctrl-C sends
+# SIGINT to the ranks (without it srun only prints task states and needs a second Ctrl-C), the
+# engine finishes the step, writes OUT and exits; a second Ctrl-C makes srun kill them at once.
 exec srun --mpi="$SRUN_MPI" --ntasks="$ntasks" --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
-    --unbuffered --kill-on-bad-exit=1 swiftspec "${args[@]}"
+    --unbuffered --kill-on-bad-exit=1 --quit-on-interrupt swiftspec "${args[@]}"

@@ -43,7 +43,8 @@ if [[ -n $SWIFTSPEC_VENV ]]; then
     [[ -x $SWIFTSPEC_VENV/bin/swiftspec ]] || die "$SWIFTSPEC_VENV/bin/swiftspec not found; set SWIFTSPEC_VENV"
     export VIRTUAL_ENV=$SWIFTSPEC_VENV PATH=$SWIFTSPEC_VENV/bin:$PATH
 fi
-MPIEXEC=${MPIEXEC:-mpiexec}                 # launcher; with SWIFTSPEC_VENV on PATH first, the mpich wheel's
+MPIEXEC=${MPIEXEC:-mpiexec}                 # launcher: the venv's (the mpich wheel's hydra) comes first on PATH
+MPIEXEC_ARGS=${MPIEXEC_ARGS:-}              # launcher flags, split on spaces (Open MPI: "--oversubscribe --bind-to none")
 command -v swiftspec >/dev/null || die "no swiftspec on PATH; install swiftspec-mpi or set SWIFTSPEC_VENV"
 command -v "$MPIEXEC" >/dev/null || die "no $MPIEXEC on PATH; pip install mpich (or set MPIEXEC)"
 mkdir -p "$(dirname "$OUT")"
@@ -59,6 +60,7 @@ if [[ -n $PROMPTS ]]; then args+=(--prompts "$PROMPTS"); else args+=(--prompt "$
 [[ $OVERWRITE == 1 ]] && args+=(--overwrite)
 args+=("$@")
 
-echo "+ $MPIEXEC -n $NP swiftspec $(printf '%q ' "${args[@]}")" >&2
+read -r -a launcher_args <<< "$MPIEXEC_ARGS"
+echo "+ $MPIEXEC -n $NP ${MPIEXEC_ARGS:+$MPIEXEC_ARGS }swiftspec $(printf '%q ' "${args[@]}")" >&2
 # Ctrl-C: mpiexec forwards SIGINT to the ranks; they finish the step, write OUT and exit non-zero.
-exec "$MPIEXEC" -n "$NP" swiftspec "${args[@]}"
+exec "$MPIEXEC" -n "$NP" "${launcher_args[@]}" swiftspec "${args[@]}"

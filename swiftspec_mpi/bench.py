@@ -381,6 +381,9 @@ def main(args) -> int:
     from swiftspec_mpi.analyze import summarize
     from swiftspec_mpi.trace_read import read_trace
 
+    # SIGTERM (scancel, Slurm's time limit) stops the benchmark like Ctrl-C: the running system
+    # is stopped and the table of what finished is still written
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     systems = parse_systems(args.systems)
     if args.np < 1:
         raise UserError(f"--np must be >= 1, got {args.np}")

@@ -234,7 +234,11 @@ def check_output_path(cfg: RunConfig) -> None:
 
 
 def check_slurm_world(world_size: int) -> None:
-    """A PMI mismatch under srun silently starts N singleton jobs of world size 1."""
+    """A PMI mismatch under srun silently starts N singleton jobs of world size 1.
+
+    Only that symptom is refused: `mpiexec` inside an allocation legitimately runs in a
+    one-task step (MPICH starts its proxies through srun), so SLURM_NTASKS=1 with a larger
+    world is fine."""
     ntasks = os.environ.get("SLURM_NTASKS") or os.environ.get("SLURM_NPROCS")
     if ntasks is None or os.environ.get("SLURM_JOB_ID") is None:
         return
@@ -244,7 +248,7 @@ def check_slurm_world(world_size: int) -> None:
         n = int(ntasks)
     except ValueError:
         return
-    if n != world_size:
+    if world_size == 1 and n > 1:
         raise UserError(f"MPI world size is {world_size} but Slurm started {n} tasks: srun and the "
                         "MPI library disagree on PMI. Use srun --mpi=pmi2 for MPICH (the mpich wheel) "
                         "or --mpi=pmix for Open MPI, or launch with mpiexec inside the allocation")

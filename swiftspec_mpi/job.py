@@ -47,8 +47,8 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
     `ranks_on_node`: the ranks sharing rank 0's node (its memory)."""
     toml_values = C.load_toml(config_path) if config_path else {}
     cfg = C.merge(toml_values, flags)
+    C.check_slurm_world(world_size)   # first: a PMI mismatch explains every other symptom
     C.validate_basic(cfg, world_size)
-    C.check_slurm_world(world_size)
     C.check_output_path_default(cfg)
     # cheap checks that need no model first (fail fast); then the models' configs and headers
     C.check_output_path(cfg)
@@ -372,6 +372,7 @@ class Job:
                                  tokenizer)
         self.ctx.expansions = cfg.expansions or profile_expansions(self.ctx)
         self.env = environment(cfg, topo, self.device, self.threads, self.ctx.expansions)
+        self.env["profile"] = self.ctx.scratch.get("profile", {})
         if self.rank == 0:
             self.ctx.on_progress = self.maybe_checkpoint
         del torch
@@ -458,11 +459,20 @@ class Job:
                     r.t_end = self.ctx.clock.now() if self.ctx else 0.0
                     r.stop_reason = "interrupted"
             self.write(complete=False, status="interrupted", events=None)
+        together = False
         try:   # let rank 0 finish writing before anyone leaves (a leaving rank may end the job)
             wait_for(self.world.Ibarrier(), 20.0, "ranks at shutdown", StopFlag())
+            together = True
         except Exception:  # noqa: BLE001
             pass
         sys.stdout.flush(), sys.stderr.flush()
+        if together:   # finalize (frees MPICH's /dev/shm segment) unless it would hang
+            import threading
+
+            from mpi4py import MPI
+            t = threading.Thread(target=MPI.Finalize, daemon=True)
+            t.start()
+            t.join(5.0)
         os._exit(EXIT_INTERRUPTED)
 
     def fail(self, exc: BaseException) -> int:
@@ -574,31 +584,38 @@ def kv_bytes_estimate(cfg, topo) -> int:
 
 
 def profile_expansions(ctx) -> int:
-    """d = floor(t_target / t_draft) from a few timed forwards of each model at the verify and
-    expansion shapes (they also warm the kernels up). Writes only scratch KV slots."""
+    """Warm every forward shape the loops use (CUDA graphs are captured here, kernels compiled,
+    caches touched), then d = floor(t_target / t_draft) from timed forwards at the verify and
+    expansion shapes. Writes only scratch KV slots; runs before the job clock starts counting
+    requests, so no request pays for a cold start."""
     import torch
 
     from swiftspec_mpi.model import chain_mask
     cfg = ctx.cfg
-    if cfg.mode == "ar":
-        return 1
 
-    def step_time(model, n):
-        dev = getattr(model, "device", "cpu")
-        tokens = torch.zeros(n, dtype=torch.long, device=dev)
-        pos = torch.arange(n, dtype=torch.long, device=dev)
-        mask = chain_mask(0, n).to(dev)
+    def step_time(model, n, reps=6):
+        cuda = str(getattr(model, "device", "cpu")).startswith("cuda")
+        tokens = torch.zeros(n, dtype=torch.long)
+        pos = torch.arange(n, dtype=torch.long)
+        mask = chain_mask(0, n)
         times = []
-        for _ in range(6):
-            if str(dev).startswith("cuda"):
+        for _ in range(reps):
+            if cuda:
                 torch.cuda.synchronize()
             t = time.perf_counter()
             model.forward(tokens, pos, 0, mask)
-            if str(dev).startswith("cuda"):
+            if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
         return float(min(times[1:]))   # the least disturbed of the timed runs
 
+    warm = {"target": (1, 2, cfg.verify_size, 16), "draft": (1, 2, cfg.tree_width)}
+    for role, model in (("target", ctx.target), ("draft", ctx.draft)):
+        if model is not None:
+            for n in warm[role]:
+                step_time(model, n, reps=2)
+    if cfg.mode == "ar":
+        return 1
     if cfg.mode == "sync":
         t_target = step_time(ctx.target, cfg.verify_size)
         t_draft = step_time(ctx.draft, cfg.tree_width)
@@ -611,8 +628,15 @@ def profile_expansions(ctx) -> int:
         else:
             t_draft = step_time(ctx.draft, cfg.tree_width)
             t_target = exchange_profile(ctx, t_draft)
+    d = max(1, min(cfg.max_depth, int(t_target // max(t_draft, 1e-9))))
+    # Every rank of a group must make the same number of draft expansions per step (sync mode:
+    # each is a tensor-parallel forward, i.e. collectives). The timings above differ a little
+    # from rank to rank, so d could too, and the ranks would deadlock in mismatched
+    # collectives: the group leader's measurement decides for the whole group.
+    if ctx.topo.group.Get_size() > 1:
+        t_target, t_draft, d = ctx.topo.group.bcast((t_target, t_draft, d), root=0)
     ctx.scratch["profile"] = {"t_target_s": t_target, "t_draft_s": t_draft}
-    return max(1, min(cfg.max_depth, int(t_target // max(t_draft, 1e-9))))
+    return d
 
 
 def environment(cfg, topo, device, threads, expansions) -> dict:

@@ -83,6 +83,7 @@ def wait_for(req: MPI.Request, timeout: float, what: str, stop_flag: StopFlag,
         if spins % 256 == 0:
             if stop_flag:
                 req.Cancel()
+                req.Wait()
                 raise Interrupted()
             if watch is not None:
                 watch.check()

@@ -299,6 +299,8 @@ def _install_fault(spec: str) -> None:
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] != "--fault":
         raise SystemExit("usage: reliability_helpers.py --fault RANK:WHERE:N run ARGS...")
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1)       # `kill -USR1 PID`: the rank's Python stacks
     _install_fault(argv[1])
     from swiftspec_mpi.cli import main as cli_main
     return cli_main(argv[2:])

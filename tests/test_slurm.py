@@ -116,7 +116,7 @@ def workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def base_env(tiny) -> dict[str, str]:
-    """Knobs every engine job gets: the tiny models, our venv, few tokens, quiet CPU."""
+    """Knobs every engine job gets: the tiny models, this venv, few tokens, float32 (exact on CPU)."""
     return {**tiny, "SWIFTSPEC_VENV": str(VENV), "MAX_NEW_TOKENS": str(MAX_NEW), "DTYPE": "float32"}
 
 
@@ -195,7 +195,8 @@ def test_generate_async_job(slurm_cluster, generated):
     trace = read_trace(job["h5"])
     assert_good_trace(trace, "async", world=2, n_requests=len(PROMPTS))
     env = json.loads(trace["root"]["env_json"])
-    assert "2" in json.dumps(env)  # world size recorded
+    assert env["world_size"] == 2 and env["verify_ranks"] == 1 and env["draft_ranks"] == 1, env
+    assert env["slurm_job_id"] == str(job["id"]), env
     log = slurm_cluster.job_output(job["id"])
     assert "swiftspec exited with status 0" in log, log
 
