@@ -520,8 +520,11 @@ def build_tokenizer(meta: dict, path: str = "<gguf>"):
     for i, t in enumerate(tokens):
         vocab[t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))] = i
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = Tokenizer(BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
-                        end_of_word_suffix="", fuse_unk=False))
+    try:   # corrupt tokens/merges: tokenizers raises a bare Exception ("out of vocabulary")
+        tok = Tokenizer(BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
+                            end_of_word_suffix="", fuse_unk=False))
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{path}: corrupt GGUF tokenizer ({exc}); {_FIX}") from None
     if pre in _PRE_QWEN2:
         tok.normalizer = normalizers.NFC()
         split = _QWEN2_SPLIT

@@ -7,7 +7,8 @@ Fault injection, test-only (nothing in the package knows about it): run the rank
     mpiexec -n 2 python tests/reliability_helpers.py --fault RANK:WHERE:N run ARGS...
 
 and world rank RANK raises RuntimeError("injected fault ...") at the N-th call of WHERE
-(`expand`: DraftSide.expand, `verify`: TargetSide.forward_tree, `load`: checkpoint.load_model);
+(`expand`: DraftSide.expand, `verify`: TargetSide.forward_tree, `load`: checkpoint.load_model,
+`validate`: job.prepare_config, rank 0's validation);
 every other rank runs `swiftspec run ARGS` unchanged. With SWIFTSPEC_FAULT_STAMP=FILE in the
 environment, the faulty rank writes time.time() to FILE when it raises.
 """
@@ -260,6 +261,31 @@ def gguf_data_start(path: str) -> int:
     return start
 
 
+def gguf_spans(path: str) -> list[tuple[str, int, int, str]]:
+    """(label, byte offset, byte length, kind) of every scalar or string metadata value and of
+    each tensor's n_dims, dims, type and data offset: the fields a structural fuzzer rewrites.
+    kind: "int", "float" or "bytes"."""
+    import gguf
+    r = gguf.GGUFReader(path, "r")
+    spans = []
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or len(f.types) != 1:
+            continue                                   # arrays: left to the byte fuzzer
+        t = f.types[0]
+        pos = f.offset + sum(int(p.nbytes) for p in f.parts[:-1])
+        kind = {gguf.GGUFValueType.FLOAT32: "float", gguf.GGUFValueType.FLOAT64: "float",
+                gguf.GGUFValueType.STRING: "bytes"}.get(t, "int")
+        spans.append((key, pos, int(f.parts[-1].nbytes), kind))
+    for t in r.tensors:
+        parts = t.field.parts            # name_len, name, n_dims, dims, type, offset
+        pos = t.field.offset + int(parts[0].nbytes) + int(parts[1].nbytes)
+        for label, part in zip(("n_dims", "dims", "type", "offset"), parts[2:]):
+            spans.append((f"{t.name}.{label}", pos, int(part.nbytes), "int"))
+            pos += int(part.nbytes)
+    del r
+    return spans
+
+
 # ----------------------------------------------------------------------------- fault injection
 
 def _install_fault(spec: str) -> None:
@@ -277,6 +303,9 @@ def _install_fault(spec: str) -> None:
     elif where == "load":
         from swiftspec_mpi import checkpoint as mod
         owner, attr = mod, "load_model"
+    elif where == "validate":
+        from swiftspec_mpi import job as mod
+        owner, attr = mod, "prepare_config"
     else:
         raise SystemExit(f"unknown fault point {where!r}")
     original = getattr(owner, attr)

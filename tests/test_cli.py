@@ -1,0 +1,76 @@
+"""The command line a user meets first: help texts, the console script, python -m, TOML config
+precedence, and one-line errors for bad values (no traceback)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swiftspec_mpi.cli import SUBCOMMANDS
+
+BIN = Path(sys.executable).parent
+
+
+def run(*args, timeout=120):
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+
+
+def test_console_script_lists_every_subcommand():
+    proc = run(str(BIN / "swiftspec"), "--help")
+    assert proc.returncode == 0
+    for name in ("run", "analyze", "bench", "tiny-checkpoint", "models"):
+        assert name in proc.stdout
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_each_subcommand_has_help(name):
+    proc = run(sys.executable, "-m", "swiftspec_mpi", name, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: swiftspec" in proc.stdout and len(proc.stdout.splitlines()) > 5
+
+
+def test_run_help_explains_every_option():
+    proc = run(sys.executable, "-m", "swiftspec_mpi", "run", "--help")
+    for flag in ("--target", "--draft", "--mode", "--draft-ranks", "--prompt", "--prompts",
+                 "--max-new-tokens", "--temperature", "--seed", "--dtype", "--out", "--chat", "--config"):
+        assert flag in proc.stdout
+
+
+def test_toml_config_and_flag_precedence(tmp_path):
+    from swiftspec_mpi.config import load_toml, merge
+    cfg_file = tmp_path / "run.toml"
+    cfg_file.write_text('mode = "sync"\nmax-new-tokens = 32\ntemperature = 0.5\nstop = ["###"]\n')
+    values = load_toml(str(cfg_file))
+    cfg = merge(values, {"max_new_tokens": 7, "mode": None})
+    assert cfg.mode == "sync" and cfg.max_new_tokens == 7 and cfg.temperature == 0.5
+    assert cfg.stop == ["###"]
+
+
+def test_toml_unknown_key_is_one_clear_error(tmp_path):
+    cfg_file = tmp_path / "bad.toml"
+    cfg_file.write_text("max_new_tokenz = 3\n")
+    proc = run(sys.executable, "-m", "swiftspec_mpi", "run", "--config", str(cfg_file))
+    assert proc.returncode == 2
+    assert "unknown key 'max_new_tokenz'" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--mode", "fast"], "unknown mode 'fast'"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--mode", "async"], "needs at least 2 MPI ranks"),
+    (["--mode", "ar", "--draft-ranks", "1"], "--draft-ranks applies to --mode async only"),
+])
+def test_bad_values_fail_with_one_line(args, needle):
+    proc = run(sys.executable, "-m", "swiftspec_mpi", "run", *args)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_python_m_and_console_script_agree():
+    a = run(sys.executable, "-m", "swiftspec_mpi", "--version")
+    b = run(str(BIN / "swiftspec"), "--version")
+    assert a.returncode == b.returncode == 0 and a.stdout == b.stdout and "swiftspec-mpi" in a.stdout
