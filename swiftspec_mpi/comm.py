@@ -27,7 +27,8 @@ class SingleComm:
         return t
 
 
-_TORCH_TO_NP_OK = {torch.float32, torch.float64, torch.float16, torch.int32, torch.int64}
+# dtypes MPI reduces natively through a numpy view (float16/bfloat16 go through float32)
+_TORCH_TO_NP_OK = {torch.float32, torch.float64, torch.int32, torch.int64}
 
 
 class MpiGroupComm:
@@ -63,7 +64,7 @@ class MpiGroupComm:
         t0 = time.perf_counter()
         if t.dtype in _TORCH_TO_NP_OK:
             self.comm.Allreduce(self._MPI.IN_PLACE, t.numpy())
-        else:  # bfloat16 (and anything numpy cannot view): float32 staging
+        else:  # bfloat16 / float16 (no portable MPI type): float32 staging
             s = self._staging(t.numel())
             s.copy_(t.reshape(-1))
             self.comm.Allreduce(self._MPI.IN_PLACE, s.numpy())

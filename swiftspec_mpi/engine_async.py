@@ -4,9 +4,15 @@ verify step over the inter-communicator.
 
     draft leader                              verify leader
     ------------                              -------------
-    expand w best leaves (repeat)  <- poll -  forward(subtree) on committed KV
+    expand w best leaves (repeat)  <- poll -  forward(best bs nodes) on committed KV
     on RESULT: re-root, move KV               accept path (+ bonus), commit KV, stream text
-    when verify is idle: SEND best subtree -> wait for the next subtree (deadline)
+    then SEND best 4*bs nodes      ------->   next tree: the newest that reaches the current
+                                              root, else the remnant of the last one under
+                                              the bonus token; wait only when neither has a
+                                              drafted node (deadline)
+
+Beyond the paper: the verify group does not idle for the draft's re-root round trip when the
+bonus token was already drafted — it continues on its copy of the last tree it got.
 
 Group members (tensor parallel ranks) mirror their leader: every decision is broadcast in a
 preallocated buffer, so the tree and KV of every rank of a group stay identical.
@@ -20,17 +26,79 @@ from swiftspec_mpi.decoding import Acceptor, DraftSide, OutputTracker, TargetSid
 from swiftspec_mpi.engine_context import EngineContext, comm_seconds, make_topk_share
 from swiftspec_mpi.errors import PeerError
 from swiftspec_mpi.protocol import TAG_RESULT, TAG_TREE, LeaderChannel, wait_for
+from swiftspec_mpi.sent_tree import reroot_sent_tree
 from swiftspec_mpi.trace import KIND
 
 ACT_EXPAND, ACT_SEND, ACT_RESULT = 1, 2, 3
+
+
+def send_size(cfg) -> int:
+    """Nodes per tree message: 4 x bs, so the verify leader can continue under the bonus token
+    for a step or two without waiting for the draft's next tree."""
+    return min(cfg.tree_capacity, 4 * cfg.verify_size)
+
+
+class TreeInbox:
+    """The verify leader's side of the tree messages: the newest tree that reaches the current
+    root (arrived ones re-rooted along the committed tokens) or, failing that, the remnant of
+    the tree it verified last (see sent_tree.py)."""
+
+    def __init__(self, ctx: EngineContext, chan: LeaderChannel, request: int):
+        self.ctx, self.chan, self.request = ctx, chan, request
+        self.req = ctx.topo.inter.Irecv(chan.tree, source=0, tag=TAG_TREE)
+        self.local = None          # (tokens, parents) rooted at the current root, best-first
+        self.acked = False         # the draft's end-of-request acknowledgement arrived
+
+    def _take(self, committed: list[int]) -> None:
+        """Consume the arrived message; keep it if it re-roots onto the current root."""
+        req_id, _seq, root_pos, tokens, parents = self.chan.unpack_tree()
+        self.req = self.ctx.topo.inter.Irecv(self.chan.tree, source=0, tag=TAG_TREE)
+        if req_id != self.request:
+            raise PeerError(f"tree for request {req_id} while verifying request {self.request}")
+        if len(tokens) == 0:
+            self.acked = True
+            return
+        P = len(committed) - 1
+        if root_pos > P or committed[root_pos] != tokens[0]:
+            raise PeerError(f"draft tree rooted at position {root_pos} (token {tokens[0]}) does not "
+                            f"match the committed sequence (length {len(committed)})")
+        fresh = reroot_sent_tree(tokens, parents, committed[root_pos + 1:])
+        if fresh is not None and len(fresh[0]) > 1:
+            self.local = fresh
+
+    def next_tree(self, committed: list[int], bs: int, wait_what: str):
+        """-> (tokens int64[n <= bs], parents int32[n]) to verify now; blocks only when neither a
+        fresh tree nor a remnant with at least one drafted node is at hand."""
+        while self.req.Test():
+            self._take(committed)
+        while self.local is None or len(self.local[0]) < 2:
+            wait_for(self.req, self.ctx.cfg.peer_timeout, wait_what, self.ctx.stop_flag, self.ctx.watch)
+            self._take(committed)
+        return self.local[0][:bs], self.local[1][:bs]
+
+    def advance(self, accepted: np.ndarray) -> None:
+        """The step committed `accepted` (draft tokens + bonus): keep what lies under them."""
+        self.local = reroot_sent_tree(self.local[0], self.local[1], accepted)
+
+    def drain_until_ack(self, committed: list[int]) -> None:
+        """End of request: receive every tree still in flight, up to the draft's acknowledgement,
+        so nothing of this request is left unmatched."""
+        while not self.acked:
+            wait_for(self.req, self.ctx.cfg.peer_timeout, "end-of-request acknowledgement from the "
+                     "draft leader", self.ctx.stop_flag, self.ctx.watch)
+            req_id, _seq, _root, tokens, _parents = self.chan.unpack_tree()
+            if len(tokens) == 0 and req_id == self.request:
+                self.acked = True
+            else:
+                self.req = self.ctx.topo.inter.Irecv(self.chan.tree, source=0, tag=TAG_TREE)
 
 
 def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
                 tracker: OutputTracker | None, acceptor: Acceptor) -> None:
     cfg, rec, clock, topo = ctx.cfg, ctx.recorder, ctx.clock, ctx.topo
     leader = topo.is_leader
-    chan = ctx.scratch.setdefault("chan", LeaderChannel(cfg.verify_size))
     bs = cfg.verify_size
+    chan = ctx.scratch.setdefault("chan", LeaderChannel(bs, send_size(cfg)))
     target = TargetSide(ctx.target)
     decision = np.zeros(3 + bs, dtype=np.int64)   # [a, done, taken, path[bs]]
 
@@ -38,20 +106,22 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
     target.prefill(prompt_ids)
     rec.record(KIND["prefill"], request, 0, t0, clock.now(), len(prompt_ids), 0,
                comm_seconds(ctx.target) - c0)
-    tree_req = topo.inter.Irecv(chan.tree, source=0, tag=TAG_TREE) if leader else None
+    inbox = TreeInbox(ctx, chan, request) if leader else None
+    committed = list(prompt_ids) if leader else None
+    wait_what = f"token tree from rank {topo.verify_size} (draft leader)"
     step = 0
     while True:
         tw = clock.now()
         if leader:
-            wait_for(tree_req, cfg.peer_timeout,
-                     f"token tree from rank {topo.verify_size} (draft leader)", ctx.stop_flag, ctx.watch)
+            tokens, parents = inbox.next_tree(committed, bs, wait_what)
+            chan.pack_tree(request, step, target.P, tokens, parents)
         else:
             ctx.check_stop()
         ctx.bcast(chan.tree)
-        req_id, seq, root_pos, tokens, parents = chan.unpack_tree()
-        if req_id != request or root_pos != target.P:
-            raise PeerError(f"draft/verify out of step: tree for request {req_id} at position "
-                            f"{root_pos}, verify is at request {request} position {target.P}")
+        _req, _seq, root_pos, tokens, parents = chan.unpack_tree()
+        if root_pos != target.P:
+            raise PeerError(f"verify group out of step: tree at position {root_pos}, "
+                            f"target KV at {target.P}")
         tv = clock.now()
         rec.record(KIND["wait"], request, step, tw, tv)
         cv = comm_seconds(ctx.target)
@@ -73,11 +143,14 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
                    comm_seconds(ctx.target) - cv)
         if leader:
             result.steps.append((step, len(tokens), int(decision[2]), tw, t_end))
-            if not done:   # post the receive for the next tree before the draft can send it
-                tree_req = topo.inter.Irecv(chan.tree, source=0, tag=TAG_TREE)
             ts = clock.now()
-            topo.inter.Send(chan.pack_result(request, seq, accepted, done), dest=0, tag=TAG_RESULT)
+            topo.inter.Send(chan.pack_result(request, step, accepted, done), dest=0, tag=TAG_RESULT)
             rec.record(KIND["send"], request, step, ts, clock.now(), a)
+            if done:
+                inbox.drain_until_ack(committed)
+            else:
+                committed.extend(int(t) for t in accepted)
+                inbox.advance(accepted)
             if ctx.on_progress is not None:
                 ctx.on_progress()
         if done:
@@ -86,10 +159,13 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
 
 
 def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
+    """Expand the best leaves without pause; after every verify result re-root and send the best
+    `send_size` nodes at once (one tree per batch of results); at the end of the request send
+    the acknowledgement (an empty tree)."""
     cfg, rec, clock, topo = ctx.cfg, ctx.recorder, ctx.clock, ctx.topo
     leader = topo.is_leader
-    bs, w, k = cfg.verify_size, cfg.tree_width, cfg.tree_topk
-    chan = ctx.scratch.setdefault("chan", LeaderChannel(bs))
+    bs, w, k, m = cfg.verify_size, cfg.tree_width, cfg.tree_topk, send_size(cfg)
+    chan = ctx.scratch.setdefault("chan", LeaderChannel(bs, m))
     control = ctx.scratch.setdefault("control", np.zeros(3 + bs, dtype=np.int64))  # [act, a, done, accepted]
     share = make_topk_share(ctx, np.zeros((w, k), dtype=np.int64), np.zeros((w, k), dtype=np.float32))
     draft = DraftSide(ctx.draft, w, k, cfg.tree_capacity, cfg.max_depth)
@@ -98,8 +174,8 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     draft.prefill(prompt_ids)
     rec.record(KIND["prefill"], request, 0, t0, clock.now(), len(prompt_ids), 0,
                comm_seconds(ctx.draft) - c0)
-    pending = False            # a subtree is out for verification
-    result_req = None
+    owe_tree = True            # the verify group has not seen the current root yet
+    result_req = topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT) if leader else None
     seq = 0
     n_expand = 0
     while True:
@@ -107,50 +183,50 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
         if leader:
             ctx.check_stop()
             leaves = None
-            if pending and result_req.Test():
+            if result_req.Test():
                 action = ACT_RESULT
-            elif not pending and draft.root_expanded():
+            elif owe_tree and draft.root_expanded():
                 action = ACT_SEND
             else:
                 leaves = draft.select()
                 if len(leaves):
                     action = ACT_EXPAND
-                elif pending:   # tree (or KV) full: nothing to do but wait for the verdict
+                else:   # tree (or KV) full: nothing to do but wait for the next verdict
                     tw = clock.now()
                     wait_for(result_req, cfg.peer_timeout, "verify result from rank 0 (verify leader)",
                              ctx.stop_flag, ctx.watch)
                     rec.record(KIND["wait"], request, n_expand, tw, clock.now())
                     action = ACT_RESULT
-                else:
-                    raise RuntimeError("draft tree cannot grow and nothing is being verified: "
-                                       "raise --tree-capacity or --max-context")
             control[0] = action
             if action == ACT_RESULT:
-                r_req, r_seq, accepted, done = chan.unpack_result()
-                if r_req != request or r_seq != seq - 1:
-                    raise PeerError(f"verify result for request {r_req} step {r_seq}, draft expected "
-                                    f"request {request} step {seq - 1}")
+                r_req, _r_step, accepted, done = chan.unpack_result()
+                if r_req != request:
+                    raise PeerError(f"verify result for request {r_req}, draft is on request {request}")
                 control[1], control[2] = len(accepted), int(done)
                 control[3:3 + len(accepted)] = accepted
+                if done:   # acknowledge: no tree of this request will follow
+                    topo.inter.Send(chan.pack_tree(request, seq, 0, np.zeros(0, np.int64),
+                                                   np.zeros(0, np.int32)), dest=0, tag=TAG_TREE)
+                else:
+                    result_req = topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT)
         ctx.bcast(control)
         action = int(control[0])
         # 2. every rank of the group applies it
         if action == ACT_RESULT:
-            pending = False
             if control[2]:
                 return
             tr = clock.now()
             kept = draft.reroot(control[3:3 + int(control[1])].copy(), share)
             rec.record(KIND["reroot"], request, seq, tr, clock.now(), 0, kept)
+            owe_tree = True
         elif action == ACT_SEND:
             ts = clock.now()
-            tokens, parents = draft.best_subtree(bs)
+            tokens, parents = draft.best_subtree(m)
             if leader:
-                result_req = topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT)
                 topo.inter.Send(chan.pack_tree(request, seq, draft.tree.root_pos, tokens, parents),
                                 dest=0, tag=TAG_TREE)
             rec.record(KIND["send"], request, seq, ts, clock.now(), len(tokens))
-            pending = True
+            owe_tree = False
             seq += 1
         else:
             if not leader:

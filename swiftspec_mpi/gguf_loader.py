@@ -340,7 +340,13 @@ class GGUFSource:
         self.path = os.fspath(path)
         self.dtype = dtype
         self._header = h = _read_header(self.path)
-        self.config = config_from_header(h)
+        try:
+            self.config = config_from_header(h)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - corrupt values: head_count 0, a string count...
+            raise CheckpointError(f"{self.path}: corrupt GGUF metadata ({type(exc).__name__}: "
+                                  f"{exc}); {_FIX}") from None
         import gguf
 
         self._names: dict[str, _TensorInfo] = {}

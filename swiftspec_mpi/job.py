@@ -57,8 +57,9 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
     else:
         cfg.requests = [C.Request(0, cfg.prompt if cfg.prompt is not None else DEFAULT_PROMPT)]
     tcfg, ttok, dcfg = resolve_models(cfg)
-    for path in dict.fromkeys(p for p in (cfg.target, cfg.draft) if p is not None):
-        check_weight_files(path)
+    for path, mcfg in {cfg.target: tcfg, cfg.draft: dcfg}.items():
+        if path is not None:
+            check_weight_files(path, mcfg)
     # tensor-parallel degrees must divide the heads
     if cfg.mode == "async":
         groups = [("target", tcfg, world_size - cfg.draft_ranks), ("draft", dcfg, cfg.draft_ranks)]
@@ -96,16 +97,36 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
     return cfg
 
 
-def check_weight_files(path: str) -> None:
-    """Validate the safetensors headers of a Hugging Face folder against the file sizes (cheap:
-    the JSON headers only, no torch), so a truncated or corrupt weights file fails here on rank 0
-    instead of after every rank loaded its other model. GGUF headers and extents were already
-    checked by read_model_config. Raises CheckpointError (a UserError)."""
+def check_weight_files(path: str, mcfg=None) -> None:
+    """Rank 0's cheap check of a checkpoint's weight files (headers only, no torch, no weights
+    read), so a broken file fails here instead of after every rank loaded its other model:
+
+    - HF folder: every safetensors header parses and matches its file size;
+    - both formats, given the checkpoint's ModelConfig `mcfg`: the tensor table agrees with it
+      (each tensor the model reads is there with the shape the config implies). A config that
+      disagrees with its tensors (a corrupt GGUF metadata value, an edited config.json) would
+      otherwise make every rank allocate what the config says: a giant allocation, an hour in
+      a loop, or the OOM killer, instead of this one line.
+    Raises CheckpointError (a UserError)."""
+    if os.path.isdir(path):
+        shapes = _safetensors_shapes(path)
+    else:
+        from swiftspec_mpi import gguf_loader
+        src = gguf_loader.GGUFSource(path)       # the header read_model_config parsed (cached)
+        try:
+            shapes = {name: tuple(src.shape(name)) for name in src.names()}
+        finally:
+            src.close()
+    if mcfg is not None:
+        check_shapes(path, mcfg, shapes)
+
+
+def _safetensors_shapes(path: str) -> dict:
     import json
 
+    from safetensors import safe_open
+
     from swiftspec_mpi.errors import CheckpointError
-    if not os.path.isdir(path):
-        return
     fix = "re-download or re-convert the checkpoint"
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -121,17 +142,65 @@ def check_weight_files(path: str) -> None:
         if not files:
             raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json "
                                   f"(pickled *.bin/*.pt weights are never loaded); {fix}")
-    from safetensors import safe_open
+    shapes = {}
     for name in files:
         file = os.path.join(path, str(name))
         if not os.path.isfile(file):
             raise CheckpointError(f"{file}: missing; {fix}")
         try:
-            with safe_open(file, framework="numpy"):
-                pass
+            with safe_open(file, framework="numpy") as h:
+                for key in h.keys():
+                    shapes[key] = tuple(h.get_slice(key).get_shape())
         except Exception as exc:  # noqa: BLE001 - SafetensorError: bad header or size
             raise CheckpointError(f"{file}: truncated or corrupt safetensors file ({exc}); "
                                   f"{fix}") from None
+    return shapes
+
+
+def check_shapes(path: str, m, shapes: dict) -> None:
+    """CheckpointError unless `shapes` (HF tensor name -> shape) holds every tensor the
+    Transformer of ModelConfig `m` reads, with the shape `m` implies (extra tensors are fine)."""
+    import re
+
+    from swiftspec_mpi.errors import CheckpointError
+    where = "config.json" if os.path.isdir(path) else "GGUF metadata"
+    fix = "the config does not belong to these weights (or the file is corrupt); re-download " \
+          "or re-convert the checkpoint"
+    layers = {int(g.group(1)) for g in map(re.compile(r"model\.layers\.(\d+)\.").match, shapes) if g}
+    n_file = max(layers) + 1 if layers else 0
+    dims = dict(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
+                num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                intermediate_size=m.intermediate_size, vocab_size=m.vocab_size)
+    bad = [f"{k}={v}" for k, v in dims.items() if not 0 < v < 1 << 31]
+    if bad:
+        raise CheckpointError(f"{path}: {where} has {', '.join(bad)}; {fix}")
+    if m.num_layers > n_file:
+        raise CheckpointError(f"{path}: {where} says {m.num_layers} layers but the weights hold "
+                              f"{n_file}; {fix}")
+    H, hd, I, V = m.hidden_size, m.head_dim, m.intermediate_size, m.vocab_size
+    q, kv = m.num_heads * hd, m.num_kv_heads * hd
+    want = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not m.tie_word_embeddings:
+        want["lm_head.weight"] = (V, H)
+    for i in range(m.num_layers):
+        p = f"model.layers.{i}."
+        want.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                     p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                     p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+                     p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+                     p + "mlp.down_proj.weight": (H, I)})
+        if m.attention_bias:
+            want.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                         p + "self_attn.v_proj.bias": (kv,)})
+        if m.o_bias:
+            want[p + "self_attn.o_proj.bias"] = (H,)
+    for name, shape in want.items():
+        got = shapes.get(name)
+        if got is None:
+            raise CheckpointError(f"{path}: lacks tensor {name!r}; {fix}")
+        if tuple(got) != shape:
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {list(got)} but the "
+                                  f"{where} implies {list(shape)}; {fix}")
 
 
 def _host_memory_available() -> int | None:
@@ -243,20 +312,46 @@ def resolve_models(cfg: C.RunConfig):
             cfg.draft = _resolve(cfg.draft, "draft") if cfg.draft is not None else cfg.target
         else:
             cfg.draft = None
-    tcfg = checkpoint.read_model_config(cfg.target)
-    ttok = checkpoint.load_tokenizer(cfg.target)
+    tcfg = _checked(checkpoint.read_model_config, cfg.target, "target")
+    ttok = _checked(checkpoint.load_tokenizer, cfg.target, "target")
+    if ttok.vocab_size > tcfg.vocab_size:
+        raise UserError(f"--target {cfg.target}: the tokenizer has {ttok.vocab_size} tokens but the "
+                        f"model only {tcfg.vocab_size} embeddings; the tokenizer does not belong "
+                        "to this model")
     dcfg = None
     if cfg.draft is not None:
-        dcfg = checkpoint.read_model_config(cfg.draft)
+        dcfg = _checked(checkpoint.read_model_config, cfg.draft, "draft")
         if cfg.draft_layers is not None and cfg.draft_layers > dcfg.num_layers:
             raise UserError(f"--draft-layers {cfg.draft_layers} exceeds the draft's "
                             f"{dcfg.num_layers} layers")
-        dtok = checkpoint.load_tokenizer(cfg.draft) if cfg.draft != cfg.target else ttok
+        dtok = _checked(checkpoint.load_tokenizer, cfg.draft, "draft") \
+            if cfg.draft != cfg.target else ttok
         if dtok.fingerprint() != ttok.fingerprint():
             raise UserError(f"draft {cfg.draft} and target {cfg.target} use different tokenizers; "
                             "speculative decoding needs the same vocabulary: pick a draft of the "
                             "target's family")
+        if dtok.vocab_size > dcfg.vocab_size:
+            raise UserError(f"--draft {cfg.draft}: the tokenizer has {dtok.vocab_size} tokens but "
+                            f"the model only {dcfg.vocab_size} embeddings; pick a draft of the "
+                            "target's family")
     return tcfg, ttok, dcfg
+
+
+def _checked(read, path: str, role: str):
+    """read(path), its errors naming the model: a CheckpointError that does not say which file
+    gets "--ROLE PATH: " in front; any other exception (a config value that breaks the parser,
+    e.g. num_attention_heads 0) becomes a CheckpointError too, instead of a traceback."""
+    from swiftspec_mpi.errors import CheckpointError
+    try:
+        return read(path)
+    except CheckpointError as exc:
+        msg = str(exc)
+        if path in msg:
+            raise
+        raise CheckpointError(f"--{role} {path}: {msg}") from None
+    except (ValueError, TypeError, KeyError, ZeroDivisionError, OverflowError, AttributeError) as exc:
+        raise CheckpointError(f"--{role} {path}: its config cannot be read ({type(exc).__name__}: "
+                              f"{exc}); re-download or re-convert the checkpoint") from None
 
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."

@@ -1,7 +1,7 @@
 """Messages between ranks and waiting with a deadline.
 
 Leader to leader (inter-communicator, async mode), fixed-size int64 buffers allocated once:
-  TREE   draft -> verify : [TREE, request, seq, n, root_pos, tokens[bs], parents[bs]]
+  TREE   draft -> verify : [TREE, request, seq, n, root_pos, tokens[m], parents[m]]  (n <= m)
   RESULT verify -> draft : [RESULT, request, seq, a, done, accepted[bs]]
 Leader to its group (intra-communicator Bcast, when the group has > 1 rank): the same buffers,
 so group members mirror every decision of their leader and their state stays identical.
@@ -94,11 +94,14 @@ def wait_for(req: MPI.Request, timeout: float, what: str, stop_flag: StopFlag,
 
 
 class LeaderChannel:
-    """The two fixed buffers of one leader and the non-blocking operations on them."""
+    """Fixed message buffers of one leader. A tree message holds up to `send_size` nodes in
+    best-first order (parents before children); n = 0 marks the draft's end-of-request
+    acknowledgement, after which no more trees of that request are in flight."""
 
-    def __init__(self, verify_size: int):
+    def __init__(self, verify_size: int, send_size: int | None = None):
         self.bs = verify_size
-        self.tree = np.zeros(HEADER + 2 * verify_size, dtype=np.int64)
+        self.m = max(verify_size, send_size or verify_size)
+        self.tree = np.zeros(HEADER + 2 * self.m, dtype=np.int64)
         self.result = np.zeros(HEADER + verify_size, dtype=np.int64)
 
     # -- packing -------------------------------------------------------------------------------
@@ -108,16 +111,17 @@ class LeaderChannel:
         b = self.tree
         b[:HEADER] = (MSG_TREE, request, seq, n, root_pos)
         b[HEADER:HEADER + n] = tokens
-        b[HEADER + self.bs:HEADER + self.bs + n] = parents
+        b[HEADER + self.m:HEADER + self.m + n] = parents
         return b
 
     def unpack_tree(self) -> tuple[int, int, int, np.ndarray, np.ndarray]:
+        """-> (request, seq, root_pos, tokens int64[n], parents int32[n])."""
         b = self.tree
         if b[0] != MSG_TREE:
             raise PeerError(f"protocol error: expected a tree message, got kind {b[0]}")
         n = int(b[3])
         return int(b[1]), int(b[2]), int(b[4]), b[HEADER:HEADER + n].copy(), \
-            b[HEADER + self.bs:HEADER + self.bs + n].astype(np.int32)
+            b[HEADER + self.m:HEADER + self.m + n].astype(np.int32)
 
     def pack_result(self, request: int, seq: int, accepted: np.ndarray, done: bool) -> np.ndarray:
         a = len(accepted)

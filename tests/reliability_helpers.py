@@ -7,6 +7,7 @@ Fault injection, test-only (nothing in the package knows about it): run the rank
     mpiexec -n 2 python tests/reliability_helpers.py --fault RANK:WHERE:N run ARGS...
 
 and world rank RANK raises RuntimeError("injected fault ...") at the N-th call of WHERE
+(RANK:WHERE:N:user raises CheckpointError("injected user error ...") instead)
 (`expand`: DraftSide.expand, `verify`: TargetSide.forward_tree, `load`: checkpoint.load_model,
 `validate`: job.prepare_config, rank 0's validation);
 every other rank runs `swiftspec run ARGS` unchanged. With SWIFTSPEC_FAULT_STAMP=FILE in the
@@ -289,7 +290,7 @@ def gguf_spans(path: str) -> list[tuple[str, int, int, str]]:
 # ----------------------------------------------------------------------------- fault injection
 
 def _install_fault(spec: str) -> None:
-    rank_s, where, nth_s = spec.split(":")
+    rank_s, where, nth_s, *kind = spec.split(":")
     from mpi4py import MPI
     if MPI.COMM_WORLD.Get_rank() != int(rank_s):
         return
@@ -319,6 +320,9 @@ def _install_fault(spec: str) -> None:
             if stamp:                      # when it fired, for the test's time bound
                 with open(stamp, "w") as f:
                     f.write(repr(time.time()))
+            if kind == ["user"]:
+                from swiftspec_mpi.errors import CheckpointError
+                raise CheckpointError(f"injected user error in {where} (call {calls[0]})")
             raise RuntimeError(f"injected fault in {where} (call {calls[0]})")
         return original(*a, **k)
 

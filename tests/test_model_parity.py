@@ -58,9 +58,9 @@ def build_hf(arch: str, folder, seed: int = 0, **kw):
     return model
 
 
-def load_ours(folder, max_slots=192) -> Transformer:
+def load_ours(folder, max_slots=192, weight_layout=None) -> Transformer:
     src = SafetensorsSource(str(folder))
-    m = Transformer(src.config, max_slots=max_slots)
+    m = Transformer(src.config, max_slots=max_slots, weight_layout=weight_layout)
     m.load_weights(src)
     src.close()
     return m
@@ -114,6 +114,18 @@ def test_step_decode_and_chunked_prefill_match(pair):
     for i in range(20, 30):  # step-by-step decode
         step = ours.forward(toks[i:i + 1], torch.tensor([i]), i, chain_mask(i, 1))
         assert (step[0] - ref[i]).abs().max().item() < TOL, f"decode step at position {i}"
+
+
+def test_out_in_weight_layout_matches(pair):
+    """The GPU's nn.Linear weight layout ([out, in]) computes the same logits on CPU."""
+    hf, _, folder = pair
+    ours = load_ours(folder, weight_layout="out_in")
+    assert ours.weight_layout == "out_in" and ours.layers[0][1].shape[1] == 64
+    toks = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(6))
+    ref = hf_logits(hf, toks)
+    ours.forward(toks[:11], torch.arange(11), 0, chain_mask(0, 11))
+    step = ours.forward(toks[11:], torch.tensor([11]), 11, chain_mask(11, 1))
+    assert (step[0] - ref[11]).abs().max().item() < TOL
 
 
 def test_sharded_safetensors_index(tmp_path):

@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import time
 
 import pytest
 
 from engine_helpers import read_requests, read_root, write_prompts
-from reliability_helpers import (Job, copy_model, edit_config, error_lines, patch_bytes,
-                                 run_job, safetensors_header_end, truncate_file,
-                                 write_other_tokenizer, write_tiny_gguf)
+from reliability_helpers import (Job, copy_model, edit_config, error_lines, gguf_spans,
+                                 patch_bytes, run_job, truncate_file, write_other_tokenizer,
+                                 write_tiny_gguf)
 from swiftspec_mpi.errors import EXIT_INTERRUPTED, EXIT_RUNTIME_ERROR, EXIT_USER_ERROR
 
 pytestmark = pytest.mark.mpi
@@ -64,6 +65,12 @@ def models(tiny_pair, tmp_path_factory):
     del tensors["model.layers.1.mlp.down_proj.weight"]
     save_file(tensors, st, metadata={"format": "pt"})
 
+    m["config_mismatch"] = copy_model(target, d / "config_mismatch")  # config.json != weights
+    edit_config(m["config_mismatch"], intermediate_size=352)
+
+    m["zero_heads"] = copy_model(target, d / "zero_heads")
+    edit_config(m["zero_heads"], num_attention_heads=0)
+
     m["unsupported_arch"] = copy_model(target, d / "unsupported_arch")
     edit_config(m["unsupported_arch"], model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"])
 
@@ -82,6 +89,13 @@ def models(tiny_pair, tmp_path_factory):
     m["gguf_bad_magic"] = str(d / "bad_magic.gguf")
     with open(gguf, "rb") as src, open(m["gguf_bad_magic"], "wb") as dst:
         dst.write(b"GGML" + src.read()[4:])
+    spans = {label: (offset, n) for label, offset, n, _ in gguf_spans(gguf)}
+    for name, label, value in (("gguf_huge_heads", "qwen2.attention.head_count", 1 << 31),
+                               ("gguf_huge_mlp", "qwen2.feed_forward_length", 0xE1980AB1)):
+        m[name] = str(d / f"{name}.gguf")       # one metadata value corrupted: loading it as is
+        shutil.copyfile(gguf, m[name])          # hangs in a 2**31-head loop / allocates 1.8 TB
+        offset, n = spans[label]
+        patch_bytes(m[name], offset, value.to_bytes(n, "little"))
     return m
 
 
@@ -144,8 +158,23 @@ VALIDATION = [
      r"gguf_truncated_header\.gguf: truncated (or corrupt )?GGUF file.*re-download"),
     ("gguf-bad-magic", 2, lambda m, o, t: base_args(m, o, target="gguf_bad_magic", mode="ar"),
      r"bad_magic\.gguf: .*(corrupt|not a GGUF file).*re-download"),
+    ("draft-lacks-a-tensor", 2, lambda m, o, t: base_args(m, o, draft="missing_tensor"),
+     r"missing_tensor: lacks tensor 'model\.layers\.1\.mlp\.down_proj\.weight'"),
+    ("config-disagrees-with-weights", 2, lambda m, o, t: base_args(m, o, target="config_mismatch"),
+     r"config_mismatch: tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \[176, 64\] "
+     r"but the config\.json implies \[352, 64\]"),
+    ("config-zero-heads", 2, lambda m, o, t: base_args(m, o, target="zero_heads"),
+     r"--target .*zero_heads: .*(num_attention_heads|ZeroDivisionError)"),
+    ("gguf-metadata-huge-head-count", 2, lambda m, o, t: base_args(m, o, target="gguf_huge_heads",
+                                                                   mode="ar"),
+     r"gguf_huge_heads\.gguf: GGUF metadata has .*num_heads=2147483648.*does not belong"),
+    ("gguf-metadata-huge-mlp", 2, lambda m, o, t: base_args(m, o, target="gguf_huge_mlp",
+                                                            mode="ar"),
+     r"gguf_huge_mlp\.gguf: tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' has shape "
+     r"\[176, 64\] but the GGUF metadata implies \[3784837809, 64\]"),
     ("unsupported-architecture", 2, lambda m, o, t: base_args(m, o, target="unsupported_arch"),
-     r"unsupported model architecture 'gpt_neox'.*supported: llama.*qwen2"),
+     r"--target .*unsupported_arch: unsupported model architecture 'gpt_neox'.*supported: "
+     r"llama.*qwen2"),
     ("different-tokenizers", 2, lambda m, o, t: base_args(m, o, draft="other_tokenizer"),
      r"use different tokenizers.*same vocabulary"),
     ("prompt-longer-than-context", 2,
@@ -268,12 +297,13 @@ def test_bug_in_rank0_validation_ends_every_rank(models, tmp_path):
 # ------------------------------------------------------------------------ failing while loading
 
 def test_load_error_on_one_rank_ends_all_together(models, tmp_path):
-    """The draft's file is valid but lacks a tensor: only the draft rank notices, while loading;
-    all ranks agree on its error and leave together, the message printed once by rank 0."""
+    """A CheckpointError only the draft rank meets while loading (what rank 0's header checks
+    cannot see: an I/O error, a file replaced after validation): all ranks agree on it
+    (allgather) and leave together, the message printed once by rank 0, exit 2."""
     out = tmp_path / "run.h5"
-    job = run_job(2, base_args(models, out, draft="missing_tensor"), timeout=180)
-    assert_clean_user_error(job, r"missing_tensor.*'model\.layers\.1\.mlp\.down_proj\.weight'.*"
-                                 r"(missing|lacks)", str(out))
+    job = run_job(2, base_args(models, out), timeout=180, fault="1:load:1:user")
+    assert_clean_user_error(job, r"^swiftspec run: error: injected user error in load \(call 1\)$",
+                            str(out))
 
 
 def test_bug_while_loading_on_one_rank_ends_all_together(models, tmp_path):

@@ -1,0 +1,40 @@
+"""The verify leader's copy of the token tree the draft last sent, so it never has to wait.
+
+The draft sends its best `m` nodes (m > bs) in best-first order, parents before children. The
+verify group checks the first `bs` of them. After the step, the verify leader re-roots its copy
+on the accepted tokens: if the target's bonus token was drafted, the nodes under it are the
+next tree to verify right away, without the round trip to the draft (which keeps expanding and
+sends a fresher tree; the newest one that reaches the current root wins). Trees that arrive
+late are re-rooted along the tokens committed since they were sent.
+
+Arrays are tiny (m <= a few dozen nodes); plain numpy is fast enough.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def reroot_sent_tree(tokens: np.ndarray, parents: np.ndarray, walk: list[int] | np.ndarray):
+    """Follow `walk` (tokens, each a child of the previous node, starting below the root) and
+    return the subtree under the last node as (tokens int64[n'], parents int32[n']) in the same
+    best-first order with the new root first, or None when the walk leaves the tree.
+
+    tokens int64[n], parents int32[n] (-1 for the root at index 0, parents before children)."""
+    cur = 0
+    for t in walk:
+        hit = np.flatnonzero((parents == cur) & (tokens == int(t)))
+        if len(hit) == 0:
+            return None
+        cur = int(hit[0])
+    n = len(tokens)
+    keep = np.zeros(n, dtype=bool)
+    keep[cur] = True
+    for i in range(cur + 1, n):           # parents precede children: one forward pass
+        if parents[i] >= 0 and keep[parents[i]]:
+            keep[i] = True
+    idx = np.flatnonzero(keep)
+    remap = np.full(n, -1, dtype=np.int64)
+    remap[idx] = np.arange(len(idx))
+    new_parents = np.where(parents[idx] >= 0, remap[np.maximum(parents[idx], 0)], -1).astype(np.int32)
+    new_parents[0] = -1
+    return tokens[idx].astype(np.int64), new_parents
