@@ -55,9 +55,9 @@ class RunConfig:
     sampling_rule: str = "coupled"     # coupled (reproducible in async, equals ar's sample) | residual
     dtype: str = "float32"
     # tree shape (SwiftSpec defaults: bs = w = 8)
-    tree_width: int = 8                # w: leaves expanded per draft forward
+    tree_width: int | None = None      # w: leaves expanded per draft forward (None: = bs)
     tree_topk: int = 8                 # children added per expanded leaf
-    verify_size: int = 8               # bs: nodes (incl. root) verified per target forward
+    verify_size: int | None = None     # bs: nodes (incl. root) per target pass (None: from profile)
     expansions: int | None = None      # d: draft expansions per verify step (sync); None = from profile
     max_depth: int = 16
     tree_capacity: int = 1024
@@ -73,6 +73,31 @@ class RunConfig:
         d = dataclasses.asdict(self)
         d.pop("requests")
         return json.dumps(d, sort_keys=True)
+
+
+# tree sizes the startup profile chooses from (bs = w): the one with the most expected committed
+# tokens per second of target time, expected tokens of an n-node tree taken as a chain with
+# per-token acceptance ACCEPT_PRIOR (the real Qwen pair's draft agrees with its target 83 % of
+# the time); n > 1 only, so speculation always happens
+TREE_SIZES = (2, 4, 8, 16)
+ACCEPT_PRIOR = 0.8
+
+
+def max_verify_size(cfg: "RunConfig") -> int:
+    return cfg.verify_size or max(TREE_SIZES)
+
+
+def max_tree_width(cfg: "RunConfig") -> int:
+    return cfg.tree_width or cfg.verify_size or max(TREE_SIZES)
+
+
+def expected_tokens(n: int, alpha: float = ACCEPT_PRIOR) -> float:
+    return sum(alpha ** i for i in range(n))
+
+
+def choose_tree_size(target_times: dict[int, float]) -> int:
+    """The n with the best expected tokens per target second (ties: the smaller n)."""
+    return max(sorted(target_times), key=lambda n: expected_tokens(n) / target_times[n])
 
 
 def load_toml(path: str) -> dict:
@@ -154,13 +179,12 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         raise UserError(f"unknown load format '{cfg.load_format}'; use auto or dummy")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise UserError(f"unknown device '{cfg.device}'; use auto, cpu or cuda")
-    positive = {"max_new_tokens": cfg.max_new_tokens, "tree_width": cfg.tree_width,
-                "tree_topk": cfg.tree_topk, "verify_size": cfg.verify_size,
+    positive = {"max_new_tokens": cfg.max_new_tokens, "tree_topk": cfg.tree_topk,
                 "max_depth": cfg.max_depth, "tree_capacity": cfg.tree_capacity}
     for name, value in positive.items():
         if not isinstance(value, int) or value <= 0:
             raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
-    for name in ("expansions", "threads", "draft_layers", "max_context"):
+    for name in ("expansions", "threads", "draft_layers", "max_context", "tree_width", "verify_size"):
         value = getattr(cfg, name)
         if value is not None and (not isinstance(value, int) or value <= 0):
             raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
@@ -168,11 +192,14 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         raise UserError(f"--temperature must be >= 0 (0 = greedy), got {cfg.temperature}")
     if cfg.peer_timeout <= 0:
         raise UserError(f"--peer-timeout must be positive seconds, got {cfg.peer_timeout}")
-    if cfg.tree_capacity < 1 + cfg.tree_width * cfg.tree_topk:
+    if cfg.tree_capacity < 1 + max_tree_width(cfg) * cfg.tree_topk:
         raise UserError(f"--tree-capacity {cfg.tree_capacity} cannot hold one expansion "
-                        f"({cfg.tree_width}x{cfg.tree_topk} children); raise it")
-    if cfg.verify_size > cfg.tree_capacity:
+                        f"({max_tree_width(cfg)}x{cfg.tree_topk} children); raise it")
+    if max_verify_size(cfg) > cfg.tree_capacity:
         raise UserError("--verify-size cannot exceed --tree-capacity")
+    if max_verify_size(cfg) > 64:
+        raise UserError(f"--verify-size {cfg.verify_size} is above 64, the most the fused tree "
+                        "attention takes; use at most 64")
     if world_size < 1:
         raise UserError("world size must be >= 1")
     if cfg.mode == "async":

@@ -84,8 +84,9 @@ class TreeInbox:
         """End of request: receive every tree still in flight, up to the draft's acknowledgement,
         so nothing of this request is left unmatched."""
         while not self.acked:
-            wait_for(self.req, self.ctx.cfg.peer_timeout, "end-of-request acknowledgement from the "
-                     "draft leader", self.ctx.stop_flag, self.ctx.watch)
+            wait_for(self.req, self.ctx.cfg.peer_timeout, "end-of-request acknowledgement from "
+                     f"rank {self.ctx.topo.verify_size} (draft leader)", self.ctx.stop_flag,
+                     self.ctx.watch)
             req_id, _seq, _root, tokens, _parents = self.chan.unpack_tree()
             if len(tokens) == 0 and req_id == self.request:
                 self.acked = True
@@ -238,14 +239,17 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
             n_expand += 1
 
 
-def exchange_profile(ctx: EngineContext, my_step_s: float) -> float:
-    """Leaders swap their measured step times; returns the other group's (broadcast in group)."""
-    buf = np.array([my_step_s], dtype=np.float64)
-    other = np.zeros(1, dtype=np.float64)
+def exchange_profile(ctx: EngineContext, mine: dict[int, float], sizes) -> dict[int, float]:
+    """Leaders swap their groups' step-time tables {n: seconds} (both sides know `sizes`, the
+    keys of the other's table, from the config); the result is broadcast in each group."""
+    keys = sorted(mine)
+    buf = np.array([mine[k] for k in keys] + [0.0] * (32 - len(keys)), dtype=np.float64)
+    other = np.zeros(32, dtype=np.float64)
     if ctx.topo.is_leader:
         ctx.topo.inter.Sendrecv(buf, dest=0, sendtag=5, recvbuf=other, source=0, recvtag=5)
     ctx.bcast(other)
-    return float(other[0])
+    theirs = sorted(set(sizes))
+    return {k: float(other[i]) for i, k in enumerate(theirs)}
 
 
 __all__ = ["verify_loop", "draft_loop", "exchange_profile", "MPI"]

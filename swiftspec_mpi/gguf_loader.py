@@ -530,7 +530,7 @@ def build_tokenizer(meta: dict, path: str = "<gguf>"):
         tok = Tokenizer(BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
                             end_of_word_suffix="", fuse_unk=False))
     except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"{path}: corrupt GGUF tokenizer ({exc}); {_FIX}") from None
+        raise CheckpointError(f"{path}: corrupt GGUF tokenizer ({str(exc)!r}); {_FIX}") from None
     if pre in _PRE_QWEN2:
         tok.normalizer = normalizers.NFC()
         split = _QWEN2_SPLIT

@@ -80,17 +80,17 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
         req.ids = ttok.encode(text)
         if not req.ids:
             raise UserError(f"prompt {req.index} tokenizes to nothing; give some text")
-        need = len(req.ids) + cfg.max_new_tokens + cfg.verify_size
+        need = len(req.ids) + cfg.max_new_tokens + C.max_verify_size(cfg)
         if need > limit:
             raise UserError(f"prompt {req.index} has {len(req.ids)} tokens; with --max-new-tokens "
                             f"{cfg.max_new_tokens} it needs {need} positions but the models' context "
                             f"is {limit}; shorten the prompt or lower --max-new-tokens")
         longest = max(longest, len(req.ids))
     need_slots = longest + cfg.max_new_tokens + margin
-    if cfg.max_context is not None and cfg.max_context < longest + cfg.max_new_tokens + cfg.verify_size:
+    if cfg.max_context is not None and cfg.max_context < longest + cfg.max_new_tokens + C.max_verify_size(cfg):
         raise UserError(f"--max-context {cfg.max_context} cannot hold the longest prompt ({longest} "
                         f"tokens) plus --max-new-tokens {cfg.max_new_tokens}; raise it to at least "
-                        f"{longest + cfg.max_new_tokens + cfg.verify_size}")
+                        f"{longest + cfg.max_new_tokens + C.max_verify_size(cfg)}")
     if cfg.max_context is None:
         cfg.max_context = need_slots
     check_memory(cfg, tcfg, dcfg, world_size, ranks_on_node)
@@ -168,10 +168,13 @@ def check_shapes(path: str, m, shapes: dict) -> None:
           "or re-convert the checkpoint"
     layers = {int(g.group(1)) for g in map(re.compile(r"model\.layers\.(\d+)\.").match, shapes) if g}
     n_file = max(layers) + 1 if layers else 0
-    dims = dict(num_layers=m.num_layers, hidden_size=m.hidden_size, num_heads=m.num_heads,
-                num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                intermediate_size=m.intermediate_size, vocab_size=m.vocab_size)
-    bad = [f"{k}={v}" for k, v in dims.items() if not 0 < v < 1 << 31]
+    keys = (("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "hidden_size", "intermediate_size", "vocab_size") if os.path.isdir(path) else
+            ("block_count", "attention.head_count", "attention.head_count_kv", "key_length",
+             "embedding_length", "feed_forward_length", "vocabulary (token_embd rows)"))
+    values = (m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.hidden_size,
+              m.intermediate_size, m.vocab_size)
+    bad = [f"{k}={v}" for k, v in zip(keys, values) if not 0 < v < 1 << 31]
     if bad:
         raise CheckpointError(f"{path}: {where} has {', '.join(bad)}; {fix}")
     if m.num_layers > n_file:
@@ -357,9 +360,15 @@ def _checked(read, path: str, role: str):
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
 
 
+def one_line(message) -> str:
+    """The error contract is one line; a message quoting file content may hold newlines."""
+    return " ".join(str(message).splitlines())
+
+
 def tree_margin(cfg: C.RunConfig) -> int:
     """KV slots beyond the committed tokens: the verify tree, or the draft's expanded nodes."""
-    return cfg.verify_size + 2 * cfg.tree_width + min(cfg.tree_capacity // max(1, cfg.tree_topk), 256)
+    return C.max_verify_size(cfg) + 2 * C.max_tree_width(cfg) + \
+        min(cfg.tree_capacity // max(1, cfg.tree_topk), 256)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,8 +399,11 @@ def run_job(flags: dict, config_path: str | None) -> int:
             verdict = ("crash", f"{type(exc).__name__}: {exc}")
     status, payload = world.bcast(verdict, root=0)
     if status != "ok":
-        if rank == 0:
-            print(f"swiftspec run: error: {payload}", file=sys.stderr, flush=True)
+        # srun with a PMI mismatch starts N singletons (each a world of 1, each its own rank 0)
+        # that all fail the same way: only Slurm's task 0 prints, so the message shows once
+        twin = world.Get_size() == 1 and os.environ.get("SLURM_PROCID", "0") not in ("", "0")
+        if rank == 0 and not twin:
+            print(f"swiftspec run: error: {one_line(payload)}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR if status == "error" else EXIT_RUNTIME_ERROR
     cfg: C.RunConfig = payload
     job = Job(cfg, world, stop_flag, AbortWatch(world))
@@ -457,7 +469,7 @@ class Job:
         first = next((e for e in errors if e), None)
         if first:
             if self.rank == 0:
-                print(f"swiftspec run: error: {first[1]}", file=sys.stderr, flush=True)
+                print(f"swiftspec run: error: {one_line(first[1])}", file=sys.stderr, flush=True)
             return first[0]
         self.world.Barrier()
         clock = Clock()
@@ -465,7 +477,8 @@ class Job:
         rec = EventRecorder(self.rank, role, clock)
         self.ctx = EngineContext(cfg, topo, clock, rec, self.stop_flag, self.watch, target, draft,
                                  tokenizer)
-        self.ctx.expansions = cfg.expansions or profile_expansions(self.ctx)
+        profiled = profile_expansions(self.ctx)      # also fixes bs and w when they are auto
+        self.ctx.expansions = cfg.expansions or profiled
         self.env = environment(cfg, topo, self.device, self.threads, self.ctx.expansions)
         self.env["profile"] = self.ctx.scratch.get("profile", {})
         if self.rank == 0:
@@ -514,6 +527,17 @@ class Job:
         if now - self.last_write >= CHECKPOINT_EVERY_S:
             self.write(complete=False, status="running", events=None)
 
+    def close_open_requests(self, reason: str) -> None:
+        """Before the last write of a failed or interrupted job: the request that was running
+        gets its end time, its text so far and `reason` as stop_reason, unless its tokens were
+        already complete (the signal came while the leaders closed it: keep its real reason)."""
+        for r in self.results:
+            if r.t_end is None:
+                r.t_end = self.ctx.clock.now() if self.ctx else 0.0
+                r.text = self.ctx.tokenizer.decode(r.output_ids) if self.ctx else ""
+                if r.stop_reason not in ("eos", "stop_string", "max_new_tokens"):
+                    r.stop_reason = reason
+
     def write(self, complete: bool, status: str, events, ranks=None) -> None:
         from swiftspec_mpi.trace import write_trace
         if self.rank != 0:
@@ -537,6 +561,11 @@ class Job:
                 rec.dropped if rec else 0)
 
     def finish(self, complete: bool, status: str) -> None:
+        from swiftspec_mpi.protocol import wait_for
+        # the gathers below block: first make sure every rank got here, so a rank that hangs
+        # at the very end is reported by the deadline (and the file written) like anywhere else
+        wait_for(self.world.Ibarrier(), self.cfg.peer_timeout, "ranks at the end of the job",
+                 self.stop_flag, self.watch, collective=True)
         events = self.world.gather(self.ctx.recorder.snapshot(), root=0)
         rows = self.world.gather(self.rank_row(), root=0)
         if self.rank == 0:
@@ -549,14 +578,11 @@ class Job:
         if self.rank == 0:
             print("\nswiftspec run: interrupted (signal); writing what was generated", file=sys.stderr,
                   flush=True)
-            for r in self.results:
-                if r.t_end is None:
-                    r.t_end = self.ctx.clock.now() if self.ctx else 0.0
-                    r.stop_reason = "interrupted"
+            self.close_open_requests("interrupted")
             self.write(complete=False, status="interrupted", events=None)
         together = False
         try:   # let rank 0 finish writing before anyone leaves (a leaving rank may end the job)
-            wait_for(self.world.Ibarrier(), 20.0, "ranks at shutdown", StopFlag())
+            wait_for(self.world.Ibarrier(), 20.0, "ranks at shutdown", StopFlag(), collective=True)
             together = True
         except Exception:  # noqa: BLE001
             pass
@@ -585,10 +611,7 @@ class Job:
         if self.rank == 0:   # other ranks leave the one-line message to rank 0 (see below)
             print(line, file=sys.stderr, flush=True)
         if self.rank == 0:
-            for r in self.results:
-                if r.t_end is None:
-                    r.t_end = self.ctx.clock.now() if self.ctx else 0.0
-                    r.stop_reason = "error"
+            self.close_open_requests("error")
             try:
                 self.write(complete=False, status=f"error: {msg}", events=None)
             except Exception as write_exc:  # noqa: BLE001
@@ -704,34 +727,34 @@ def profile_expansions(ctx) -> int:
             times.append(time.perf_counter() - t)
         return float(min(times[1:]))   # the least disturbed of the timed runs
 
-    warm = {"target": (1, 2, cfg.verify_size, 16), "draft": (1, 2, cfg.tree_width)}
-    for role, model in (("target", ctx.target), ("draft", ctx.draft)):
+    for model in (ctx.target, ctx.draft):      # shapes every loop uses besides the tree sizes
         if model is not None:
-            for n in warm[role]:
+            for n in (1, 2):
                 step_time(model, n, reps=2)
+    sizes = (cfg.verify_size,) if cfg.verify_size else C.TREE_SIZES
     if cfg.mode == "ar":
+        step_time(ctx.target, 1, reps=3)
+        cfg.verify_size, cfg.tree_width = 1, cfg.tree_width or 1
         return 1
-    if cfg.mode == "sync":
-        t_target = step_time(ctx.target, cfg.verify_size)
-        t_draft = step_time(ctx.draft, cfg.tree_width)
-    else:
+    dsizes = tuple(sorted(set(sizes) | ({cfg.tree_width} if cfg.tree_width else set())))
+    t_target = t_draft = None
+    if ctx.target is not None:
+        t_target = {n: step_time(ctx.target, n) for n in sizes}
+    if ctx.draft is not None:
+        t_draft = {n: step_time(ctx.draft, n) for n in dsizes}
+    if cfg.mode == "async":   # each group measured its own model: swap the tables
         from swiftspec_mpi.engine_async import exchange_profile
-        from swiftspec_mpi.trace import ROLE_VERIFY
-        if ctx.topo.role == ROLE_VERIFY:
-            t_target = step_time(ctx.target, cfg.verify_size)
-            t_draft = exchange_profile(ctx, t_target)
+        if t_target is None:
+            t_target = exchange_profile(ctx, t_draft, sizes)
         else:
-            t_draft = step_time(ctx.draft, cfg.tree_width)
-            t_target = exchange_profile(ctx, t_draft)
-    d = max(1, min(cfg.max_depth, int(t_target // max(t_draft, 1e-9))))
-    # Every rank of a group must make the same number of draft expansions per step (sync mode:
-    # each is a tensor-parallel forward, i.e. collectives). The timings above differ a little
-    # from rank to rank, so d could too, and the ranks would deadlock in mismatched
-    # collectives: the group leader's measurement decides for the whole group.
-    if ctx.topo.group.Get_size() > 1:
-        t_target, t_draft, d = ctx.topo.group.bcast((t_target, t_draft, d), root=0)
-    ctx.scratch["profile"] = {"t_target_s": t_target, "t_draft_s": t_draft}
-    return d
+            t_draft = exchange_profile(ctx, t_target, dsizes)
+    bs = cfg.verify_size or C.choose_tree_size(t_target)
+    w = cfg.tree_width or bs
+    cfg.verify_size, cfg.tree_width = bs, w
+    ctx.scratch["profile"] = {"t_target_s": {str(k): v for k, v in t_target.items()},
+                              "t_draft_s": {str(k): v for k, v in t_draft.items()},
+                              "verify_size": bs, "tree_width": w}
+    return max(1, min(cfg.max_depth, int(t_target[bs] // max(t_draft[w], 1e-9))))
 
 
 def environment(cfg, topo, device, threads, expansions) -> dict:

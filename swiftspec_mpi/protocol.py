@@ -69,11 +69,13 @@ class AbortWatch:
 
 
 def wait_for(req: MPI.Request, timeout: float, what: str, stop_flag: StopFlag,
-             watch: AbortWatch | None = None) -> None:
+             watch: AbortWatch | None = None, collective: bool = False) -> None:
     """Complete `req` or raise: PeerError after `timeout` s, Interrupted on SIGTERM.
 
     Spins briefly (sub-millisecond latency for the per-step exchange), then sleeps 50 us per poll
-    so a waiting rank does not steal a core from a busy one."""
+    so a waiting rank does not steal a core from a busy one. `collective`: `req` is a
+    nonblocking collective (Ibarrier...), which MPI cannot cancel: it is left pending (the
+    caller is about to end the job)."""
     start = time.perf_counter()
     spins = 0
     while not req.Test():
@@ -82,13 +84,15 @@ def wait_for(req: MPI.Request, timeout: float, what: str, stop_flag: StopFlag,
             time.sleep(5e-5)
         if spins % 256 == 0:
             if stop_flag:
-                req.Cancel()
-                req.Wait()
+                if not collective:
+                    req.Cancel()
+                    req.Wait()
                 raise Interrupted()
             if watch is not None:
                 watch.check()
             if time.perf_counter() - start > timeout:
-                req.Cancel()
+                if not collective:
+                    req.Cancel()
                 raise PeerError(f"no {what} within {timeout:g} s (--peer-timeout): that rank died "
                                 "or hangs (if it is only slow, raise --peer-timeout)")
 

@@ -91,9 +91,9 @@ def models(tiny_pair, tmp_path_factory):
         dst.write(b"GGML" + src.read()[4:])
     spans = {label: (offset, n) for label, offset, n, _ in gguf_spans(gguf)}
     for name, label, value in (("gguf_huge_heads", "qwen2.attention.head_count", 1 << 31),
-                               ("gguf_huge_mlp", "qwen2.feed_forward_length", 0xE1980AB1)):
+                               ("gguf_huge_mlp", "qwen2.feed_forward_length", 0x07000000)):
         m[name] = str(d / f"{name}.gguf")       # one metadata value corrupted: loading it as is
-        shutil.copyfile(gguf, m[name])          # hangs in a 2**31-head loop / allocates 1.8 TB
+        shutil.copyfile(gguf, m[name])          # hangs in a 2**31-head loop / allocates 90 GB
         offset, n = spans[label]
         patch_bytes(m[name], offset, value.to_bytes(n, "little"))
     return m
@@ -101,9 +101,10 @@ def models(tiny_pair, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
-    """30 prompts: far more than any mid-generation case lets finish."""
+    """300 prompts: far more than any mid-generation case lets finish (the first checkpoint with
+    a finished request comes ~5 s into decoding)."""
     d = tmp_path_factory.mktemp("prompts")
-    texts = [f"Write a Python function number {i} that reverses a linked list." for i in range(30)]
+    texts = [f"Write a Python function number {i} that reverses a linked list." for i in range(300)]
     return write_prompts(d / "many.jsonl", texts)
 
 
@@ -164,14 +165,15 @@ VALIDATION = [
      r"config_mismatch: tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \[176, 64\] "
      r"but the config\.json implies \[352, 64\]"),
     ("config-zero-heads", 2, lambda m, o, t: base_args(m, o, target="zero_heads"),
-     r"--target .*zero_heads: .*(num_attention_heads|ZeroDivisionError)"),
+     r"zero_heads: .*num_attention_heads.*0"),
     ("gguf-metadata-huge-head-count", 2, lambda m, o, t: base_args(m, o, target="gguf_huge_heads",
                                                                    mode="ar"),
-     r"gguf_huge_heads\.gguf: GGUF metadata has .*num_heads=2147483648.*does not belong"),
+     r"gguf_huge_heads\.gguf: GGUF metadata has attention\.head_count=2147483648.*does not "
+     r"belong"),
     ("gguf-metadata-huge-mlp", 2, lambda m, o, t: base_args(m, o, target="gguf_huge_mlp",
                                                             mode="ar"),
      r"gguf_huge_mlp\.gguf: tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' has shape "
-     r"\[176, 64\] but the GGUF metadata implies \[3784837809, 64\]"),
+     r"\[176, 64\] but the GGUF metadata implies \[117440512, 64\]"),
     ("unsupported-architecture", 2, lambda m, o, t: base_args(m, o, target="unsupported_arch"),
      r"--target .*unsupported_arch: unsupported model architecture 'gpt_neox'.*supported: "
      r"llama.*qwen2"),
@@ -227,10 +229,7 @@ VALIDATION = [
      r"cannot create the folder of --out .*/afile/run\.h5 \(.*afile is a file, not a folder\)"),
     ("output-is-a-folder", 2, lambda m, o, t: base_args(m, t) + ["--overwrite"],
      r"--out .* is a folder; give a file name"),
-    ("slurm-ntasks-mismatch", 2, lambda m, o, t: base_args(m, o),
-     r"MPI world size is 2 but Slurm started 4 tasks.*--mpi=pmi2"),
 ]
-SLURM_ENV = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "4"}
 
 
 def _jsonl(tmp_path, lines) -> str:
@@ -248,11 +247,37 @@ def _file(tmp_path) -> str:
 @pytest.mark.parametrize("name,n,make_args,pattern", VALIDATION, ids=[c[0] for c in VALIDATION])
 def test_refused_by_rank0(models, tmp_path, name, n, make_args, pattern):
     out = tmp_path / "out" / "run.h5"
-    env = SLURM_ENV if name == "slurm-ntasks-mismatch" else None
-    job = run_job(n, make_args(models, out, tmp_path), timeout=120, env=env)
+    job = run_job(n, make_args(models, out, tmp_path), timeout=120)
     check_out = None if name in ("unwritable-output-dir", "output-under-a-file",
                                  "output-is-a-folder") else str(out)
     assert_clean_user_error(job, pattern, check_out)
+
+
+def test_srun_pmi_mismatch_singletons_refuse_and_print_once(models, tmp_path):
+    """srun and the MPI library disagreeing on PMI: Slurm starts 2 tasks, but each is an MPI
+    singleton (world size 1) that would run the whole job alone. Both refuse (exit 2); only
+    Slurm's task 0 prints the fix, so the message appears once."""
+    import subprocess
+    import sys
+    out = tmp_path / "run.h5"
+    procs = []
+    t0 = time.monotonic()
+    for task in (0, 1):
+        env = dict(os.environ, OMP_NUM_THREADS="1", SWIFTSPEC_NO_PIN="1", SLURM_JOB_ID="4242",
+                   SLURM_STEP_ID="0", SLURM_NTASKS="2", SLURM_PROCID=str(task))
+        procs.append(subprocess.Popen([sys.executable, "-m", "swiftspec_mpi", "run",
+                                       *base_args(models, out, mode="sync")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = [p.communicate(timeout=120) for p in procs]
+    seconds = time.monotonic() - t0
+    report = "\n".join(f"task {i}: exit {p.returncode}\n{err}" for i, (p, (_, err))
+                       in enumerate(zip(procs, results)))
+    assert [p.returncode for p in procs] == [EXIT_USER_ERROR] * 2, report
+    lines = [line for _, err in results for line in error_lines(err)]
+    assert len(lines) == 1 and error_lines(results[0][1]), report
+    assert re.search(r"MPI world size is 1 but Slurm started 2 tasks.*srun --mpi=pmi2", lines[0]), \
+        report
+    assert "Traceback" not in report and seconds < WALL_S and not out.exists(), report
 
 
 def test_existing_output_refused_unless_overwrite(models, tmp_path):
@@ -343,6 +368,8 @@ def check_partial_file(out, status_pattern: str, last_reason: str) -> list[dict]
     for r in finished:
         assert r["new_tokens"] == NEW_TOKENS == len(r["output_ids"]), r
         assert r["steps"]["accepted"].sum() == NEW_TOKENS
+    for r in reqs:      # the text of what was generated is kept too, for the cut request as well
+        assert (r["text"] != "") == (r["new_tokens"] > 0), (r["stop_reason"], r["new_tokens"])
     cut = [r for r in reqs if r["stop_reason"] != "max_new_tokens"]
     assert len(cut) <= 1 and (not cut or cut[0] is reqs[-1]), [r["stop_reason"] for r in reqs]
     if cut:
@@ -392,7 +419,7 @@ def test_sigterm_writes_partial_file_and_exits_4(models, prompts, tmp_path):
     assert job.stderr.count("interrupted (signal); writing what was generated") == 1, report
     assert not error_lines(job.stderr), report
     reqs = check_partial_file(out, r"^interrupted$", "interrupted")
-    assert len(reqs) < 30
+    assert len(reqs) < 300
     assert len(read_root(out)["events"]) > 0
 
 
