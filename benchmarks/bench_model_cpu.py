@@ -10,9 +10,10 @@ decoding, one token per forward, the same torch thread count, in the SAME proces
               model(input_ids[1,1], past_key_values=DynamicCache) in eager PyTorch
     HF eager  the same with attn_implementation="eager" (matmul + softmax attention)
 
-Rounds alternate between the implementations (ours, HF sdpa, HF eager, ours, ...) so load from
-other processes on a shared machine hits all of them alike; each round prefills the prompt and
-times `--tokens` single-token steps; the table reports the median step over all rounds.
+Each round prefills the prompt in every implementation, then runs `--tokens` decode steps
+interleaved step by step (ours, HF sdpa, HF eager, ours, ...), so load from other processes on a
+shared machine hits all of them alike; the table reports the median step over all rounds (and
+the ratio of the fastest steps, the least disturbed ones).
 
     .venv/bin/python benchmarks/bench_model_cpu.py                       # the docs table
     .venv/bin/python benchmarks/bench_model_cpu.py --models qwen2.5-coder-0.5b --dtypes float32
@@ -53,8 +54,9 @@ def _hf(folder, dtype, attn):
         folder, dtype=dtype, attn_implementation=attn).eval()
 
 
-def decode_ours(model, prompt_ids, n_tokens):
-    """Greedy: prefill, then n_tokens single-token forwards. Returns (step seconds, tokens)."""
+def steps_ours(model, prompt_ids):
+    """Generator: prefill on the first next(), then one greedy decode step per next(),
+    yielding (step seconds, token)."""
     import torch
     from swiftspec_mpi.model import chain_mask
 
@@ -62,75 +64,86 @@ def decode_ours(model, prompt_ids, n_tokens):
     logits = model(torch.tensor(prompt_ids), torch.arange(p), 0, chain_mask(0, p),
                    logits_rows=torch.tensor([p - 1]))
     nxt = int(logits[-1].argmax())
-    out, times = [nxt], []
+    yield 0.0, nxt
     pos = p
-    for _ in range(n_tokens):
+    while True:
         t0 = time.perf_counter()
         logits = model(torch.tensor([nxt]), torch.tensor([pos]), pos,
                        torch.ones(1, pos + 1, dtype=torch.bool))
         nxt = int(logits[0].argmax())
-        times.append(time.perf_counter() - t0)
-        out.append(nxt)
+        yield time.perf_counter() - t0, nxt
         pos += 1
-    return times, out
 
 
-def decode_hf(model, prompt_ids, n_tokens):
+def steps_hf(model, prompt_ids, attn):
+    """The same for a transformers model with its DynamicCache (`attn` set before each step,
+    untimed, so one model object serves sdpa and eager). Call under torch.inference_mode()."""
     import torch
     from transformers import DynamicCache
 
-    with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        res = model(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)
+    model.set_attn_implementation(attn)
+    cache = DynamicCache(config=model.config)
+    res = model(input_ids=torch.tensor([prompt_ids]), past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    nxt = int(res.logits[0, -1].argmax())
+    yield 0.0, nxt
+    while True:
+        model.set_attn_implementation(attn)
+        t0 = time.perf_counter()
+        res = model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
         nxt = int(res.logits[0, -1].argmax())
-        out, times = [nxt], []
-        for _ in range(n_tokens):
-            t0 = time.perf_counter()
-            res = model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
-            nxt = int(res.logits[0, -1].argmax())
-            times.append(time.perf_counter() - t0)
-            out.append(nxt)
+        yield time.perf_counter() - t0, nxt
+
+
+def decode(gen, n_tokens):
+    """(step seconds [n_tokens], tokens [n_tokens + 1]) of one implementation run alone."""
+    times, out = [], [next(gen)[1]]
+    for _ in range(n_tokens):
+        dt, t = next(gen)
+        times.append(dt)
+        out.append(t)
     return times, out
 
 
 def bench_one(name, folder, dtype_name, args):
+    """Rounds of: prefill every implementation, then `tokens` decode steps interleaved step by
+    step (ours, HF sdpa, HF eager, ours, ...), so a load burst from other processes hits all
+    implementations alike. Returns medians/min/p90 of the step times and greedy agreement."""
     import torch
 
     dtype = getattr(torch, dtype_name)
     t0 = time.time()
     ours, tok = _ours(folder, dtype, max_slots=512)
-    load_ours = time.time() - t0
+    loads = {"ours": time.time() - t0}
     prompt_ids = tok.encode(tok.apply_chat_template(PROMPT))
-    impls = {"ours": (lambda: decode_ours(ours, prompt_ids, args.tokens))}
-    loads = {"ours": load_ours}
-    hf = None
-    if args.hf_attn:       # ONE HF model (memory: a 1.5B in float32 is 7 GiB), attention switched
-        t0 = time.time()
-        hf = _hf(folder, dtype, args.hf_attn[0])
-        loads["HF"] = time.time() - t0
-
-        def run_hf(attn):
-            hf.set_attn_implementation(attn)
-            return decode_hf(hf, prompt_ids, args.tokens)
-        for attn in args.hf_attn:
-            impls[f"HF {attn}"] = (lambda attn=attn: run_hf(attn))
-    steps = {k: [] for k in impls}
-    toks = {}
-    for k, fn in impls.items():            # warm-up (first-call allocations, oneDNN init)
-        fn()
-    for r in range(args.rounds):
-        for k, fn in impls.items():
-            times, out = fn()
-            steps[k].extend(times)
-            toks[k] = out
+    t0 = time.time()       # ONE HF model (a 1.5B in float32 is 7 GiB); attention switched per step
+    hf = _hf(folder, dtype, args.hf_attn[0])
+    loads["HF"] = time.time() - t0
+    makers = {"ours": lambda: steps_ours(ours, prompt_ids)}
+    for attn in args.hf_attn:
+        makers[f"HF {attn}"] = (lambda attn=attn: steps_hf(hf, prompt_ids, attn))
+    steps = {k: [] for k in makers}
+    toks = {k: [] for k in makers}
+    with torch.inference_mode():
+        for k, make in makers.items():     # warm-up (first-call allocations, oneDNN init)
+            decode(make(), 4)
+        for _ in range(args.rounds):
+            gens = {k: make() for k, make in makers.items()}
+            for k, g in gens.items():
+                toks[k] = [next(g)[1]]     # prefill (untimed)
+            for _ in range(args.tokens):
+                for k, g in gens.items():
+                    dt, t = next(g)
+                    steps[k].append(dt)
+                    toks[k].append(t)
+            del gens
     res = {"model": name, "dtype": dtype_name, "prompt_tokens": len(prompt_ids),
            "load_s": loads, "ms": {k: 1e3 * statistics.median(v) for k, v in steps.items()},
            "p90_ms": {k: 1e3 * sorted(v)[int(0.9 * len(v))] for k, v in steps.items()},
            "min_ms": {k: 1e3 * min(v) for k, v in steps.items()}}
     ref = toks.get("HF sdpa") or next(v for k, v in toks.items() if k != "ours")
     res["agree"] = sum(a == b for a, b in zip(toks["ours"], ref)) / len(ref)
-    del ours, impls, hf
+    del ours, hf, makers
     gc.collect()
     return res
 
@@ -160,15 +173,16 @@ def profile(name, folder, dtype_name, which, args):
     ours, tok = _ours(folder, dtype, max_slots=512)
     prompt_ids = tok.encode(tok.apply_chat_template(PROMPT))
     if which == "ours":
-        fn = lambda: decode_ours(ours, prompt_ids, args.tokens)  # noqa: E731
+        fn = lambda: decode(steps_ours(ours, prompt_ids), args.tokens)  # noqa: E731
     else:
         del ours
         gc.collect()
         m = _hf(folder, dtype, which.split()[-1])
-        fn = lambda: decode_hf(m, prompt_ids, args.tokens)  # noqa: E731
-    fn()
-    with tprof(activities=[ProfilerActivity.CPU]) as prof:
+        fn = lambda: decode(steps_hf(m, prompt_ids, which.split()[-1]), args.tokens)  # noqa: E731
+    with torch.inference_mode():
         fn()
+        with tprof(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
     print(f"## {which}, {name} {dtype_name}, {args.tokens} decode steps (+ one prefill)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 

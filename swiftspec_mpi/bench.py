@@ -81,36 +81,17 @@ def add_arguments(parser) -> None:
 
 def load_prompts(path: str, per_category: int) -> list[dict]:
     """[{index, question_id, category, text}]: the first `per_category` prompts of each category
-    in file order (categories in order of first appearance); first turn of multi-turn entries."""
+    in file order (categories in order of first appearance); first turn of multi-turn entries.
+    Parsing and its errors are the engine's own (config.read_prompts_file)."""
+    from swiftspec_mpi.config import read_prompts_file
     if per_category < 1:
         raise UserError(f"--per-category must be >= 1, got {per_category}")
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"prompts file {path} does not exist; pass --prompts FILE.jsonl")
     picked, seen = [], {}
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg}); one JSON object per line") from None
-            if not isinstance(obj, dict):
-                raise UserError(f"{path}:{lineno}: expected a JSON object")
-            if isinstance(obj.get("prompt"), str):
-                text = obj["prompt"]
-            elif isinstance(obj.get("turns"), list) and obj["turns"] and isinstance(obj["turns"][0], str):
-                text = obj["turns"][0]
-            else:
-                raise UserError(f"{path}:{lineno}: needs a string \"prompt\" or a list of strings \"turns\"")
-            cat = str(obj.get("category", ""))
-            if seen.get(cat, 0) >= per_category or not text:
-                continue
-            seen[cat] = seen.get(cat, 0) + 1
-            picked.append({"question_id": obj.get("question_id", lineno), "category": cat, "text": text})
-    if not picked:
-        raise UserError(f"prompts file {path} holds no prompts")
+    for req in read_prompts_file(path):
+        if seen.get(req.category, 0) >= per_category:
+            continue
+        seen[req.category] = seen.get(req.category, 0) + 1
+        picked.append({"question_id": req.question_id, "category": req.category, "text": req.prompt})
     order = list(dict.fromkeys(p["category"] for p in picked))
     picked.sort(key=lambda p: order.index(p["category"]))  # stable: file order inside a category
     return [dict(p, index=i) for i, p in enumerate(picked)]

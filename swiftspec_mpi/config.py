@@ -27,6 +27,7 @@ class Request:
     prompt: str
     category: str = ""
     ids: list[int] = field(default_factory=list)
+    question_id: object = None     # the file's "question_id" (Spec-Bench), else its line number
 
 
 @dataclass
@@ -155,7 +156,8 @@ def read_prompts_file(path: str) -> list[Request]:
                                 "list of strings \"turns\"")
             if not text:
                 raise UserError(f"{path}:{lineno}: the prompt is empty")
-            requests.append(Request(len(requests), text, str(obj.get("category", ""))))
+            requests.append(Request(len(requests), text, str(obj.get("category", "")),
+                                    question_id=obj.get("question_id", lineno)))
     if not requests:
         raise UserError(f"prompts file {path} holds no prompts")
     return requests

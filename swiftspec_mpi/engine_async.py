@@ -23,7 +23,7 @@ import numpy as np
 from mpi4py import MPI
 
 from swiftspec_mpi.decoding import Acceptor, DraftSide, OutputTracker, TargetSide
-from swiftspec_mpi.engine_context import EngineContext, comm_seconds, make_topk_share
+from swiftspec_mpi.engine_context import EngineContext, comm_seconds, decide, make_topk_share
 from swiftspec_mpi.errors import PeerError
 from swiftspec_mpi.protocol import TAG_RESULT, TAG_TREE, LeaderChannel, wait_for
 from swiftspec_mpi.sent_tree import reroot_sent_tree
@@ -101,7 +101,7 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
     bs = cfg.verify_size
     chan = ctx.scratch.setdefault("chan", LeaderChannel(bs, send_size(cfg)))
     target = TargetSide(ctx.target)
-    decision = np.zeros(3 + bs, dtype=np.int64)   # [a, done, taken, path[bs]]
+    decision = np.zeros(3 + 2 * bs, dtype=np.int64)   # see engine_context.decide
 
     t0, c0 = clock.now(), comm_seconds(ctx.target)
     target.prefill(prompt_ids)
@@ -127,23 +127,16 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
         rec.record(KIND["wait"], request, step, tw, tv)
         cv = comm_seconds(ctx.target)
         logits = target.forward_tree(tokens, parents)
-        if leader:
-            path, accepted = acceptor.accept(tokens, parents, logits, len(result.output_ids))
-            taken, done = tracker.add(accepted)
-            if result.t_first is None:
-                result.t_first = clock.now()
-            a = len(path)
-            decision[:3] = (a, int(done), taken)
-            decision[3:3 + a] = path
-        ctx.bcast(decision)
-        a, done = int(decision[0]), bool(decision[1])
+        done, taken, path, accepted = decide(ctx, tokens, parents, logits, acceptor, tracker, result,
+                                             decision, bs)
+        a = len(path)
         if not done:
-            target.commit(decision[3:3 + a])
+            target.commit(path)
         t_end = clock.now()
         rec.record(KIND["verify"], request, step, tv, t_end, len(tokens), a,
                    comm_seconds(ctx.target) - cv)
         if leader:
-            result.steps.append((step, len(tokens), int(decision[2]), tw, t_end))
+            result.steps.append((step, len(tokens), taken, tw, t_end))
             ts = clock.now()
             topo.inter.Send(chan.pack_result(request, step, accepted, done), dest=0, tag=TAG_RESULT)
             rec.record(KIND["send"], request, step, ts, clock.now(), a)

@@ -58,3 +58,22 @@ def make_topk_share(ctx: "EngineContext", ids_buf: np.ndarray, lps_buf: np.ndarr
 def comm_seconds(model) -> float:
     comm = getattr(model, "comm", None)
     return float(getattr(comm, "seconds", 0.0)) if comm is not None else 0.0
+
+
+def decide(ctx: EngineContext, tokens, parents, logits, acceptor, tracker, result,
+           decision: np.ndarray, bs: int):
+    """The verify leader picks the accepted path of a verified tree and commits its tokens to the
+    output; every rank of the group gets the verdict through `decision` (int64 [3 + 2*bs]:
+    a, done, tokens taken, path[bs], accepted[bs]). -> (done, taken, path, accepted)."""
+    if ctx.topo.is_leader:
+        path, accepted = acceptor.accept(tokens, parents, logits, len(result.output_ids))
+        taken, done = tracker.add(accepted)
+        if result.t_first is None:
+            result.t_first = ctx.clock.now()
+        a = len(path)
+        decision[:3] = (a, int(done), taken)
+        decision[3:3 + a] = path
+        decision[3 + bs:3 + bs + a] = accepted
+    ctx.bcast(decision)
+    a = int(decision[0])
+    return bool(decision[1]), int(decision[2]), decision[3:3 + a].copy(), decision[3 + bs:3 + bs + a].copy()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from swiftspec_mpi.decoding import Acceptor, DraftSide, OutputTracker, TargetSide
-from swiftspec_mpi.engine_context import EngineContext, comm_seconds, make_topk_share
+from swiftspec_mpi.engine_context import EngineContext, comm_seconds, decide, make_topk_share
 from swiftspec_mpi.trace import KIND
 
 
@@ -50,23 +50,14 @@ def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, 
             tokens, parents = draft.best_subtree(bs)
         tv, cv = clock.now(), comm_seconds(ctx.target)
         logits = target.forward_tree(tokens, parents)
-        if leader:
-            path, accepted = acceptor.accept(tokens, parents, logits, len(result.output_ids))
-            taken, done = tracker.add(accepted)
-            if result.t_first is None:
-                result.t_first = clock.now()
-            a = len(path)
-            decision[:3] = (a, int(done), taken)
-            decision[3:3 + a] = path
-            decision[3 + bs:3 + bs + a] = accepted
-        ctx.bcast(decision)
-        a, done = int(decision[0]), bool(decision[1])
-        path, accepted = decision[3:3 + a].copy(), decision[3 + bs:3 + bs + a].copy()
+        done, taken, path, accepted = decide(ctx, tokens, parents, logits, acceptor, tracker, result,
+                                             decision, bs)
+        a = len(path)
         t_end = clock.now()
         rec.record(KIND["verify" if draft is not None else "decode"], request, step, tv, t_end,
                    len(tokens), a, comm_seconds(ctx.target) - cv)
         if leader:
-            result.steps.append((step, len(tokens), int(decision[2]), t_step, t_end))
+            result.steps.append((step, len(tokens), taken, t_step, t_end))
             if ctx.on_progress is not None:
                 ctx.on_progress()
         if done:

@@ -748,6 +748,13 @@ def profile_expansions(ctx) -> int:
             t_target = exchange_profile(ctx, t_draft, sizes)
         else:
             t_draft = exchange_profile(ctx, t_target, dsizes)
+    if ctx.topo.group.Get_size() > 1:
+        # Every rank of a group must take the same decisions below (bs, w, d: they shape its
+        # tensor-parallel collectives), but each rank timed its own forwards and the timings
+        # differ a little, so the decisions could too, and the ranks would deadlock in
+        # mismatched collectives (seen in sync on 2 ranks). The group leader's tables decide;
+        # in async both leaders hold the same pair (their own + the swapped one).
+        t_target, t_draft = ctx.topo.group.bcast((t_target, t_draft), root=0)
     bs = cfg.verify_size or C.choose_tree_size(t_target)
     w = cfg.tree_width or bs
     cfg.verify_size, cfg.tree_width = bs, w

@@ -78,6 +78,21 @@ class RequestResult:
         return max(0.0, (self.t_end or self.t_start) - self.t_start)
 
 
+def h5_text(s: str) -> str:
+    """`s` as an HDF5 string can hold it: NUL (which a byte-level tokenizer can generate, and
+    which HDF5 strings cannot store: h5py raises) becomes U+2400 (SYMBOL FOR NULL), a lone
+    surrogate (a JSON prompt can carry one; not UTF-8) becomes '?'. The exact tokens stay in
+    output_ids."""
+    s = str(s)
+    if "\x00" in s:
+        s = s.replace("\x00", "\u2400")
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        s = s.encode("utf-8", "replace").decode("utf-8")
+    return s
+
+
 def write_trace(path: str, *, mode: str, config_json: str, env: dict, requests: list[RequestResult],
                 events: np.ndarray, ranks: np.ndarray, complete: bool, exit_status: str) -> None:
     """Write the whole trace atomically: PATH.tmp.<pid>, then os.replace onto PATH."""
@@ -89,7 +104,7 @@ def write_trace(path: str, *, mode: str, config_json: str, env: dict, requests: 
         f.attrs["format_version"] = 1
         f.attrs["mode"] = mode
         f.attrs["complete"] = bool(complete)
-        f.attrs["exit_status"] = exit_status
+        f.attrs["exit_status"] = h5_text(exit_status)
         f.attrs["config_json"] = config_json
         f.attrs["env_json"] = json.dumps(env, sort_keys=True, default=str)
         f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -99,9 +114,9 @@ def write_trace(path: str, *, mode: str, config_json: str, env: dict, requests: 
             g = group.create_group(f"{r.index:06d}")
             new = len(r.output_ids)
             g.attrs["index"] = r.index
-            g.attrs["category"] = r.category
-            g.attrs["prompt_text"] = r.prompt_text
-            g.attrs["text"] = r.text
+            g.attrs["category"] = h5_text(r.category)
+            g.attrs["prompt_text"] = h5_text(r.prompt_text)
+            g.attrs["text"] = h5_text(r.text)
             g.attrs["new_tokens"] = new
             g.attrs["seconds"] = r.seconds
             g.attrs["ttft_s"] = (r.t_first - r.t_start) if r.t_first is not None else float("nan")

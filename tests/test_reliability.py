@@ -500,3 +500,26 @@ def test_exception_on_tensor_parallel_member_ends_job(models, tmp_path):
     lines = error_lines(job.stderr)
     assert lines == ["swiftspec run: error on rank 1 (verify): RuntimeError: injected fault in "
                      "verify (call 3)"], report
+
+
+def test_trace_writer_keeps_text_hdf5_cannot_store(tmp_path):
+    """A byte-level tokenizer can generate NUL, a JSON prompt can hold a lone surrogate: h5py
+    refuses both in strings, which used to fail the checkpoint write and so the whole job (found
+    by the SIGTERM case above). The writer stores them visibly instead; tokens stay exact."""
+    import h5py
+    import numpy as np
+
+    from swiftspec_mpi.trace import EVENT_DTYPE, RANK_DTYPE, RequestResult, write_trace
+    r = RequestResult(0, "cat\x00", "prompt \ud800 with a lone surrogate", [5, 6], [0, 7, 0],
+                      text="a\x00b\x00", t_start=1.0, t_end=2.0, stop_reason="max_new_tokens")
+    out = tmp_path / "nul.h5"
+    write_trace(str(out), mode="ar", config_json="{}", env={}, requests=[r],
+                events=np.zeros(0, EVENT_DTYPE), ranks=np.zeros(0, RANK_DTYPE), complete=False,
+                exit_status="error: token '\x00' in a message")
+    with h5py.File(out) as f:
+        g = f["requests/000000"]
+        assert g.attrs["text"] == "a\u2400b\u2400" and g.attrs["category"] == "cat\u2400"
+        assert g.attrs["prompt_text"] == "prompt ? with a lone surrogate"
+        assert g["output_ids"][()].tolist() == [0, 7, 0]
+        assert f.attrs["exit_status"] == "error: token '\u2400' in a message"
+    assert os.listdir(tmp_path) == ["nul.h5"]     # no temporary file left behind
