@@ -6,7 +6,10 @@ heavy dependencies (torch, mpi4py, h5py) inside `main`, so `swiftspec --help` st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
+import os
 import sys
 
 from swiftspec_mpi import __version__
@@ -50,6 +53,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _launcher_rank() -> int:
+    """This process's rank as the MPI launcher (or Slurm) told it, before MPI is initialized."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var)
+        if value and value.isdigit():
+            return int(value)
+    return 0
+
+
 def _chosen_command(argv: list[str]) -> str | None:
     for arg in argv:
         if arg in SUBCOMMANDS:
@@ -62,7 +74,11 @@ def _chosen_command(argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(_chosen_command(argv))
-    args = parser.parse_args(argv)
+    if _launcher_rank() > 0:   # under mpiexec/srun a bad flag is reported by rank 0 only
+        with contextlib.redirect_stderr(io.StringIO()):
+            args = parser.parse_args(argv)
+    else:
+        args = parser.parse_args(argv)
     try:
         return int(args._module.main(args) or 0)
     except UserError as exc:

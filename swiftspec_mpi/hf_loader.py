@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 
-import torch
-
 from swiftspec_mpi.errors import CheckpointError
 from swiftspec_mpi.modelconfig import ModelConfig
 

@@ -294,10 +294,6 @@ def test_existing_output_refused_unless_overwrite(models, tmp_path):
     # (--overwrite replacing it is exercised by test_sigterm_writes_partial_file_and_exits_4)
 
 
-@pytest.mark.xfail(strict=True, reason="argparse runs on every rank before MPI, so a flag "
-                   "value argparse itself rejects is printed once per rank; fix in cli.main: on a "
-                   "launcher rank != 0 (PMI_RANK / OMPI_COMM_WORLD_RANK / PMIX_RANK / "
-                   "SLURM_PROCID) parse with stderr silenced")
 def test_flag_parse_error_printed_once(models, tmp_path):
     job = run_job(2, base_args(models, tmp_path / "run.h5") + ["--max-new-tokens", "many"],
                   timeout=120)
