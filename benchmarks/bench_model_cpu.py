@@ -165,7 +165,8 @@ def table(results) -> str:
 
 
 def profile(name, folder, dtype_name, which, args):
-    """torch.profiler op table of `which` (ours | HF sdpa | HF eager) decoding --tokens steps."""
+    """torch.profiler op table of `which` (ours | HF sdpa | HF eager) over --tokens decode steps
+    (the prefill is not profiled)."""
     import torch
     from torch.profiler import ProfilerActivity, profile as tprof
 
@@ -173,48 +174,80 @@ def profile(name, folder, dtype_name, which, args):
     ours, tok = _ours(folder, dtype, max_slots=512)
     prompt_ids = tok.encode(tok.apply_chat_template(PROMPT))
     if which == "ours":
-        fn = lambda: decode(steps_ours(ours, prompt_ids), args.tokens)  # noqa: E731
+        make = lambda: steps_ours(ours, prompt_ids)  # noqa: E731
     else:
         del ours
         gc.collect()
         m = _hf(folder, dtype, which.split()[-1])
-        fn = lambda: decode(steps_hf(m, prompt_ids, which.split()[-1]), args.tokens)  # noqa: E731
+        make = lambda: steps_hf(m, prompt_ids, which.split()[-1])  # noqa: E731
     with torch.inference_mode():
-        fn()
+        decode(make(), 4)                           # warm-up
+        gen = make()
+        next(gen)                                   # prefill: not profiled
         with tprof(activities=[ProfilerActivity.CPU]) as prof:
-            fn()
-    print(f"## {which}, {name} {dtype_name}, {args.tokens} decode steps (+ one prefill)")
+            for _ in range(args.tokens):
+                next(gen)
+    print(f"## {which}, {name} {dtype_name}, {args.tokens} decode steps ({args.threads} threads)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
-def load_child(path, dtype_name):
-    """Peak RSS of loading one checkpoint the way a rank does (run in a fresh subprocess)."""
+def load_child(path, dtype_name, how):
+    """Peak RSS of loading one checkpoint (run in a fresh subprocess). how = "load_model": the
+    way a rank does (checkpoint.load_model); "hinted": a GGUF through GGUFSource(path, dtype)
+    (dequantized straight into the model dtype: what checkpoint.load_model could pass);
+    "get_into": every GGUF tensor dequantized by GGUFSource.get_into into preallocated tensors
+    of the model dtype (the loader's own overhead if Transformer.load_weights used get_into)."""
     import torch
-    from swiftspec_mpi.checkpoint import load_model
+    from swiftspec_mpi.checkpoint import load_model, load_tokenizer
+    from swiftspec_mpi.model import Transformer
 
+    dtype = getattr(torch, dtype_name)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.time()
-    model, _ = load_model(path, max_slots=256, dtype=getattr(torch, dtype_name))
+    if how == "hinted":
+        from swiftspec_mpi.gguf_loader import GGUFSource
+        load_tokenizer(path)
+        with GGUFSource(path, dtype=dtype) as src:
+            model = Transformer(src.config, max_slots=256, dtype=dtype)
+            model.load_weights(src)
+    elif how == "get_into":
+        from swiftspec_mpi.gguf_loader import GGUFSource
+        load_tokenizer(path)
+        with GGUFSource(path) as src:
+            dsts = {n: torch.empty(src.shape(n), dtype=dtype) for n in src.names()}
+            for n, d in dsts.items():
+                src.get_into(d, n)
+        weights = sum(d.numel() * d.element_size() for d in dsts.values())
+    else:
+        model, _ = load_model(path, max_slots=256, dtype=dtype)
+    if how != "get_into":
+        weights = model.weight_bytes()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"path": str(path), "dtype": dtype_name, "load_s": time.time() - t0,
-                      "weight_bytes": model.weight_bytes(), "peak_rss": peak,
+                      "weight_bytes": weights, "peak_rss": peak,
                       "rss_before_load": before}))
 
 
 def load_rss(args):
+    """Table of peak RSS while loading: GGUF (as ranks load it now, and with the dtype hint) and
+    the prepared folder; `before` = RSS after the imports, before any file is read."""
     from swiftspec_mpi import registry
-    rows = ["| checkpoint | dtype | load s | weights GiB | peak RSS GiB | RSS / weights |",
-            "|---|---|---:|---:|---:|---:|"]
+    rows = ["| checkpoint | dtype | how | load s | weights GiB | RSS before GiB | peak RSS GiB "
+            "| peak / weights | (peak - before) / weights |", "|---|---|---|" + "---:|" * 6]
     for name in args.models:
-        for path in (registry.gguf_path(name), registry.ensure_prepared(name)):
+        for path, hows in ((registry.gguf_path(name), ("load_model", "hinted", "get_into")),
+                           (registry.ensure_prepared(name), ("load_model",))):
             for dt in args.dtypes:
-                out = subprocess.run([sys.executable, __file__, "--_load-child", str(path), dt],
-                                     check=True, capture_output=True, text=True).stdout
-                r = json.loads(out.strip().splitlines()[-1])
-                rows.append(f"| {os.path.basename(path)} | {dt} | {r['load_s']:.1f} | "
-                            f"{r['weight_bytes'] / 2**30:.2f} | {r['peak_rss'] / 2**30:.2f} | "
-                            f"{r['peak_rss'] / r['weight_bytes']:.2f} |")
-                print(rows[-1], flush=True)
+                for how in hows:
+                    out = subprocess.run([sys.executable, __file__, "--threads", str(args.threads),
+                                          "--_load-child", str(path), dt, how],
+                                         check=True, capture_output=True, text=True).stdout
+                    r = json.loads(out.strip().splitlines()[-1])
+                    w, b, p = r["weight_bytes"], r["rss_before_load"], r["peak_rss"]
+                    rows.append(f"| {os.path.basename(path)} | {dt} | {how} | {r['load_s']:.1f} | "
+                                f"{w / 2**30:.2f} | {b / 2**30:.2f} | {p / 2**30:.2f} | "
+                                f"{p / w:.2f} | {(p - b) / w:.2f} |")
+                    print(rows[-1], file=sys.stderr, flush=True)
     print("\n".join(rows))
 
 
@@ -224,12 +257,12 @@ def main() -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--hf-attn", default="sdpa,eager", help="HF attention implementations")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=32, help="timed decode steps per round")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=16, help="timed decode steps per round")
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--json", help="also write the raw results here")
     ap.add_argument("--profile", choices=["ours", "HF sdpa", "HF eager"])
     ap.add_argument("--load-rss", action="store_true", help="measure peak RSS of loading instead")
-    ap.add_argument("--_load-child", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--_load-child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.models = [m for m in args.models.split(",") if m]
     args.dtypes = [d for d in args.dtypes.split(",") if d]
@@ -259,8 +292,8 @@ def main() -> int:
             r = bench_one(name, folder, dt, args)
             results.append(r)
             print(json.dumps(r), file=sys.stderr, flush=True)
-    print(f"\nMachine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs visible, "
-          f"torch {torch.__version__} ({args.threads} threads), transformers "
+    print(f"\nMachine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs "
+          f"visible, torch {torch.__version__} ({args.threads} threads), transformers "
           f"{transformers.__version__}; {args.rounds} rounds x {args.tokens} decode steps after a "
           f"{results[0]['prompt_tokens']}-token prompt, median step\n")
     print(table(results))

