@@ -7,8 +7,11 @@ Tensor shapes (N new tokens, S = start + N visible slots, R logits rows, TP degr
     mask      BoolTensor [N, S]         True = column slot visible to that row
     logits    FloatTensor [R, vocab]    float32, full vocabulary, identical on every rank
     KV        [n_layers, max_slots, n_kv_local, head_dim] (one K and one V buffer, static)
-    weights   weight_layout "in_out" (CPU default: [in, out], x @ W) or "out_in" (GPU default:
-              nn.Linear's [out, in]); the math is the same, only the GEMV speed differs
+    weights   weight_layout "packed" (CPU default where AVX2 runs: 16-column panels read by
+              csrc/gemm_avx2.h, see cpu_linear.py; stored in `dtype`, float32 or bfloat16, while
+              activations, KV and norms stay float32), "in_out" ([in, out], x @ W; the CPU fallback)
+              or "out_in" (GPU default: nn.Linear's [out, in], for cuBLAS and the CUDA kernels);
+              the math is the same, only the GEMV speed differs
 
 Tensor parallelism (comm.size = T > 1):
     column-parallel: fused QKV (this rank's query heads and their KV heads) and fused gate|up;
@@ -30,6 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from swiftspec_mpi import cpu_linear
 from swiftspec_mpi.comm import SingleComm
 from swiftspec_mpi.errors import CheckpointError, UserError
 from swiftspec_mpi.modelconfig import ModelConfig
@@ -146,7 +150,9 @@ class Transformer(torch.nn.Module):
 
     Build, then `load_weights(source)`; `forward(tokens, positions, start, mask, logits_rows)`
     writes the N new tokens' K/V into slots [start, start+N) and returns float32 logits.
-    `weight_layout` (keyword, optional): "in_out" | "out_in", see the module doc.
+    `weight_layout` (keyword, optional): "packed" | "in_out" | "out_in", see the module doc.
+    `dtype` is the weights' dtype; with "packed" the activations, KV and norms are float32
+    (`self.dtype`), elsewhere everything is `dtype`. `self.weight_dtype` keeps the request.
     """
 
     def __init__(self, cfg: ModelConfig, comm=None, max_slots: int = 4096,
@@ -155,25 +161,34 @@ class Transformer(torch.nn.Module):
         self.cfg = cfg
         self.comm = SingleComm() if comm is None else comm
         self.max_slots = int(max_slots)
-        self.dtype = dtype
         self.device = torch.device(device)
-        # Linear weights are stored [in, out] on CPU ("in_out": x @ W streams W row by row,
-        # which MKL's M=1 GEMV runs ~15-30 % faster than nn.Linear's [out, in] on AVX2 machines,
-        # measured per decode step on Qwen2.5-0.5B / SmolLM2 shapes) and [out, in] elsewhere
-        # ("out_in": cuBLAS and the fused CUDA kernels expect it).
-        if weight_layout is None:   # bf16 x @ W[in, out] is ~10x slower than F.linear on AVX2 CPUs
-            weight_layout = "in_out" if self.device.type == "cpu" and dtype == torch.float32 \
-                else "out_in"
-        if weight_layout not in ("in_out", "out_in"):
-            raise ValueError(f"weight_layout must be 'in_out' or 'out_in', not {weight_layout!r}")
+        cpu = self.device.type == "cpu"
+        # CPU: packed panels for our AVX2 kernel (a tree of 8 tokens costs ~2x one token, MKL's
+        # sgemm ~4x; bf16 weights halve the bytes). Fallback without AVX2: [in, out] for float32
+        # (MKL's M=1 GEMV is 15-30 % faster on x @ W than on nn.Linear's layout), [out, in] for
+        # bf16 (x @ W[in, out] is ~10x slower there). GPU: [out, in] (cuBLAS, CUDA kernels).
+        if weight_layout is None:
+            if cpu and cpu_linear.available() and dtype in (torch.float32, torch.bfloat16):
+                weight_layout = "packed"
+            else:
+                weight_layout = "in_out" if cpu and dtype == torch.float32 else "out_in"
+        if weight_layout not in ("packed", "in_out", "out_in"):
+            raise ValueError("weight_layout must be 'packed', 'in_out' or 'out_in', not "
+                             f"{weight_layout!r}")
+        if weight_layout == "packed" and not (cpu and cpu_linear.available()):
+            raise ValueError("weight_layout 'packed' needs the CPU and a CPU with AVX2 + FMA")
         self.weight_layout = weight_layout
+        self.weight_dtype = dtype
+        self.packed = weight_layout == "packed"
+        self.dtype = torch.float32 if self.packed else dtype
         self.transposed = weight_layout == "in_out"
-        self._linear = _linear_in_out if self.transposed else F.linear
+        self._linear = (cpu_linear.linear if self.packed else
+                        _linear_in_out if self.transposed else F.linear)
         self.shard = sh = _Shard(cfg, self.comm.rank, self.comm.size)
         hd = cfg.head_dim
         self.n_kv_local = sh.nkv_l
         self._half = hd // 2
-        kw = dict(dtype=dtype, device=self.device)
+        kw = dict(dtype=self.dtype, device=self.device)
         with torch.no_grad():
             # static KV: [n_layers, max_slots, n_kv_local, head_dim]
             self.k_cache = torch.zeros(cfg.num_layers, self.max_slots, sh.nkv_l, hd, **kw)
@@ -195,7 +210,8 @@ class Transformer(torch.nn.Module):
         # matrices in `weight_layout` (wqkv rows/cols = this rank's q heads, then its K, then V)
         self.layers: list[tuple] = []
         self.embed = None   # [vocab, hidden] (a transposed view of a [hidden, vocab] store when
-        self.norm = None    # the head is tied on CPU); head: [v_chunk, hidden] or [hidden, v_chunk]
+        self.norm = None    # the head is tied on CPU; None when a tied packed head serves the
+        #                     lookup); head: [v_chunk, hidden], [hidden, v_chunk] or PackedWeight
         self.head = None
         self.loaded = False
 
@@ -229,6 +245,9 @@ class Transformer(torch.nn.Module):
 
         def mat(rows: int, cols: int):
             """-> (stored tensor in weight_layout, its [rows, cols] = [out, in] view)."""
+            if self.packed:
+                pw = cpu_linear.PackedWeight(rows, cols, self.weight_dtype)
+                return pw, pw.rows()
             if self.transposed:
                 store = torch.empty(cols, rows, **kw)
                 return store, store.t()
@@ -240,12 +259,19 @@ class Transformer(torch.nn.Module):
         if tied and not cfg.tie_word_embeddings:
             raise CheckpointError("the checkpoint has no 'lm_head.weight' but config says "
                                   "tie_word_embeddings=false; the checkpoint is incomplete")
+        wkw = dict(dtype=self.weight_dtype, device=self.device)
+        packed_tied = self.packed and tied and v1 - v0 == cfg.vocab_size
         with torch.no_grad():
-            if tied and self.transposed:   # one [hidden, vocab] store serves lookup and head
+            if packed_tied:                # the packed head serves the lookup too (gather_rows)
+                self.head, head_rows = mat(cfg.vocab_size, H)
+                self.embed = None
+                fetch(head_rows, "model.embed_tokens.weight")
+            elif tied and self.transposed:   # one [hidden, vocab] store serves lookup and head
                 emb_store, self.embed = mat(cfg.vocab_size, H)
             else:
-                self.embed = emb_store = torch.empty(cfg.vocab_size, H, **kw)
-            fetch(self.embed, "model.embed_tokens.weight")
+                self.embed = emb_store = torch.empty(cfg.vocab_size, H, **wkw)
+            if not packed_tied:
+                fetch(self.embed, "model.embed_tokens.weight")
             layers = []
             q_rows = sh.q_rows[1] - sh.q_rows[0]
             kv_rows = sh.nkv_l * hd
@@ -288,11 +314,14 @@ class Transformer(torch.nn.Module):
                                self._k_layers[i], self._v_layers[i]))
             self.norm = torch.empty(H, **kw)
             fetch(self.norm, "model.norm.weight")
-            if tied and v1 - v0 == sh.v_chunk:         # a view of the embedding: no extra memory
+            if packed_tied:
+                pass
+            elif tied and v1 - v0 == sh.v_chunk and not self.packed:   # a view: no extra memory
                 self.head = emb_store[:, v0:v1] if self.transposed else emb_store[v0:v1]
             else:                                      # zero-padded to v_chunk rows
                 self.head, head_v = mat(sh.v_chunk, H)
-                self.head.zero_()
+                if not self.packed:                    # (packed weights start zeroed)
+                    self.head.zero_()
                 if v1 > v0:
                     if tied:
                         head_v[:v1 - v0].copy_(self.embed[v0:v1])
@@ -310,6 +339,8 @@ class Transformer(torch.nn.Module):
         for t in tensors:
             if t is None:
                 continue
+            if isinstance(t, cpu_linear.PackedWeight):
+                t = t.data
             key = t.untyped_storage().data_ptr()
             if key in seen:
                 continue
@@ -380,7 +411,7 @@ class Transformer(torch.nn.Module):
         qk_cols = (nh_l + nkv_l) * hd
         il = sh.inter_l
         lin = self._linear
-        x = F.embedding(tokens, self.embed)
+        x = self._embed(tokens)                                            # [N, hidden]
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)   # [N, 1, hd]
         sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
         for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in self.layers:
@@ -400,6 +431,13 @@ class Transformer(torch.nn.Module):
             comm.all_reduce_(d)
             x.add_(d)
         return x
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [N] -> [N, hidden] in self.dtype (a tied packed head is gathered from)."""
+        if self.embed is None:
+            return self.head.gather_rows(tokens, self.dtype)
+        x = F.embedding(tokens, self.embed)
+        return x if x.dtype == self.dtype else x.to(self.dtype)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm + (vocab-parallel) head: [R, hidden] -> float32 [R, vocab_size]."""
@@ -421,8 +459,14 @@ class Transformer(torch.nn.Module):
         mask [N, max_slots] bool/uint8 (only columns < L matter), n_valid int32 [1] = L, the
         slots attended, read on the device by the fused tree-attention kernel. All on the GPU,
         bf16 model. Returns float32 logits [N, vocab_size]. Same math as `forward`.
+
+        Uses the fused elementwise kernels (swiftspec_mpi.fused_ops: residual add + RMSNorm,
+        RoPE + KV write, SiLU * up) when `fused_ops.enabled()`, else the torch ops of `_layers`.
         """
-        from swiftspec_mpi import kernels
+        from swiftspec_mpi import fused_ops, kernels
+
+        if fused_ops.enabled():
+            return self._graphable_fused(tokens, positions, write_slots, mask, n_valid)
 
         def write_kv(kc, vc, k, v):
             kc.index_copy_(0, write_slots, k)
@@ -432,6 +476,85 @@ class Transformer(torch.nn.Module):
             return kernels.tree_attention(q, kc, vc, mask, n_valid).view(q.shape[0], -1)
 
         return self._logits(self._layers(tokens, positions, write_kv, attend))
+
+    def _fused_workspace(self, n: int) -> dict:
+        """Static bf16 buffers of the fused forward for n tokens, made once per n (a captured CUDA
+        graph keeps pointing at them): x, h [n, hidden]; o [n, nh_l, hd]; m [n, inter_l]."""
+        ws_all = self.__dict__.get("_fused_ws")
+        if ws_all is None:
+            ws_all = self.__dict__["_fused_ws"] = {}
+        ws = ws_all.get(n)
+        if ws is None:
+            H, sh, hd = self.cfg.hidden_size, self.shard, self.cfg.head_dim
+            kw = dict(dtype=self.dtype, device=self.device)
+            ws = ws_all[n] = {"x": torch.empty(n, H, **kw), "h": torch.empty(n, H, **kw),
+                              "o": torch.empty(n, sh.nh_l, hd, **kw),
+                              "m": torch.empty(n, sh.inter_l, **kw)}
+        return ws
+
+    def _fused_gemm_choice(self, n: int, ws: dict) -> dict:
+        """Per projection ("qkv", "o", "gu", "down", "head"): True = kernels.gemm_rowparallel,
+        False = cuBLAS, for n tokens; timed once per (n, fused_ops.gemm_mode()) outside graph
+        capture by fused_ops.prefer_rowparallel (cuBLAS while capturing, not cached then).
+        Projections with a bias, and weights stored [in, out], stay on cuBLAS."""
+        from swiftspec_mpi import fused_ops
+
+        key = ("gemm", fused_ops.gemm_mode())
+        rp = ws.get(key)
+        if rp is None:
+            lays = self.layers
+            kinds = {"qkv": (1, 2), "o": (3, 4), "gu": (6, None), "down": (7, None)}
+            plain = self.weight_layout == "out_in"
+            rp = {}
+            for kind, (wi, bi) in kinds.items():
+                ok = plain and all(bi is None or lay[bi] is None for lay in lays)
+                rp[kind] = ok and fused_ops.prefer_rowparallel([lay[wi] for lay in lays], n)
+            rp["head"] = plain and fused_ops.prefer_rowparallel([self.head], n)
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return rp
+            ws[key] = rp
+        return rp
+
+    def _graphable_fused(self, tokens, positions, write_slots, mask, n_valid) -> torch.Tensor:
+        """`forward_graphable` with the fused kernels (same arguments and result). Per layer:
+        add_rmsnorm (the previous layer's down output + ln1; plain RMSNorm in layer 0), QKV GEMM,
+        rope_kv_write, tree attention, O GEMM, all-reduce, add_rmsnorm (+ ln2), gate|up GEMM,
+        silu_mul, down GEMM, all-reduce; the last residual add is fused with the final norm."""
+        from swiftspec_mpi import fused_ops, kernels
+
+        cfg, sh, comm = self.cfg, self.shard, self.comm
+        N = tokens.shape[0]
+        eps = cfg.rms_norm_eps
+        hd, nh_l = cfg.head_dim, sh.nh_l
+        ws = self._fused_workspace(N)
+        x, h, o, m = ws["x"], ws["h"], ws["o"], ws["m"]
+        rp = self._fused_gemm_choice(N, ws)
+        gemm = kernels.gemm_rowparallel
+
+        def lin(use_rp, inp, w, b=None):
+            return gemm(inp, w) if use_rp else self._linear(inp, w, b)
+
+        torch.index_select(self.embed, 0, tokens, out=x)
+        pending = None                      # the previous layer's MLP output, not yet added to x
+        for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in self.layers:
+            fused_ops.add_rmsnorm(x, pending, ln1, eps, out=h)
+            qkv = lin(rp["qkv"], h, wqkv, bqkv)                            # [N, (nh+2kv)*hd]
+            fused_ops.rope_kv_write(qkv, positions, write_slots, self.rope_cos, self.rope_sin,
+                                    kc, vc, nh_l)
+            kernels.tree_attention(qkv[:, :nh_l * hd].view(N, nh_l, hd), kc, vc, mask, n_valid, out=o)
+            a = lin(rp["o"], o.view(N, nh_l * hd), wo, bo)
+            comm.all_reduce_(a)
+            fused_ops.add_rmsnorm(x, a, ln2, eps, out=h)
+            fused_ops.silu_mul(lin(rp["gu"], h, wgu), out=m)
+            pending = lin(rp["down"], m, wd)
+            comm.all_reduce_(pending)
+        fused_ops.add_rmsnorm(x, pending, self.norm, eps, out=h)
+        logits = lin(rp["head"], h, self.head)                             # [N, v_chunk]
+        if comm.size > 1:
+            logits = comm.all_gather_lastdim(logits)
+            if logits.shape[1] != cfg.vocab_size:
+                logits = logits[:, :cfg.vocab_size]
+        return logits.float()
 
     # ------------------------------------------------------------------------------ KV plan
     @torch.inference_mode()

@@ -164,3 +164,42 @@ def test_config_formats_round_trip(tmp_path):
     assert rp["rope_type"] == "llama3" and float(rp["factor"]) == 8.0
     assert ModelConfig.from_hf_dict(back.to_dict()) == cfg
     assert cfg.with_layers(1).num_layers == 1 and cfg.with_layers(1).hidden_size == cfg.hidden_size
+
+
+def test_in_out_weight_layout_matches(pair):
+    """The CPU fallback layout ([in, out], x @ W; no AVX2) computes the same logits."""
+    hf, _, folder = pair
+    ours = load_ours(folder, weight_layout="in_out")
+    assert ours.weight_layout == "in_out" and ours.layers[0][1].shape[0] == 64
+    toks = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(7))
+    ref = hf_logits(hf, toks)
+    out = ours.forward(toks, torch.arange(12), 0, chain_mask(0, 12))
+    assert (out - ref).abs().max().item() < TOL
+
+
+def test_packed_bf16_weights_match_rounded_reference(pair):
+    """--dtype bfloat16 on CPU: weights stored bf16 in the packed panels, all math in float32.
+    Equals HF in float32 on the same weights rounded to bf16 (norms and biases stay float32)."""
+    from swiftspec_mpi import cpu_linear
+    if not cpu_linear.available():
+        pytest.skip("the packed CPU kernel needs AVX2 + FMA")
+    hf, _, folder = pair
+    ref_model = type(hf)(hf.config)
+    ref_model.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        for name, p in ref_model.named_parameters():
+            if "norm" not in name and not name.endswith(".bias"):
+                p.copy_(p.bfloat16().float())
+    ref_model.eval()
+    src = SafetensorsSource(str(folder))
+    ours = Transformer(src.config, max_slots=64, dtype=torch.bfloat16)
+    ours.load_weights(src)
+    src.close()
+    assert ours.weight_layout == "packed" and ours.dtype == torch.float32
+    assert ours.layers[0][1].data.dtype == torch.bfloat16
+    toks = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(8))
+    ref = hf_logits(ref_model, toks)
+    out = ours.forward(toks, torch.arange(20), 0, chain_mask(0, 20))
+    assert (out - ref).abs().max().item() < TOL
+    # and the rounding is real: the unrounded float32 model differs by far more than TOL
+    assert (hf_logits(hf, toks) - ref).abs().max().item() > 10 * TOL
