@@ -47,6 +47,9 @@ class _Rows:
             raise ValueError("packed rows take contiguous slices only")
         return _Rows(self.pw, self.a + start, self.a + stop)
 
+    def numel(self) -> int:
+        return (self.b - self.a) * self.pw.n_in
+
     def copy_(self, t: torch.Tensor) -> "_Rows":
         self.pw.write_rows(self.a, t)
         return self

@@ -41,6 +41,8 @@ from swiftspec_mpi.modelconfig import ModelConfig
 # (n_new * group) at or below which GQA is folded into the query-length dimension (no KV copy,
 # additive float mask shared by all layers); above it SDPA's own GQA path with the bool mask.
 _FOLD_MAX_ROWS = 256
+# elements per block when loading a large matrix (bounds the loader's temporaries to ~32 MiB)
+_FETCH_CHUNK = 8 << 20
 
 
 def chain_mask(start: int, n: int) -> torch.Tensor:
@@ -233,7 +235,23 @@ class Transformer(torch.nn.Module):
                 raise CheckpointError(f"checkpoint has {src_cfg.num_layers} layers, the model "
                                       f"wants {cfg.num_layers}")
 
+        get_into = getattr(source, "get_into", None)   # GGUF: dequantized a few MiB at a time
+
         def fetch(dst: torch.Tensor, name: str, dim=None, start=0, stop=None, expect=None):
+            if get_into is not None and expect is None:
+                get_into(dst, name, dim, start, stop)     # checks the shape itself
+                return
+            rows = dst.shape[0] if len(dst.shape) == 2 else 0
+            if expect is None and dim in (None, 0) and rows * dst.shape[-1] > _FETCH_CHUNK:
+                # big matrices (the embedding) in row blocks: no full-size temporaries
+                a0 = start if dim == 0 else 0
+                if (stop if dim == 0 and stop is not None else a0 + rows) != a0 + rows:
+                    raise CheckpointError(f"tensor {name!r}: slice [{start}:{stop}) does not "
+                                          f"give the {rows} rows the config implies")
+                step = max(1, _FETCH_CHUNK // dst.shape[-1])
+                for r in range(0, rows, step):
+                    fetch(dst[r:r + step], name, 0, a0 + r, a0 + min(r + step, rows))
+                return
             t = source.get(name, dim, start, stop)
             want = tuple(dst.shape) if expect is None else expect
             if tuple(t.shape) != want:
