@@ -1,10 +1,19 @@
-"""Batch-1 step times on one GPU: ours (CUDA graphs + fused tree attention) vs eager torch and HF
-transformers eager, bf16, random weights at real shapes. Prints a Markdown table.
+"""Batch-1 step times on one GPU: ours (CUDA graphs + fused tree attention, with and without the
+fused elementwise kernels of swiftspec_mpi.fused_ops) vs eager torch and HF transformers eager,
+bf16, random weights at real shapes. Prints a Markdown table.
 
-    python benchmarks/bench_gpu_step.py --context 1024 [--shapes llama-3-8b,llama-3.2-1b]
+    python benchmarks/bench_gpu_step.py --context 1024 [--shapes llama-3-8b,llama-3.2-1b] [--no-hf]
+    SWIFTSPEC_FUSED_OPS=0 python benchmarks/bench_gpu_step.py ...   # or --no-fused: baseline only
 
 Rows: device copy bandwidth (the floor); for each shape the single-token step, the 8-node tree
 step (verify) and, for the draft shape, the w=8 leaf expansion; HF eager decode of one token.
+Graph columns: "torch ops" = forward_graphable with its torch elementwise ops (the fused kernels
+switched off while that graph was captured); "fused ops" = the default fused path: the fused
+kernels, every GEMM on cuBLAS; "+ GEMM choice" = the opt-in SWIFTSPEC_FUSED_GEMM=auto, where each
+projection kind uses kernels.gemm_rowparallel if it timed faster than cuBLAS ("rowparallel
+GEMMs" lists which). All graphs are captured on the same model and timed in alternating blocks
+in the same run; speed-up = torch ops / fused ops; rel. diff = max |logits - torch-ops logits| /
+max |torch-ops logits| of the fused path, then of the GEMM choice.
 """
 from __future__ import annotations
 
@@ -30,6 +39,29 @@ def cuda_time(fn, iters=50, warmup=5) -> float:
     return 1e3 * times[len(times) // 2]
 
 
+def cuda_time_alternating(fns: dict, iters=60, blocks=6, warmup=5) -> dict:
+    """Median wall ms per call of each fn (each call followed by a device sync), the fns timed in
+    alternating blocks of iters/blocks calls so that clock or thermal drift hits all alike."""
+    times = {k: [] for k in fns}
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    per = max(1, iters // blocks)
+    for _ in range(blocks):
+        for k, fn in fns.items():
+            for _ in range(per):
+                t = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                times[k].append(time.perf_counter() - t)
+    out = {}
+    for k, ts in times.items():
+        ts.sort()
+        out[k] = 1e3 * ts[len(ts) // 2]
+    return out
+
+
 def copy_bandwidth() -> float:
     n = 2 << 30
     a = torch.empty(n, dtype=torch.uint8, device="cuda")
@@ -52,7 +84,12 @@ def tree_mask(start: int, n: int) -> torch.Tensor:
     return m
 
 
-def ours(shape: str, context: int, sizes: list[int]) -> dict:
+def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict:
+    """Step times of one shape: eager torch `forward`, and CUDA graphs of `forward_graphable`
+    with the torch elementwise ops ("graph_nofuse_N") and, if `fused` and available, with the
+    fused kernels and cuBLAS GEMMs ("graph_N", the default) and with the timed GEMM choice
+    ("graph_auto_N"); plus each one's max relative logit difference to the torch-ops graph."""
+    from swiftspec_mpi import fused_ops
     from swiftspec_mpi.comm import SingleComm
     from swiftspec_mpi.cuda_graphs import GraphedModel, graphs_supported
     from swiftspec_mpi.dummy import dummy_model
@@ -63,15 +100,38 @@ def ours(shape: str, context: int, sizes: list[int]) -> dict:
     pre = torch.randint(0, 1000, (context,), device=dev)
     model.forward(pre, torch.arange(context, device=dev), 0, chain_mask(0, context).to(dev))
     res = {"weight_gb": weight_gb, "graphs": graphs_supported(model)}
-    graphed = GraphedModel(model) if res["graphs"] else None
+    fused = fused and res["graphs"] and fused_ops.available()
+    res["fused_ops"] = fused
+    g_plain = GraphedModel(model) if res["graphs"] else None
+    g_fused = GraphedModel(model) if fused else None          # fused ops, cuBLAS GEMMs (default)
+    g_auto = GraphedModel(model) if fused else None           # fused ops, GEMMs as timed ("auto")
+    was, was_mode = fused_ops._enabled, fused_ops.gemm_mode()
     for n in sizes:
         toks = torch.randint(0, 1000, (n,))
         pos = torch.arange(context, context + n)
         mask = tree_mask(context, n)
         res[f"eager_{n}"] = cuda_time(lambda: model.forward(toks, pos, context, mask).argmax(-1).cpu())
-        if graphed is not None:
-            res[f"graph_{n}"] = cuda_time(lambda: graphed.forward(toks, pos, context, mask).argmax(-1).cpu())
-    del model, graphed
+        if g_plain is None:
+            continue
+        fns = {}
+        try:           # a graph keeps the path active when it was captured (at its first call)
+            fused_ops.set_enabled(False)
+            ref = g_plain.forward(toks, pos, context, mask).float().clone()
+            fns[f"graph_nofuse_{n}"] = lambda: g_plain.forward(toks, pos, context, mask).argmax(-1).cpu()
+            if g_fused is not None:
+                fused_ops.set_enabled(True)
+                for key, g, mode in (("graph", g_fused, "cublas"), ("graph_auto", g_auto, "auto")):
+                    fused_ops.set_gemm_mode(mode)
+                    got = g.forward(toks, pos, context, mask).float()
+                    res[f"{key}_rel_diff_{n}"] = ((got - ref).abs().max() / ref.abs().max()).item()
+                    fns[f"{key}_{n}"] = (lambda g=g: g.forward(toks, pos, context, mask).argmax(-1).cpu())
+                choice = model._fused_ws[n].get(("gemm", "auto"), {})
+                res[f"rowparallel_{n}"] = ",".join(k for k, v in choice.items() if v) or "none"
+        finally:
+            fused_ops.set_enabled(was)
+            fused_ops.set_gemm_mode(was_mode)
+        res.update(cuda_time_alternating(fns))
+    del model, g_plain, g_fused, g_auto
     torch.cuda.empty_cache()
     return res
 
@@ -113,22 +173,31 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--shapes", default="llama-3-8b,llama-3.2-1b")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-fused", action="store_true",
+                    help="time only the torch-ops graph (also: SWIFTSPEC_FUSED_OPS=0)")
     ap.add_argument("--json", help="also write the raw numbers here")
     a = ap.parse_args()
+    from swiftspec_mpi import fused_ops
+    fused = not a.no_fused and fused_ops._enabled
     bw = copy_bandwidth()
     rows = {"copy_TBps": bw, "gpu": torch.cuda.get_device_name(), "context": a.context, "torch": torch.__version__}
     print(f"device copy bandwidth: {bw:.2f} TB/s  ({rows['gpu']}, torch {torch.__version__})", flush=True)
-    print("| shape | weights GB | floor ms | N | eager ms | graph ms | HF eager ms (N=1) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| shape | weights GB | floor ms | N | eager ms | graph, torch ops ms | graph + fused ops ms "
+          "| speed-up | + GEMM choice ms | logits rel. diff | rowparallel GEMMs | HF eager ms (N=1) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
+    nan = float("nan")
     for shape in a.shapes.split(","):
-        r = ours(shape, a.context, [1, 8])
+        r = ours(shape, a.context, [1, 8], fused=fused)
         r["hf_1"] = None if a.no_hf else hf(shape, a.context)
         rows[shape] = r
         floor = r["weight_gb"] / bw          # ms: every weight byte read once at HBM speed
         for n in (1, 8):
+            base, fast = r.get(f"graph_nofuse_{n}", nan), r.get(f"graph_{n}", nan)
             print(f"| {shape} | {r['weight_gb']:.2f} | {floor:.2f} | {n} | {r[f'eager_{n}']:.2f} | "
-                  f"{r.get(f'graph_{n}', float('nan')):.2f} | "
-                  f"{(r['hf_1'] if n == 1 and r['hf_1'] else float('nan')):.2f} |", flush=True)
+                  f"{base:.2f} | {fast:.2f} | {base / fast:.2f}x | {r.get(f'graph_auto_{n}', nan):.2f} | "
+                  f"{r.get(f'graph_rel_diff_{n}', nan):.1e} / {r.get(f'graph_auto_rel_diff_{n}', nan):.1e} | "
+                  f"{r.get(f'rowparallel_{n}', '-')} | {(r['hf_1'] if n == 1 and r['hf_1'] else nan):.2f} |",
+                  flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

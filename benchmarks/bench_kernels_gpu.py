@@ -1,6 +1,6 @@
 """Correctness and speed of the fused kernels on one GPU, against the torch baselines.
 
-    python benchmarks/bench_kernels_gpu.py [--out DIR] [--quick]
+    python benchmarks/bench_kernels_gpu.py [--out DIR] [--quick] [--baseline DIR]
 
 Tree attention (Llama-3-8B heads: 32 q / 8 KV heads, D 128) vs torch SDPA with an explicit
 boolean mask (what model.py runs without the kernels); row-parallel GEMM (o_proj 4096x4096,
@@ -9,6 +9,9 @@ communicator (TP = 1) when NCCL gives one. Every timing is a CUDA graph holding 
 "layer", each layer on its own buffers (>= 256 MB in all, so the 60 MB L2 cannot serve repeats),
 replayed many times and timed with CUDA events; the figure is the median replay time divided by
 the calls per replay. Each kernel's first layer is checked against a float64 reference first.
+Every instantiated variant (kernels.TREE_ATTENTION_VARIANTS x row tiles, kernels.GEMM_VARIANTS,
+the GEMM also with programmatic dependent launch) is timed; with --baseline DIR, the previous
+GEMM kernel (cuda/gemm_allreduce.cu of git 2e8b252, copied to DIR) is timed in the same run.
 Prints Markdown tables; with --out also writes them (bench_kernels.md) and raw numbers (.json).
 """
 from __future__ import annotations
@@ -81,6 +84,35 @@ def copy_bandwidth() -> float:
     return 2 * n / statistics.median(ts)
 
 
+class Baseline:
+    """The previous row-parallel GEMM (cuda/gemm_allreduce.cu of git 2e8b252: gemm_rowparallel_m8
+    / _m16, one block of 8 warps per 8 W rows, 4 loads in flight per lane), for a ratio measured
+    in the same run."""
+
+    def __init__(self, folder: Path):
+        cupy = kernels.import_cupy()
+        major, minor = torch.cuda.get_device_capability()
+        opts = ("-std=c++17", f"-arch=sm_{major}{minor}", "-O3")
+        self.mod = cupy.RawModule(code=(folder / "gemm_allreduce.cu").read_text(), backend="nvcc", options=opts)
+        self.mod.compile()
+        self.funcs = {}
+
+    def gemm(self, x, w, out):
+        import ctypes
+        M, K = x.shape
+        N = w.shape[0]
+        name = "gemm_rowparallel_m8" if M <= 8 else "gemm_rowparallel_m16"
+        if name not in self.funcs:
+            self.funcs[name] = self.mod.get_function(name).kernel.ptr
+        args = [kernels._ptr(x), ctypes.c_int64(x.stride(0)), kernels._ptr(w), kernels._ptr(out),
+                ctypes.c_int64(out.stride(0)), ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
+        kernels._launch(self.funcs[name], (N // 8, 1, 1), 256, 0, torch.cuda.current_stream().cuda_stream, args)
+
+
+def cfg_name(cfg) -> str:
+    return "/".join(str(c) for c in cfg)
+
+
 def tree_mask(N: int, L: int, gen: torch.Generator) -> torch.Tensor:
     """Verify-call mask: prefix [0, L-N) visible, random tree over the last N slots."""
     m = torch.zeros(N, L, dtype=torch.bool)
@@ -142,7 +174,7 @@ def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int) -> d
                 default="%d/%d/%d" % default, sdpa_us=t_sdpa, sweep=sweep)
 
 
-def bench_gemm(M: int, N: int, K: int, replays: int, ar=None) -> dict:
+def bench_gemm(M: int, N: int, K: int, replays: int, ar=None, baseline=None) -> dict:
     wbytes = N * K * 2
     n_w = max(2, math.ceil(ROTATE_BYTES / wbytes))
     gg = torch.Generator(device="cuda").manual_seed(M * 7 + N + K)
@@ -151,15 +183,37 @@ def bench_gemm(M: int, N: int, K: int, replays: int, ar=None) -> dict:
         w[i] = torch.randn(N, K, generator=gg, device="cuda") / math.sqrt(K)
     x = torch.randn(M, K, generator=gg, device="cuda").to(BF16)
     out = torch.full((n_w, M, N), float("nan"), dtype=BF16, device="cuda")
-    kernels.gemm_rowparallel(x, w[0], out=out[0])
-    torch.cuda.synchronize()
     ref = x.double() @ w[0].double().T
-    err = ((out[0].double() - ref).norm() / ref.norm()).item()
-    finite = bool(torch.isfinite(out[0]).all())
-    t_ours = graph_time_us([lambda i=i: kernels.gemm_rowparallel(x, w[i], out=out[i]) for i in range(n_w)], replays)
+    default = kernels.gemm_rowparallel_config(M, N, K)
+    sweep, err, finite = {}, 0.0, True
+    for cfg in kernels.GEMM_VARIANTS:
+        out.fill_(float("nan"))
+        kernels.gemm_rowparallel(x, w[0], out=out[0], config=cfg)
+        torch.cuda.synchronize()
+        err = max(err, ((out[0].double() - ref).norm() / ref.norm()).item())
+        finite = finite and bool(torch.isfinite(out[0]).all())
+        sweep[cfg_name(cfg)] = graph_time_us(
+            [lambda i=i: kernels.gemm_rowparallel(x, w[i], out=out[i], config=cfg) for i in range(n_w)], replays)
+    best = min(sweep, key=sweep.get)
+    kernels.gemm_rowparallel(x, w[0], out=out[0])          # default config: the fused kernel's bits
+    torch.cuda.synchronize()
     ob = torch.empty((n_w, M, N), dtype=BF16, device="cuda")
     t_cublas = graph_time_us([lambda i=i: torch.matmul(x, w[i].T, out=ob[i]) for i in range(n_w)], replays)
-    r = dict(M=M, N=N, K=K, w_bytes=wbytes, err=err, finite=finite, us=t_ours, cublas_us=t_cublas)
+    r = dict(M=M, N=N, K=K, w_bytes=wbytes, err=err, finite=finite, us=sweep[cfg_name(default)],
+             default=cfg_name(default), best=best, best_us=sweep[best], sweep=sweep, cublas_us=t_cublas)
+    # Programmatic dependent launch: each call's W streaming overlaps the previous call's tail.
+    op = torch.full((n_w, M, N), float("nan"), dtype=BF16, device="cuda")
+    kernels.gemm_rowparallel(x, w[0], out=op[0], pdl=True)
+    torch.cuda.synchronize()
+    r["pdl_equal"] = bool(torch.equal(op[0], out[0]))
+    r["pdl_sweep"] = {cfg_name(cfg): graph_time_us(
+        [lambda i=i: kernels.gemm_rowparallel(x, w[i], out=op[i], config=cfg, pdl=True) for i in range(n_w)], replays)
+        for cfg in kernels.GEMM_VARIANTS}
+    r["pdl_us"] = r["pdl_sweep"][cfg_name(default)]
+    del op
+    if baseline is not None:
+        t_base = graph_time_us([lambda i=i: baseline.gemm(x, w[i], ob[i]) for i in range(n_w)], replays)
+        r["baseline_us"] = t_base
     if ar is not None:
         of = torch.full((n_w, M, N), float("nan"), dtype=BF16, device="cuda")
         kernels.gemm_allreduce(x, w[0], ar, out=of[0])
@@ -227,6 +281,9 @@ def main() -> int:
                     help="only run each kernel once on small inputs (for compute-sanitizer)")
     ap.add_argument("--profile", choices=("attention", "gemm"), default=None,
                     help="warm up, then run a few launches (for ncu --launch-skip)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="folder with the previous gemm_allreduce.cu to time as well")
+    ap.add_argument("--only", choices=("attention", "gemm"), default=None, help="run one half only")
     args = ap.parse_args()
     if args.sanitize:
         return sanitize_run()
@@ -247,12 +304,18 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001
         info["nccl"] = f"unavailable: {e}"
     t0 = time.time()
+    baseline = None
+    if args.baseline is not None:
+        try:
+            baseline = Baseline(args.baseline)
+        except Exception as e:  # noqa: BLE001
+            print(f"baseline unavailable: {e}", flush=True)
     bw = copy_bandwidth()
     info["copy_bw_TBps"] = bw / 1e12
     print(f"# {info}", flush=True)
 
     attn = []
-    for L, N in ((1024, 8), (4096, 8), (16384, 8), (4096, 1), (4096, 64), (16384, 64)):
+    for L, N in (() if args.only == "gemm" else ((1024, 8), (4096, 8), (16384, 8), (4096, 1), (4096, 64), (16384, 64))):
         r = bench_attention(L, N, 32, 8, 128, replays)
         attn.append(r)
         print(f"attn L={L} N={N}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["sweep"].items())
@@ -260,27 +323,34 @@ def main() -> int:
 
     ar = None
     nccl = comm = None
-    try:
-        nccl = nccl_shim.get_nccl()
-        comm = nccl.comm_init_rank(1, nccl.get_unique_id(), 0)
-        ar = nccl_shim.DeviceAllReduce(comm, max_n=4096, n_ctas=2 * props.multi_processor_count)
-        info["fused_tp1"] = "ok"
-    except Exception as e:  # noqa: BLE001
-        info["fused_tp1"] = f"unavailable: {e}"
-        print(f"fused TP=1 path unavailable: {e}", flush=True)
+    if args.only != "attention":
+        try:
+            nccl = nccl_shim.get_nccl()
+            comm = nccl.comm_init_rank(1, nccl.get_unique_id(), 0)
+            ar = nccl_shim.DeviceAllReduce(comm, max_n=4096, n_ctas=2 * props.multi_processor_count)
+            info["fused_tp1"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            info["fused_tp1"] = f"unavailable: {e}"
+            print(f"fused TP=1 path unavailable: {e}", flush=True)
     gemm = []
-    for N, K, name in ((4096, 4096, "o_proj"), (4096, 14336, "down_proj")):
+    for N, K, name in (() if args.only == "attention" else ((4096, 4096, "o_proj"), (4096, 14336, "down_proj"))):
         for M in (1, 8, 16):
-            r = bench_gemm(M, N, K, replays, ar)
+            r = bench_gemm(M, N, K, replays, ar, baseline)
             r["name"] = name
             gemm.append(r)
-            print(f"gemm {name} M={M}: {r['us']:.2f} us (cuBLAS {r['cublas_us']:.2f}"
-                  + (f", fused TP1 {r['fused_us']:.2f}" if "fused_us" in r else "") + f"), err {r['err']:.2e}",
+            print(f"gemm {name} M={M}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["sweep"].items())
+                  + f" us (default {r['default']}; cuBLAS {r['cublas_us']:.2f}"
+                  + (f"; previous kernel {r['baseline_us']:.2f}" if "baseline_us" in r else "")
+                  + (f"; fused TP1 {r['fused_us']:.2f}" if "fused_us" in r else "")
+                  + f"; PDL chain {r['pdl_us']:.2f}{'' if r['pdl_equal'] else ' (bits differ!)'}), err {r['err']:.2e}",
                   flush=True)
     if ar is not None:
         ar.close()
         nccl.comm_destroy(comm)
     info["bench_seconds"] = round(time.time() - t0, 1)
+
+    def prev(r):
+        return f"{r['baseline_us']:.2f}" if r.get("baseline_us") else "n/a"
 
     lines = [f"GPU: {info['gpu']} ({info['sms']} SMs), torch {info['torch']}, CuPy {info['cupy']}, "
              f"CUDA {info['cuda']}, NCCL {info['nccl']}; measured copy bandwidth "
@@ -299,21 +369,33 @@ def main() -> int:
     for r in attn:
         lines.append(f"- L={r['L']} N={r['N']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["sweep"].items()))
     lines += ["", "Row-parallel GEMM Y = X W^T (bf16, fp32 accumulate), weights rotated through "
-              ">= 256 MB so each call streams them from HBM; % = weight bytes / time / copy bandwidth:", "",
-              "| layer | M | N x K | fused kernel (µs) | % of copy BW | cuBLAS F.linear (µs) | fused + all-reduce, 1-rank NCCL (µs) | rel. err |",
-              "|---|---:|---|---:|---:|---:|---:|---:|"]
+              ">= 256 MB so each call streams them from HBM; % = weight bytes / time / copy bandwidth; "
+              "configs are tiles per block/vectors per lane/L2 prefetch/double buffering:", "",
+              "| layer | M | N x K | fused kernel, default config (µs) | % of copy BW | best config: µs (%) "
+              "| default config with PDL, back-to-back calls: µs (%) "
+              "| previous kernel (µs) | cuBLAS F.linear (µs) | fused + all-reduce, 1-rank NCCL (µs) | rel. err |",
+              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in gemm:
         pct = r["w_bytes"] / (r["us"] * 1e-6) / bw * 100
+        bpct = r["w_bytes"] / (r["best_us"] * 1e-6) / bw * 100
         fused = f"{r['fused_us']:.2f}{'' if r.get('fused_equal') else ' (bits differ!)'}" if "fused_us" in r else "n/a"
-        lines.append(f"| {r['name']} | {r['M']} | {r['N']}x{r['K']} | {r['us']:.2f} | {pct:.0f} % | "
+        ppct = r["w_bytes"] / (r["pdl_us"] * 1e-6) / bw * 100
+        lines.append(f"| {r['name']} | {r['M']} | {r['N']}x{r['K']} | {r['us']:.2f} ({r['default']}) | {pct:.0f} % "
+                     f"| {r['best']}: {r['best_us']:.2f} ({bpct:.0f} %) "
+                     f"| {r['pdl_us']:.2f} ({ppct:.0f} %){'' if r['pdl_equal'] else ' (bits differ!)'} | {prev(r)} | "
                      f"{r['cublas_us']:.2f} | {fused} | {r['err']:.1e}{'' if r['finite'] else ' (NaN!)'} |")
+    lines += ["", "All GEMM configs timed (µs), plain launch / with PDL (back-to-back calls):", ""]
+    for r in gemm:
+        lines.append(f"- {r['name']} M={r['M']}: " + ", ".join(f"{k} {v:.2f} / {r['pdl_sweep'][k]:.2f}"
+                                                              for k, v in r["sweep"].items()))
     table = "\n".join(lines)
     print("\n" + table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_kernels.md").write_text(table + "\n")
         (args.out / "bench_kernels.json").write_text(json.dumps(dict(info=info, attention=attn, gemm=gemm), indent=1))
-    bad = [r for r in attn + gemm if not r["finite"] or r["err"] > 1e-2]
+    bad = [r for r in attn + gemm if not r["finite"] or r["err"] > 1e-2 or r.get("fused_equal") is False
+           or r.get("pdl_equal") is False]
     return 1 if bad else 0
 
 

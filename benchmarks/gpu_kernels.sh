@@ -9,6 +9,9 @@
 # 4. bench.log     benchmarks/bench_kernels_gpu.py; tables in bench_kernels.md / .json
 # 5. sanitizer.log compute-sanitizer memcheck over one small call of each kernel (if present)
 # 6. ncu.txt       Nsight Compute sections of one tree-attention and one GEMM launch (NO_NCU=1 skips)
+# Options (environment): BASELINE=dir also times the previous GEMM kernel, dir/gemm_allreduce.cu
+# (bench --baseline; e.g. `mkdir -p out/baseline && git show 2e8b252:cuda/gemm_allreduce.cu >
+# out/baseline/gemm_allreduce.cu`), NO_NCU=1 skips ncu.
 # Needs: python3 with torch (CUDA), cupy-cuda12x/13x, nvidia-nccl-cu12/13 >= 2.28, nvcc.
 # Exit status: non-zero if the build, a test or a correctness check failed.
 set -uo pipefail
@@ -43,6 +46,20 @@ EOF
 cat "$OUT/machine.txt"
 
 echo "== compile (t=${SECONDS}s)"
+# Fill CuPy's kernel cache in parallel with the compile check (each module is one nvcc run).
+(
+  for v in "tree_attention:" "gemm_allreduce:" "gemm_allreduce:nccl"; do
+    "$PY" -c "import sys; from swiftspec_mpi import kernels as k; n, v = sys.argv[1].split(':', 1); k._module(n, v, 0)" "$v" &
+  done
+  if [[ -z "${NO_NCU:-}" ]]; then
+    SWIFTSPEC_KERNELS_LINEINFO=1 "$PY" -c "from swiftspec_mpi import kernels as k; k._module('tree_attention', '', 0)" &
+  fi
+  if [[ -n "${BASELINE:-}" ]]; then
+    "$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import bench_kernels_gpu as b; b.Baseline(Path(sys.argv[1]))" "$BASELINE" &
+  fi
+  wait
+) >"$OUT/warmup.log" 2>&1 &
+WARM=$!
 CUBINS=$(mktemp -d)
 VERBOSE=1 CUBIN_DIR="$CUBINS" PYTHON="$PY" timeout 200 bash tools/compile_cuda.sh >"$OUT/compile.log" 2>&1 || status=1
 if command -v cuobjdump >/dev/null; then   # are the tensor-core / 16-byte / async-copy paths there?
@@ -52,6 +69,7 @@ if command -v cuobjdump >/dev/null; then   # are the tensor-core / 16-byte / asy
   done >>"$OUT/compile.log"
 fi
 cat "$OUT/compile.log"
+wait $WARM; tail -n 5 "$OUT/warmup.log"; rm -f "$OUT/warmup.log"
 
 echo "== tests (t=${SECONDS}s)"
 timeout 260 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py -rs 2>&1 \
@@ -59,7 +77,9 @@ timeout 260 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
 echo "== bench (t=${SECONDS}s)"
-timeout 260 "$PY" benchmarks/bench_kernels_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+BENCH_ARGS=(--out "$OUT")
+[[ -n "${BASELINE:-}" ]] && BENCH_ARGS+=(--baseline "$BASELINE")
+timeout 260 "$PY" benchmarks/bench_kernels_gpu.py "${BENCH_ARGS[@]}" 2>&1 | tee "$OUT/bench.log"
 [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 
 if command -v compute-sanitizer >/dev/null; then
@@ -74,7 +94,8 @@ if command -v ncu >/dev/null && [[ -z "${NO_NCU:-}" ]]; then
   NCU=(ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy
        --section LaunchStats --section MemoryWorkloadAnalysis)
   {
-    timeout 150 "${NCU[@]}" -k regex:tree_attention --launch-skip 2 --launch-count 2 \
+    SWIFTSPEC_KERNELS_LINEINFO=1 timeout 150 "${NCU[@]}" --section SourceCounters --section SchedulerStats \
+      -k regex:tree_attention --launch-skip 2 --launch-count 2 \
       "$PY" benchmarks/bench_kernels_gpu.py --profile attention
     timeout 90 "${NCU[@]}" -k regex:gemm_rowparallel --launch-skip 1 --launch-count 1 \
       "$PY" benchmarks/bench_kernels_gpu.py --profile gemm

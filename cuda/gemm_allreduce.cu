@@ -7,30 +7,42 @@
 // Layout: X [M, K] row-major (row stride ldx elements), W [N, K] row-major (nn.Linear weight,
 // contiguous), Y [M, N] row-major (row stride ldy). K % 8 == 0, N % 8 == 0, 16-byte aligned rows.
 //
-// GEMV on tensor cores. One block (8 warps) owns one n-tile = 8 rows of W and splits K over its
-// warps (chunk c of 128 k goes to warp c % 8); at the end the 8 partial 16x8 tiles are summed in
-// shared memory. Each lane streams 16-byte vectors of W with ld.global.nc.L1::no_allocate
-// (4 in flight per lane, 64 KiB per SM with 4 blocks resident), and feeds mma.sync m16n8k16 with
-// a *permuted* k order: lane (g = lane/4, q = lane%4) holds W[n0+g][k0+8q .. k0+8q+7] and X rows
-// g, g+8 at the same 8 k's; MMA 0 takes k0+8q+{0,1,2,3}, MMA 1 k0+8q+{4,5,6,7}. A reduction is
-// order-free, and the permutation depends only on q, so A and B agree: this turns the PTX
-// fragment layout into one 16-byte load per lane per operand row (no shuffles, no smem staging).
-// X (<= 448 KiB) is read through L1/L2 by every block; W bytes dominate.
+// GEMV on tensor cores. One block (8 warps) owns T consecutive n-tiles (8 rows of W each) and
+// splits K over its warps (chunk c of KC = 32 U k's goes to warp c % 8); at the end the 8
+// partial 16x8 tiles of each n-tile are summed in shared memory. Each lane streams 16-byte
+// vectors of W with ld.global.nc.L1::no_allocate (optionally with the L2::256B prefetch hint),
+// T x U vectors per chunk, and with PIPE the next chunk's loads are issued before the current
+// chunk's MMAs (register double buffering: up to 2 T U loads in flight per lane). mma.sync
+// m16n8k16 is fed with a *permuted* k order: lane (g = lane/4, q = lane%4) holds
+// W[n0+g][k0+8q .. k0+8q+7] and X rows g, g+8 at the same 8 k's; MMA 0 takes k0+8q+{0,1,2,3},
+// MMA 1 k0+8q+{4,5,6,7}. A reduction is order-free, and the permutation depends only on q, so A
+// and B agree: one 16-byte load per lane per operand row (no shuffles, no smem staging). X
+// (<= 448 KiB) is read through L1/L2 when a chunk is consumed, once per chunk for all T tiles.
+// The summation order of a tile depends on U only, so variants with the same U (and the fused
+// all-reduce at TP = 1) give the same bits. Programmatic dependent launch (kernels.py pdl=True):
+// the kernel lets the next one launch at once (griddepcontrol.launch_dependents) and waits for
+// the previous one (griddepcontrol.wait) only after its first W chunk is in flight.
 //
 // Floor: the W bytes. Llama-3-8B o_proj 4096x4096: 32 MiB -> 8.0 us, down_proj 4096x14336:
 // 112 MiB -> 28.1 us at the 4.18 TB/s copy bandwidth measured on the H200. FLOPs (2*M*N*K,
 // <= 1.9 GFLOP at M = 16) are nothing for mma.sync; on CUDA cores the bf16->fp32 conversions
 // plus M FMAs per weight would make M = 8..16 compute bound, hence the tensor cores in a GEMV.
-// Measured (H200, CUDA graph, weights streamed from HBM, 2026-11-29): o_proj 12.1 us at M = 1
-// and 8 (66 % of copy bandwidth; cuBLAS 13.6), down_proj 36.2 / 34.4 us (78 / 82 %; cuBLAS
-// 32.9 / 33.5). Goal >= 85 %: NOT met. Limit (ncu, o_proj M = 8): SMs busy 77 % of the elapsed
-// cycles (ramp-up and tail of a 12 us kernel), 30 cycles between issues per warp at 47 %
-// occupancy, i.e. too few bytes in flight per SM (4 x 16 B per lane, 64 registers); next:
-// deeper per-warp prefetch (software-pipelined W loads) with fewer, fatter blocks.
-//
+// Measured (H200, CUDA graph, weights streamed from HBM, benchmarks/gpu_kernels.sh, two runs on
+// 2026-11-29, copy bandwidth 4.17 / 4.07 TB/s), default T=2 U=4 PF=256 PIPE: down_proj 30.9-31.5
+// us at M = 1 (91-92 % of copy bandwidth; previous kernel 37.1-37.7, cuBLAS 32.3-33.8) and
+// 31.5-31.9 us at M = 8 (90-91 %; previous 34.6-35.6): goal >= 85 % met. o_proj 11.1 us at
+// M = 1 (73-75 %; previous 11.7-11.9, cuBLAS 13.6-13.7), 11.3-12.1 us at M = 8 (68-72 %): NOT
+// met. Back-to-back calls launched with PDL: o_proj 9.6 us at M = 1 (84-86 %), 9.9-10.3 at M = 8
+// (80-81 %); down_proj 29.7-30.9 (93-95 %). M = 16 works (o_proj 62-63 %, down_proj 78-79 %).
+// Limit (ncu, o_proj M = 8, 11.8 us): DRAM 2.93 TB/s while the SMs are active 80 % of the
+// elapsed cycles: the launch, the first loads' latency and the tail are ~2 us of a 9 us stream,
+// which only overlapping the neighbouring kernels removes (PDL, or fusing o_proj into the
+// attention kernel's tail).
+
 // Fused all-reduce (TP > 1, all ranks in one LSA team, i.e. one NVLink domain): a persistent
 // grid of `gridDim.x <= lsaBarrierCount` blocks, every block resident (grid <= SMs x occupancy).
-// Block b computes the same n-tiles on every rank (tiles b, b + grid, ...), writes its fp32
+// Block b computes the same n-tiles on every rank (tile groups b, b + grid, ... of T tiles,
+// through the same gemv_tiles as the plain kernel, launched without PDL), writes its fp32
 // partials into the symmetric window (half `parity` of it), meets block b of every peer at LSA
 // barrier b (release/acquire at system scope), then sums the peers' partials of its own tiles
 // in rank order (identical bits on every rank) and writes Y. The window is double-buffered by
@@ -50,13 +62,19 @@ namespace rowpar {
 
 constexpr int WARPS = 8;
 constexpr int THREADS = WARPS * 32;
-constexpr int U = 4;              // 16-byte W vectors in flight per lane per chunk
-constexpr int KC = 32 * U;        // k per warp chunk (4 lanes x 8 elements x U)
 
+// 16-byte streaming load of W: not kept in L1; PF = 256 adds the L2::256B prefetch hint (the L2
+// fetches the whole 256-byte block, which the same warp reads next).
+template <int PF>
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
   uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  if constexpr (PF == 256) {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  } else {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  }
   return r;
 }
 
@@ -68,95 +86,178 @@ __device__ __forceinline__ void mma_bf16(float* c, uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Partial Y tile [16 x 8] (rows m < M valid) of n-tile `tile` over all of K, summed over the
-// block's warps. Returns, for threads tid < 128, the element (m = tid / 8, n = tid % 8); the
-// full tile is left in red[0][*] (shared, [16][8] fp32). Must be called by all THREADS threads.
-template <bool M16>
-__device__ __forceinline__ float gemv_tile(const __nv_bfloat16* __restrict__ x, long long ldx,
-                                           const __nv_bfloat16* __restrict__ w, int M, int K, int tile,
-                                           float (*red)[16 * 8]) {
+// One warp's chunk of KC = 32 U k's of W: U 16-byte vectors per lane of each of the T n-tiles'
+// rows (X, read through L1/L2, is loaded when the chunk is consumed).
+template <int T, int U>
+struct Chunk {
+  uint4 w[T][U];
+};
+
+// Partial Y tiles [16 x 8] (rows m < M valid) of the T n-tiles tile0 .. tile0 + T - 1 (those
+// < n_tiles) over all of K, summed over the block's warps, into res[t * 128 + m * 8 + n]
+// (shared). red: shared scratch [WARPS][T * 128]. Must be called by all THREADS threads; res is
+// valid after the call (which ends with a barrier) until the next call.
+//
+// Warp w takes the k-chunks w, w + WARPS, ... (KC k's each); the loads of chunk i + 1 are issued
+// before the MMAs of chunk i (register double buffering, PIPE), so each lane keeps up to
+// 2 * T * U 16-byte W loads in flight. The fp32 summation order of a tile depends on U only
+// (not on T, PIPE or PF), so every variant with the same U gives the same bits.
+template <int T, int U, int PF, bool PIPE, bool M16>
+__device__ __forceinline__ void gemv_tiles(const __nv_bfloat16* __restrict__ x, long long ldx,
+                                           const __nv_bfloat16* __restrict__ w, int M, int K, int n_tiles,
+                                           int tile0, float* red, float* res) {
+  constexpr int KC = 32 * U;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, q = lane & 3;
-  const __nv_bfloat16* wrow = w + (long long)(tile * 8 + g) * K + 8 * q;
+  const __nv_bfloat16* wrow[T];
+  bool tv[T];
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    tv[t] = tile0 + t < n_tiles;
+    wrow[t] = w + (long long)((tv[t] ? tile0 + t : tile0) * 8 + g) * K + 8 * q;
+  }
   const bool hasA = g < M;                  // X row g
   const bool hasB = M16 && (g + 8 < M);     // X row g + 8
   const __nv_bfloat16* xa = x + (long long)g * ldx + 8 * q;
   const __nv_bfloat16* xb = x + (long long)(g + 8) * ldx + 8 * q;
 
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int k0 = warp * KC; k0 < K; k0 += WARPS * KC) {
-    uint4 wv[U], av[U], bv[U];
+  auto load = [&](Chunk<T, U>& ch, int k0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int k = k0 + 32 * u;              // + 8q inside the pointers
       const bool ok = k + 8 * q < K;
-      wv[u] = ok ? ld_stream(wrow + k) : make_uint4(0, 0, 0, 0);
-      av[u] = (ok && hasA) ? __ldg(reinterpret_cast<const uint4*>(xa + k)) : make_uint4(0, 0, 0, 0);
-      if (M16) bv[u] = (ok && hasB) ? __ldg(reinterpret_cast<const uint4*>(xb + k)) : make_uint4(0, 0, 0, 0);
-      else bv[u] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int t = 0; t < T; ++t)
+        ch.w[t][u] = (ok && tv[t]) ? ld_stream<PF>(wrow[t] + k) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  float c[T][4];
+#pragma unroll
+  for (int t = 0; t < T; ++t) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.f;
+  auto compute = [&](const Chunk<T, U>& ch, int k0) {
+    uint4 a[U], b[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = k0 + 32 * u;
+      const bool ok = k + 8 * q < K;
+      a[u] = (ok && hasA) ? __ldg(reinterpret_cast<const uint4*>(xa + k)) : make_uint4(0, 0, 0, 0);
+      b[u] = (M16 && ok && hasB) ? __ldg(reinterpret_cast<const uint4*>(xb + k)) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      mma_bf16(c, av[u].x, bv[u].x, av[u].y, bv[u].y, wv[u].x, wv[u].y);
-      mma_bf16(c, av[u].z, bv[u].z, av[u].w, bv[u].w, wv[u].z, wv[u].w);
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        mma_bf16(c[t], a[u].x, b[u].x, a[u].y, b[u].y, ch.w[t][u].x, ch.w[t][u].y);
+        mma_bf16(c[t], a[u].z, b[u].z, a[u].w, b[u].w, ch.w[t][u].z, ch.w[t][u].w);
+      }
+    }
+  };
+
+  constexpr int STEP = WARPS * KC;
+  int k0 = warp * KC;
+  if constexpr (PIPE) {
+    Chunk<T, U> c0, c1;
+    if (k0 < K) load(c0, k0);
+    // Programmatic dependent launch: the first W chunk (a weight, not written by the previous
+    // kernel) is in flight before waiting for the previous grid, whose output X may be; a no-op
+    // for launches without the PDL attribute.
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    while (k0 < K) {
+      load(c1, k0 + STEP);                    // past K: predicated off, zeros
+      compute(c0, k0);
+      k0 += STEP;
+      if (k0 >= K) break;
+      load(c0, k0 + STEP);
+      compute(c1, k0);
+      k0 += STEP;
+    }
+  } else {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    for (; k0 < K; k0 += STEP) {
+      Chunk<T, U> c0;
+      load(c0, k0);
+      compute(c0, k0);
     }
   }
-  // c: (row g, col 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1)
-  red[warp][g * 8 + 2 * q] = c[0];
-  red[warp][g * 8 + 2 * q + 1] = c[1];
-  red[warp][(g + 8) * 8 + 2 * q] = c[2];
-  red[warp][(g + 8) * 8 + 2 * q + 1] = c[3];
-  __syncthreads();
-  float s = 0.f;
-  if (tid < 128) {
+  // c[t]: (row g, col 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1)
 #pragma unroll
-    for (int i = 0; i < WARPS; ++i) s += red[i][tid];
+  for (int t = 0; t < T; ++t) {
+    float* r = red + warp * (T * 128) + t * 128;
+    r[g * 8 + 2 * q] = c[t][0];
+    r[g * 8 + 2 * q + 1] = c[t][1];
+    r[(g + 8) * 8 + 2 * q] = c[t][2];
+    r[(g + 8) * 8 + 2 * q + 1] = c[t][3];
   }
-  __syncthreads();   // red may be reused by the caller's next tile
-  return s;
+  __syncthreads();
+  for (int e = tid; e < T * 128; e += THREADS) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < WARPS; ++i) s += red[i * (T * 128) + e];
+    res[e] = s;
+  }
+  __syncthreads();   // res complete; red free again
 }
 
-template <bool M16>
+template <int T, int U, int PF, bool PIPE, bool M16>
 __device__ __forceinline__ void gemm_rowparallel_body(const __nv_bfloat16* __restrict__ x, long long ldx,
                                                       const __nv_bfloat16* __restrict__ w,
                                                       __nv_bfloat16* __restrict__ y, long long ldy,
                                                       int M, int N, int K) {
-  __shared__ float red[WARPS][16 * 8];
+  __shared__ float red[WARPS * T * 128];
+  __shared__ float res[T * 128];
+  // PDL: the next kernel in the stream may start launching now (its blocks take SM slots as
+  // ours retire, and it waits for our completion before touching our outputs).
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int n_tiles = N / 8;
-  for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-    const float s = gemv_tile<M16>(x, ldx, w, M, K, tile, red);
-    const int tid = threadIdx.x, m = tid >> 3, n = tid & 7;
-    if (tid < 128 && m < M) y[(long long)m * ldy + tile * 8 + n] = __float2bfloat16_rn(s);
+  for (int tile0 = blockIdx.x * T; tile0 < n_tiles; tile0 += gridDim.x * T) {
+    gemv_tiles<T, U, PF, PIPE, M16>(x, ldx, w, M, K, n_tiles, tile0, red, res);
+    // Y rows m < M of the T tiles: thread e writes element (tile t, row m, column n).
+    for (int e = threadIdx.x; e < T * 128; e += THREADS) {
+      const int t = e / 128, m = (e % 128) >> 3, n = e & 7;
+      if (m < M && tile0 + t < n_tiles) y[(long long)m * ldy + (tile0 + t) * 8 + n] = __float2bfloat16_rn(res[e]);
+    }
   }
 }
 
 }  // namespace rowpar
 
-extern "C" __global__ void __launch_bounds__(rowpar::THREADS, 4)
-gemm_rowparallel_m8(const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,
-                    __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K) {
-  rowpar::gemm_rowparallel_body<false>(x, ldx, w, y, ldy, M, N, K);
-}
+// Plain row-parallel GEMM: gemm_rowparallel_m{8,16}_t<T>_u<U>_p<PF>_s<PIPE>, grid ceil(N / 8 / T)
+// blocks of THREADS (any grid works: blocks stride over the tile groups).
+#define ROWPAR_KERNEL(T, U, PF, PIPE, MINB)                                                            \
+  extern "C" __global__ void __launch_bounds__(rowpar::THREADS, MINB)                                 \
+  gemm_rowparallel_m8_t##T##_u##U##_p##PF##_s##PIPE(const __nv_bfloat16* __restrict__ x, long long ldx, \
+      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K) { \
+    rowpar::gemm_rowparallel_body<T, U, PF, PIPE, false>(x, ldx, w, y, ldy, M, N, K);               \
+  }                                                                                                   \
+  extern "C" __global__ void __launch_bounds__(rowpar::THREADS, MINB)                                 \
+  gemm_rowparallel_m16_t##T##_u##U##_p##PF##_s##PIPE(const __nv_bfloat16* __restrict__ x, long long ldx, \
+      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K) { \
+    rowpar::gemm_rowparallel_body<T, U, PF, PIPE, true>(x, ldx, w, y, ldy, M, N, K);                \
+  }
 
-extern "C" __global__ void __launch_bounds__(rowpar::THREADS, 4)
-gemm_rowparallel_m16(const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,
-                     __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K) {
-  rowpar::gemm_rowparallel_body<true>(x, ldx, w, y, ldy, M, N, K);
-}
+ROWPAR_KERNEL(1, 4, 0, 0, 4)      // the previous kernel's schedule (baseline in the sweep)
+ROWPAR_KERNEL(1, 4, 256, 1, 2)
+ROWPAR_KERNEL(2, 4, 256, 1, 2)
+ROWPAR_KERNEL(2, 4, 0, 1, 2)
+ROWPAR_KERNEL(4, 4, 256, 1, 1)
+ROWPAR_KERNEL(4, 2, 256, 1, 2)
+ROWPAR_KERNEL(2, 8, 256, 0, 2)
+ROWPAR_KERNEL(1, 8, 256, 1, 2)
 
 #ifdef SWIFTSPEC_WITH_NCCL
 namespace rowpar {
 
 // Window layout (fp32): [2 parities][n_tiles][16 rows][8 cols]; 1 KiB * N / 8 * ... =
 // 2 * N * 16 * 4 bytes in all (512 KiB for N = 4096). Same offsets on every rank.
-template <bool M16>
+template <int T, int U, int PF, bool PIPE, bool M16>
 __device__ __forceinline__ void gemm_allreduce_body(const __nv_bfloat16* __restrict__ x, long long ldx,
                                                     const __nv_bfloat16* __restrict__ w,
                                                     __nv_bfloat16* __restrict__ y, long long ldy,
                                                     int M, int N, int K,
                                                     ncclWindow_t win, const ncclDevComm* __restrict__ dcomm_p,
                                                     unsigned int* __restrict__ seq) {
-  __shared__ float red[WARPS][16 * 8];
+  __shared__ float red[WARPS * T * 128];
+  __shared__ float res[T * 128];
   __shared__ unsigned int s_parity;
   const ncclDevComm& dcomm = *dcomm_p;
   const int tid = threadIdx.x;
@@ -170,10 +271,13 @@ __device__ __forceinline__ void gemm_allreduce_body(const __nv_bfloat16* __restr
   const size_t base = s_parity * half_bytes;
   float* mine = reinterpret_cast<float*>(ncclGetLocalPointer(win, base));
 
-  // 1. Partials of this block's tiles into the local half of the window.
-  for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-    const float s = gemv_tile<M16>(x, ldx, w, M, K, tile, red);
-    if (tid < 128) mine[(size_t)tile * 128 + tid] = s;
+  // 1. Partials of this block's tile groups (tiles b*T .. b*T + T - 1, then + gridDim.x*T, ...)
+  //    into the local half of the window; same per-tile summation order as gemm_rowparallel's
+  //    variant of the same U.
+  for (int tile0 = blockIdx.x * T; tile0 < n_tiles; tile0 += gridDim.x * T) {
+    gemv_tiles<T, U, PF, PIPE, M16>(x, ldx, w, M, K, n_tiles, tile0, red, res);
+    for (int e = tid; e < T * 128; e += THREADS)
+      if (tile0 + e / 128 < n_tiles) mine[(size_t)tile0 * 128 + e] = res[e];
   }
 
   // 2. Meet block blockIdx.x of every rank: its partials of the same tiles are then visible.
@@ -182,15 +286,17 @@ __device__ __forceinline__ void gemm_allreduce_body(const __nv_bfloat16* __restr
 
   // 3. Sum the peers' partials of this block's tiles in rank order (same bits on every rank).
   const int nranks = dcomm.lsaSize;
-  for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-    const int m = tid >> 3, n = tid & 7;
-    if (tid < 128 && m < M) {
-      float s = 0.f;
-      for (int peer = 0; peer < nranks; ++peer) {
-        const float* p = reinterpret_cast<const float*>(ncclGetLsaPointer(win, base, peer));
-        s += p[(size_t)tile * 128 + tid];
+  for (int tile0 = blockIdx.x * T; tile0 < n_tiles; tile0 += gridDim.x * T) {
+    for (int e = tid; e < T * 128; e += THREADS) {
+      const int tile = tile0 + e / 128, m = (e % 128) >> 3, n = e & 7;
+      if (tile < n_tiles && m < M) {
+        float s = 0.f;
+        for (int peer = 0; peer < nranks; ++peer) {
+          const float* p = reinterpret_cast<const float*>(ncclGetLsaPointer(win, base, peer));
+          s += p[(size_t)tile0 * 128 + e];
+        }
+        y[(long long)m * ldy + tile * 8 + n] = __float2bfloat16_rn(s);
       }
-      y[(long long)m * ldy + tile * 8 + n] = __float2bfloat16_rn(s);
     }
   }
   // The session's destructor syncs the CTA and stores the barrier epoch.
@@ -198,19 +304,25 @@ __device__ __forceinline__ void gemm_allreduce_body(const __nv_bfloat16* __restr
 
 }  // namespace rowpar
 
-extern "C" __global__ void __launch_bounds__(rowpar::THREADS, 2)
-gemm_allreduce_m8(const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,
-                  __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K,
-                  ncclWindow_t win, const ncclDevComm* __restrict__ dcomm, unsigned int* __restrict__ seq) {
-  rowpar::gemm_allreduce_body<false>(x, ldx, w, y, ldy, M, N, K, win, dcomm, seq);
-}
+// GEMM + all-reduce: gemm_allreduce_m{8,16}_t<T>_u<U>_p<PF>_s<PIPE>, launched with the
+// persistent grid of the DeviceAllReduce (every block resident: 2 per SM at most).
+#define ALLREDUCE_KERNEL(T, U, PF, PIPE)                                                               \
+  extern "C" __global__ void __launch_bounds__(rowpar::THREADS, 2)                                    \
+  gemm_allreduce_m8_t##T##_u##U##_p##PF##_s##PIPE(const __nv_bfloat16* __restrict__ x, long long ldx,  \
+      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K, \
+      ncclWindow_t win, const ncclDevComm* __restrict__ dcomm, unsigned int* __restrict__ seq) {     \
+    rowpar::gemm_allreduce_body<T, U, PF, PIPE, false>(x, ldx, w, y, ldy, M, N, K, win, dcomm, seq);  \
+  }                                                                                                   \
+  extern "C" __global__ void __launch_bounds__(rowpar::THREADS, 2)                                    \
+  gemm_allreduce_m16_t##T##_u##U##_p##PF##_s##PIPE(const __nv_bfloat16* __restrict__ x, long long ldx, \
+      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K, \
+      ncclWindow_t win, const ncclDevComm* __restrict__ dcomm, unsigned int* __restrict__ seq) {     \
+    rowpar::gemm_allreduce_body<T, U, PF, PIPE, true>(x, ldx, w, y, ldy, M, N, K, win, dcomm, seq);   \
+  }
 
-extern "C" __global__ void __launch_bounds__(rowpar::THREADS, 2)
-gemm_allreduce_m16(const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,
-                   __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K,
-                   ncclWindow_t win, const ncclDevComm* __restrict__ dcomm, unsigned int* __restrict__ seq) {
-  rowpar::gemm_allreduce_body<true>(x, ldx, w, y, ldy, M, N, K, win, dcomm, seq);
-}
+ALLREDUCE_KERNEL(1, 4, 0, 0)
+ALLREDUCE_KERNEL(2, 4, 256, 1)
+ALLREDUCE_KERNEL(1, 8, 256, 1)
 
 // sizeof(ncclDevComm) as compiled here, for the host shim to check its copy against.
 extern "C" __global__ void nccl_devcomm_sizeof(unsigned long long* out) { out[0] = sizeof(ncclDevComm); }

@@ -30,16 +30,25 @@
 // 16 us at the 4.18 TB/s copy bandwidth measured on the H200. FLOPs are 4*N*H*L*D = 0.13 / 0.54 /
 // 2.1 GFLOP: nothing for the tensor cores (mma.sync), which is why the CUDA-core version is no
 // option at N = 64.
-// Measured (H200, CUDA graph, best default config, benchmarks/gpu_kernels.sh, 2026-11-29):
-// 9.7 us at 1k, 18.8 us at 4k, 44.7 us at 16k (torch SDPA with the bool mask: 32 / 95 / 346 us).
-// Goals were <= 8 us at 1k and <= 12 us at 4k: NOT met. What limits it (ncu, 4k, config 8/4/2):
-// DRAM throughput 15 %, 1 warp per scheduler (occupancy 6 %: 139 KiB of smem per block), one
-// instruction issued every 5.4 cycles, ~1000 instructions per warp per 64-slot tile: the kernel
-// is issue/latency bound, not memory bound; 16/2/1 (3 blocks per SM) raises occupancy to 14 %
-// and DRAM throughput to 18 %. Next steps: mask as a packed bitmask (one 32-bit load per tile
-// instead of 16 byte loads and the packing), the K/V tile with one bulk copy (TMA) per stage
-// instead of 16 cp.async per thread, 8 warps per block over a 128-slot tile, and a per-token
-// "prefix length" so the mask is only read for the tree's own columns.
+// Measured (H200, CUDA graph, default config, benchmarks/gpu_kernels.sh, 2026-11-29, three runs):
+// 9.7 us at 1k, 18.8-19.2 us at 4k, 44.6-45.3 us at 16k (torch SDPA with the bool mask: 32 / 94 /
+// 347 us). Goals were <= 8 us at 1k and <= 12 us at 4k: NOT met. What limits it (ncu, 4k, config
+// 8/4/2): DRAM throughput 15 %, 1 warp per scheduler (occupancy 6 %: 139 KiB of smem per block),
+// one instruction issued every 5.4 cycles: issue/latency bound, not memory bound.
+// A rewrite tried on 2026-11-29 (8 warps per block holding all 32 rows of a KV head, so K/V is
+// read once; the mask packed to bits with one byte load per lane and a ballot, read one tile
+// ahead or for all of a block's tiles up front; O rescaled only when a row max moves; deeper
+// rings; 10-14 variants swept) was no faster (1k 9.75 us, 4k 18.4, 16k 47.4; N = 64 slower) and
+// was not kept. Its diagnostic builds located the time: with one 64-slot tile in all (L = 64)
+// a call takes 7.7 us, 4.5 us of it with no math at all (launch, first K/V tile, combine; the
+// cluster combine alone 1.7 us); streaming K/V alone (no math) reaches only ~2.4 TB/s with 64 or
+// 128 blocks: each KV head reads 256-byte rows at a 2 KiB stride of the [slots, Hkv, D] cache;
+// and per 64-slot tile the stream (0.87 us), the MMAs + softmax (0.56 us) and the mask reads
+// (0.47 us) add up instead of overlapping (16k: 61 = 28 + 18 + 15 us for config 8/4/2, 8 warps).
+// Next steps, in that order: blocks that read all KV heads of a slot range (2 KiB contiguous
+// rows) or a per-head contiguous cache layout; a producer warp with bulk copies (TMA) feeding
+// consumer warps so the math overlaps the stream; no mask reads for the committed prefix (pass
+// its length); PDL so the launch and first tile overlap the previous kernel.
 
 #include <cuda_bf16.h>
 #include <stdint.h>

@@ -29,6 +29,12 @@ MAX_GEMM_ROWS = 16         # rows M of gemm_rowparallel / gemm_allreduce
 # (cluster size = KV splits, cp.async ring stages); row tiles per block 1, 2 or 4.
 _TA_TILE, _TA_THREADS = 64, 128
 TREE_ATTENTION_VARIANTS = ((8, 4), (16, 3), (16, 2))
+# Must match cuda/gemm_allreduce.cu: (tiles per block T, 16-byte vectors per lane and chunk U,
+# L2 prefetch hint bytes PF, register double buffering PIPE) of
+# gemm_rowparallel_m{8,16}_t<T>_u<U>_p<PF>_s<PIPE>; the GEMM + all-reduce exists for fewer.
+GEMM_VARIANTS = ((1, 4, 0, 0), (1, 4, 256, 1), (2, 4, 256, 1), (2, 4, 0, 1), (4, 4, 256, 1),
+                 (4, 2, 256, 1), (2, 8, 256, 0), (1, 8, 256, 1))
+GEMM_ALLREDUCE_VARIANTS = ((1, 4, 0, 0), (2, 4, 256, 1), (1, 8, 256, 1))
 _GEMM_THREADS = 256          # must match cuda/gemm_allreduce.cu
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
@@ -106,7 +112,8 @@ def _probe_available() -> bool:
 
 
 def _module(name: str, variant: str, device: int):
-    """Compiled RawModule of cuda/<name>.cu for `device` (variant "nccl" adds NCCL's device API)."""
+    """Compiled RawModule of cuda/<name>.cu for `device` (variant "nccl" adds NCCL's device API).
+    SWIFTSPEC_KERNELS_LINEINFO=1 compiles with -lineinfo (source lines in Nsight Compute)."""
     key = (name, variant, device)
     mod = _modules.get(key)
     if mod is not None:
@@ -117,6 +124,8 @@ def _module(name: str, variant: str, device: int):
             cupy = import_cupy()
             major, minor = torch.cuda.get_device_capability(device)
             opts = ["-std=c++17", f"-arch=sm_{major}{minor}", "-O3"]
+            if os.environ.get("SWIFTSPEC_KERNELS_LINEINFO"):
+                opts.append("-lineinfo")
             if variant == "nccl":
                 from . import nccl_shim
 
@@ -167,6 +176,42 @@ def _launch(f: int, grid: tuple, block: int, smem: int, stream: int, args: list)
         _launch_kernel = driver.launchKernel
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     _launch_kernel(f, grid[0], grid[1], grid[2], block, 1, 1, smem, stream, ctypes.addressof(params), 0)
+
+
+class _LaunchAttribute(ctypes.Structure):      # CUlaunchAttribute (cuda.h): id, pad, 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint64 * 8)]
+
+
+class _LaunchConfig(ctypes.Structure):         # CUlaunchConfig (cuda.h)
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_launch_kernel_ex = None
+
+
+def _launch_pdl(f: int, grid: tuple, block: int, smem: int, stream: int, args: list) -> None:
+    """cuLaunchKernelEx with programmatic stream serialization (PDL): the kernel may start while
+    the previous kernel of the stream finishes, and must `griddepcontrol.wait` before reading
+    anything that kernel writes. Captured into CUDA graphs as a programmatic edge."""
+    global _launch_kernel_ex
+    if _launch_kernel_ex is None:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        _launch_kernel_ex = fn
+    attr = _LaunchAttribute()
+    attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value[0] = 1                            # programmaticStreamSerializationAllowed (int) = 1
+    cfg = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, smem, ctypes.c_void_p(stream),
+                        ctypes.pointer(attr), 1)
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    rc = _launch_kernel_ex(ctypes.byref(cfg), ctypes.c_void_p(f), params, None)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
 
 
 def _ptr(t: torch.Tensor) -> ctypes.c_uint64:
@@ -297,23 +342,47 @@ def _gemm_checks(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None):
     return M, N, K, out
 
 
-def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def gemm_rowparallel_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
+    """(T, U, PF, PIPE) used by default for an [M, K] x [N, K]^T product: n-tiles of 8 W rows
+    per block, 16-byte W vectors per lane and k-chunk, L2 prefetch hint (0 or 256 bytes),
+    register double buffering of the W loads. gemm_allreduce runs the same config (or one with
+    the same U: the same summation order), so at TP = 1 it gives gemm_rowparallel's bits.
+
+    From the sweep on the H200 (docs/benchmarks.md, "Fused kernels (H200)"): 2 tiles per block,
+    4 vectors, L2::256B prefetch, double buffering is the fastest variant for M = 1 and 8 on both
+    Llama-3-8B shapes (o_proj 11.1 us, down_proj 31.5 us; 2 / 8 / 256 / 0 is ~6 % faster at M = 16).
+    """
+    return 2, 4, 256, 1
+
+
+def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                     config: tuple[int, int, int, int] | None = None, pdl: bool = False) -> torch.Tensor:
     """out = x @ w.T for decode-sized x (the local part of a row-parallel projection), no all-reduce.
 
     Args:
-      x:   [M, K] bfloat16, M <= 16, last stride 1, row stride a multiple of 8.
-      w:   [N, K] bfloat16 contiguous (nn.Linear weight layout), N % 8 == 0, K % 8 == 0.
-      out: [M, N] bfloat16, last stride 1; allocated if None.
+      x:      [M, K] bfloat16, M <= 16, last stride 1, row stride a multiple of 8.
+      w:      [N, K] bfloat16 contiguous (nn.Linear weight layout), N % 8 == 0, K % 8 == 0.
+      out:    [M, N] bfloat16, last stride 1; allocated if None.
+      config: (T, U, PF, PIPE), one of GEMM_VARIANTS; default gemm_rowparallel_config(M, N, K).
+              Variants with the same U give the same bits.
+      pdl:    launch with programmatic dependent launch: the kernel starts streaming w while the
+              previous kernel in the stream finishes (x is read, out written only after it
+              completed). Only for a w that the previous kernel does not write (a weight).
 
     Returns:
       out: [M, N] bfloat16, fp32 accumulation.
     """
     M, N, K, out = _gemm_checks(x, w, out)
+    config = gemm_rowparallel_config(M, N, K) if config is None else tuple(config)
+    if config not in GEMM_VARIANTS:
+        raise ValueError(f"config {config} must be one of {GEMM_VARIANTS}")
+    t, u, pf, pipe = config
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    f = _function("gemm_allreduce", "", "gemm_rowparallel_m8" if M <= 8 else "gemm_rowparallel_m16", dev)
+    f = _function("gemm_allreduce", "", f"gemm_rowparallel_m{8 if M <= 8 else 16}_t{t}_u{u}_p{pf}_s{pipe}", dev)
     args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(out), ctypes.c_int64(out.stride(0)),
             ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
-    _launch(f, (N // 8, 1, 1), _GEMM_THREADS, 0, torch.cuda.current_stream(dev).cuda_stream, args)
+    (_launch_pdl if pdl else _launch)(f, (-(-(N // 8) // t), 1, 1), _GEMM_THREADS, 0,
+                                      torch.cuda.current_stream(dev).cuda_stream, args)
     return out
 
 
@@ -333,10 +402,16 @@ def gemm_allreduce(x: torch.Tensor, w: torch.Tensor, ar, out: torch.Tensor | Non
     M, N, K, out = _gemm_checks(x, w, out)
     if N > ar.max_n:
         raise ValueError(f"N={N} exceeds the DeviceAllReduce window (max_n={ar.max_n})")
+    config = gemm_rowparallel_config(M, N, K)
+    # the plain kernel's config, else an instantiated one with the same U (the same bits)
+    same_u = [c for c in GEMM_ALLREDUCE_VARIANTS if c[1] == config[1]]
+    if config not in GEMM_ALLREDUCE_VARIANTS and not same_u:
+        raise RuntimeError(f"no GEMM + all-reduce kernel with U={config[1]} (config {config})")
+    t, u, pf, pipe = config if config in GEMM_ALLREDUCE_VARIANTS else same_u[0]
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    f = _function("gemm_allreduce", "nccl", "gemm_allreduce_m8" if M <= 8 else "gemm_allreduce_m16", dev)
-    # Always the full persistent grid: block b owns tiles b, b + n_ctas, ... on every call, which
-    # the double-buffered window relies on (a block with no tile still meets its barrier).
+    f = _function("gemm_allreduce", "nccl", f"gemm_allreduce_m{8 if M <= 8 else 16}_t{t}_u{u}_p{pf}_s{pipe}", dev)
+    # Always the full persistent grid: block b owns tile groups b, b + n_ctas, ... on every call,
+    # which the double-buffered window relies on (a block with no tile still meets its barrier).
     grid = ar.n_ctas
     args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(out), ctypes.c_int64(out.stride(0)),
             ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K),

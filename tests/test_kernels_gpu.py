@@ -77,6 +77,8 @@ def make_mask(kind: str, N: int, L: int, Lpad: int, gen: torch.Generator) -> tor
             random ancestor chain, then the N new leaves (each sees itself only).
     chain:  plain causal over the last N slots.
     random: Bernoulli(0.5) with the diagonal of the last N slots set.
+    holes:  like random, but token 0 sees nothing (its output must be zeros) and token N-1
+            everything.
     """
     m = torch.ones(N, Lpad, dtype=torch.bool)
     m[:, :L] = False
@@ -98,10 +100,13 @@ def make_mask(kind: str, N: int, L: int, Lpad: int, gen: torch.Generator) -> tor
                 sel = torch.rand(older, generator=gen) < 0.3
                 m[i, P:base] = sel
             m[i, base + i] = True
-    elif kind == "random":
+    elif kind in ("random", "holes"):
         m[:, :L] = torch.rand(N, L, generator=gen) < 0.5
         for i in range(N):
             m[i, base + i] = True
+        if kind == "holes":
+            m[0, :L] = False
+            m[N - 1, :L] = True
     else:
         raise ValueError(kind)
     return m
@@ -118,6 +123,8 @@ ATTN_CASES = [
     (1500, 12, 12, 2, 128, "draft"),   # Qwen2-1.5B heads (G = 6: rows straddle m16 tiles)
     (777, 5, 28, 4, 128, "random"),    # Qwen2.5-7B heads (G = 7)
     (40, 8, 32, 8, 128, "tree"),       # shorter than one tile per cluster block: empty splits
+    (900, 64, 16, 16, 64, "holes"),    # G = 1: 64 tokens per row group, a row that sees nothing
+    (1200, 3, 32, 8, 128, "holes"),    # 12 rows, one of them invisible everywhere
 ]
 
 
@@ -153,6 +160,8 @@ def test_tree_attention_matches_float64(case):
         assert torch.isfinite(out).all(), f"config {config}: output not fully written (NaN left)"
         err = rel_err(out, ref)
         assert err <= BF16_TOL, f"{case} config {config}: rel err {err:.3e}"
+        if kind == "holes":                                   # token 0 sees no slot: zeros
+            assert not out[0].any(), f"config {config}: invisible token's output not zero"
 
 
 @pytest.mark.gpu
@@ -203,13 +212,37 @@ def test_gemm_rowparallel_matches_float64(M, NK):
     xbuf = torch.randn(M, K + 8, generator=gen).to(torch.bfloat16).cuda()
     x = xbuf[:, :K]                                            # row stride K + 8
     w = (torch.randn(N, K, generator=gen) / math.sqrt(K)).to(torch.bfloat16).cuda()
-    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-    kernels.gemm_rowparallel(x, w, out=out)
-    torch.cuda.synchronize()
     ref = x.double() @ w.double().T
-    assert torch.isfinite(out).all(), "output not fully written"
-    err = rel_err(out, ref)
-    assert err <= BF16_TOL, f"M={M} N={N} K={K}: rel err {err:.3e}"
+    by_u = {}
+    for config in [None] + list(kernels.GEMM_VARIANTS):       # default, then every variant
+        out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+        kernels.gemm_rowparallel(x, w, out=out, config=config)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all(), f"config {config}: output not fully written"
+        err = rel_err(out, ref)
+        assert err <= BF16_TOL, f"M={M} N={N} K={K} config {config}: rel err {err:.3e}"
+        u = (config or kernels.gemm_rowparallel_config(M, N, K))[1]
+        if u in by_u:      # the summation order depends on U only: same U, same bits
+            assert torch.equal(out, by_u[u]), f"config {config}: bits differ from another U={u} variant"
+        by_u[u] = out
+    # programmatic dependent launch (default config): same bits, also right after the kernel
+    # that writes x, and inside a CUDA graph
+    plain = by_u[kernels.gemm_rowparallel_config(M, N, K)[1]]
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+    x2 = torch.zeros_like(xbuf)
+    torch.add(xbuf, 0.0, out=x2)                       # a kernel writes x just before the GEMM
+    kernels.gemm_rowparallel(x2[:, :K], w, out=out, pdl=True)
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain), "PDL launch changed the result"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.add(xbuf, 0.0, out=x2)
+        kernels.gemm_rowparallel(x2[:, :K], w, out=out, pdl=True)
+    x2.zero_()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain), "PDL launch in a graph changed the result"
 
 
 def _single_rank_allreduce(max_n: int, n_ctas: int):
