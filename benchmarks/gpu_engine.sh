@@ -15,7 +15,7 @@ echo "== step benchmark"
 python3 benchmarks/bench_gpu_step.py --context 1024 --json "$OUT/step.json" 2>&1 | tee "$OUT/step.md"
 
 echo "== pytest -m gpu"
-timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_kernels_gpu.py -rA 2>&1 | grep -v "^PASSED" | tail -40 | tee "$OUT/pytest_gpu.txt"
+timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_kernels_gpu.py tests/test_fused_ops_gpu.py -rA 2>&1 | grep -v "^PASSED" | tail -40 | tee "$OUT/pytest_gpu.txt"
 
 echo "== engine: dummy shapes, draft and verify ranks sharing the GPU"
 P="Write a quicksort in Python with comments explaining each step."
