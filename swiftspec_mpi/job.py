@@ -58,7 +58,7 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
         cfg.requests = [C.Request(0, cfg.prompt if cfg.prompt is not None else DEFAULT_PROMPT)]
     tcfg, ttok, dcfg = resolve_models(cfg)
     for path, mcfg in {cfg.target: tcfg, cfg.draft: dcfg}.items():
-        if path is not None:
+        if path is not None and cfg.load_format != "dummy":   # dummy: shape names, no files
             check_weight_files(path, mcfg)
     # tensor-parallel degrees must divide the heads
     if cfg.mode == "async":

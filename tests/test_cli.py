@@ -74,3 +74,13 @@ def test_python_m_and_console_script_agree():
     a = run(sys.executable, "-m", "swiftspec_mpi", "--version")
     b = run(str(BIN / "swiftspec"), "--version")
     assert a.returncode == b.returncode == 0 and a.stdout == b.stdout and "swiftspec-mpi" in a.stdout
+
+
+def test_dummy_load_format_takes_shape_names(tmp_path):
+    """`--load-format dummy --target SHAPE --draft SHAPE` (the GPU benchmarks): rank
+    0's validation accepts shape names (no weight files to check) and keeps them as given."""
+    from swiftspec_mpi import job
+    flags = dict(load_format="dummy", target="qwen2.5-1.5b", draft="qwen2.5-0.5b", mode="async",
+                 prompt="hi", max_new_tokens=4, out=str(tmp_path / "o.h5"), device="cpu")
+    cfg = job.prepare_config(flags, None, world_size=2)
+    assert (cfg.target, cfg.draft, cfg.load_format) == ("qwen2.5-1.5b", "qwen2.5-0.5b", "dummy")
