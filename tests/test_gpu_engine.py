@@ -95,4 +95,8 @@ def test_graphed_kernel_path_matches_torch_path():
         b = graphed.forward(toks, pos, prefix, mask).float().clone()
         err = (a - b).abs().max().item() / a.abs().max().item()
         assert err < 3e-2, f"prefix {prefix}: relative max error {err}"
-        assert torch.equal(a.argmax(-1), b.argmax(-1)) or err < 1e-2
+        # the greedy choice must agree wherever the reference's top-2 margin exceeds twice the
+        # observed error (random weights give near-flat logits: a closer pair may flip)
+        top2 = a.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * (a - b).abs().max()
+        assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear]), f"prefix {prefix}"
