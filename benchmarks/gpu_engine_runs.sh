@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The engine half of benchmarks/gpu_engine.sh alone (no step benchmark, no full pytest), for a
+# re-run after an engine fix:   bash benchmarks/gpu_engine_runs.sh   (results under $OUT)
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=4
+MPI="mpirun --allow-run-as-root --oversubscribe"
+export SWIFTSPEC_TEST_MPIEXEC="$MPI" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+SW="python3 -m swiftspec_mpi"
+python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
+timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py 2>&1 | tail -5
+P="Write a quicksort in Python with comments explaining each step."
+for cfg in "ar 1" "sync 1" "async 2"; do
+  set -- $cfg
+  timeout 300 $MPI -n $2 $SW run --load-format dummy --target llama-3-8b --draft llama-3.2-1b \
+    --mode $1 --device cuda --dtype bfloat16 --prompt "$P" --max-new-tokens 128 --ignore-eos \
+    --out "$OUT/dummy8b-$1.h5" --overwrite --quiet > "$OUT/run-8b-$1.log" 2>&1 || tail -20 "$OUT/run-8b-$1.log"
+  $SW analyze "$OUT/dummy8b-$1.h5" > "$OUT/dummy8b-$1.txt" 2>&1
+  grep -E "tokens/s  |mean accepted|verify: verify|draft: expand|idle|decode" "$OUT/dummy8b-$1.txt"
+done
+for dt in bfloat16 float32; do
+for cfg in "ar 1" "async 2"; do
+  set -- $cfg
+  timeout 300 $MPI -n $2 $SW run --load-format dummy --target llama-3.2-1b --draft-layers 4 \
+    --mode $1 --device cuda --dtype $dt --prompt "$P" --max-new-tokens 96 --ignore-eos \
+    --out "$OUT/dummy1b-$1-$dt.h5" --overwrite --quiet > "$OUT/run-1b-$1-$dt.log" 2>&1 || tail -20 "$OUT/run-1b-$1-$dt.log"
+done
+python3 benchmarks/compare_outputs.py "$OUT/dummy1b-ar-$dt.h5" "$OUT/dummy1b-async-$dt.h5" \
+  --target llama-3.2-1b --dtype $dt
+done
