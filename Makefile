@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 export SWIFTSPEC_CACHE ?= $(CURDIR)/.cache/models
 NP ?= 2
 MAX_NEW_TOKENS ?= 128
-DTYPE ?= float32
+DTYPE ?= bfloat16
 PROMPT ?= Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.
 PYTEST_ARGS ?=
 
