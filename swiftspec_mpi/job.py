@@ -236,17 +236,25 @@ def _gpu_visible() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
+def kv_element_bytes(cfg: C.RunConfig) -> int:
+    """Bytes per KV element: the CPU path keeps activations and KV in float32 whatever the
+    weights' dtype (model.py, "packed" layout); on the GPU the KV is in the run's dtype."""
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not _gpu_visible())
+    return 4 if cfg.dtype == "float32" or on_cpu else 2
+
+
 def rank_memory_bytes(cfg: C.RunConfig, tcfg, dcfg, world_size: int) -> list[tuple[int, int]]:
     """(static buffers = KV cache + RoPE tables, weights) in bytes for each world rank: what
     its Transformer(s) allocate up front (model.py: K and V [layers, max_context, local KV
     heads, head_dim], float32 RoPE tables of max_context + 256 rows)."""
     elem = 4 if cfg.dtype == "float32" else 2
+    kv_elem = kv_element_bytes(cfg)
 
     def one(m, tp):
         if m is None:
             return 0, 0
         kv_local = max(1, -(-m.num_kv_heads // tp))
-        kv = 2 * m.num_layers * cfg.max_context * kv_local * m.head_dim * elem
+        kv = 2 * m.num_layers * cfg.max_context * kv_local * m.head_dim * kv_elem
         rope = 4 * (cfg.max_context + 256) * m.head_dim * 4
         return kv + rope, m.param_count() * elem // tp
 
@@ -695,8 +703,7 @@ def kv_bytes_estimate(cfg, topo) -> int:
         from swiftspec_mpi import checkpoint
         m = checkpoint.read_model_config(cfg.target)
         kv_local = max(1, m.num_kv_heads // max(1, topo.group.Get_size()))
-        elem = 4 if cfg.dtype == "float32" else 2
-        return 2 * m.num_layers * cfg.max_context * kv_local * m.head_dim * elem
+        return 2 * m.num_layers * cfg.max_context * kv_local * m.head_dim * kv_element_bytes(cfg)
     except Exception:  # noqa: BLE001
         return 0
 
