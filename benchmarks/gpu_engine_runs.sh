@@ -2,11 +2,7 @@
 # The engine runs of benchmarks/gpu_engine.sh (which calls this with NO_SETUP=1); alone, it
 # installs, runs tests/test_gpu_engine.py, then the runs:   bash benchmarks/gpu_engine_runs.sh   (results under $OUT)
 set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=4
-MPI="mpirun --allow-run-as-root --oversubscribe"
-export SWIFTSPEC_TEST_MPIEXEC="$MPI" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-SW="python3 -m swiftspec_mpi"
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 if [[ -z "${NO_SETUP:-}" ]]; then   # gpu_engine.sh sets NO_SETUP=1: it installed and tested already
   python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py 2>&1 | tail -5
