@@ -11,7 +11,9 @@ Graph columns: "torch ops" = forward_graphable with its torch elementwise ops (t
 switched off while that graph was captured); "fused ops" = the default fused path: the fused
 kernels, every GEMM on cuBLAS; "+ GEMM choice" = the opt-in SWIFTSPEC_FUSED_GEMM=auto, where each
 projection kind uses kernels.gemm_rowparallel if it timed faster than cuBLAS ("rowparallel
-GEMMs" lists which). All graphs are captured on the same model and timed in alternating blocks
+GEMMs" lists which); "PDL chain" = SWIFTSPEC_FUSED_GEMM=pdl: every projection on
+kernels.gemm_rowparallel and every kernel launched with programmatic dependent launch
+("PDL speed-up" = fused ops / PDL chain). All graphs are captured on the same model and timed in alternating blocks
 in the same run; speed-up = torch ops / fused ops; rel. diff = max |logits - torch-ops logits| /
 max |torch-ops logits| of the fused path, then of the GEMM choice.
 """
@@ -105,6 +107,7 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
     g_plain = GraphedModel(model) if res["graphs"] else None
     g_fused = GraphedModel(model) if fused else None          # fused ops, cuBLAS GEMMs (default)
     g_auto = GraphedModel(model) if fused else None           # fused ops, GEMMs as timed ("auto")
+    g_pdl = GraphedModel(model) if fused else None            # fused ops, all GEMMs ours, PDL chain
     was, was_mode = fused_ops._enabled, fused_ops.gemm_mode()
     for n in sizes:
         toks = torch.randint(0, 1000, (n,))
@@ -120,7 +123,8 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
             fns[f"graph_nofuse_{n}"] = lambda: g_plain.forward(toks, pos, context, mask).argmax(-1).cpu()
             if g_fused is not None:
                 fused_ops.set_enabled(True)
-                for key, g, mode in (("graph", g_fused, "cublas"), ("graph_auto", g_auto, "auto")):
+                for key, g, mode in (("graph", g_fused, "cublas"), ("graph_auto", g_auto, "auto"),
+                                     ("graph_pdl", g_pdl, "pdl")):
                     fused_ops.set_gemm_mode(mode)
                     got = g.forward(toks, pos, context, mask).float()
                     res[f"{key}_rel_diff_{n}"] = ((got - ref).abs().max() / ref.abs().max()).item()
@@ -131,7 +135,7 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
             fused_ops.set_enabled(was)
             fused_ops.set_gemm_mode(was_mode)
         res.update(cuda_time_alternating(fns))
-    del model, g_plain, g_fused, g_auto
+    del model, g_plain, g_fused, g_auto, g_pdl
     torch.cuda.empty_cache()
     return res
 
@@ -183,8 +187,9 @@ def main():
     rows = {"copy_TBps": bw, "gpu": torch.cuda.get_device_name(), "context": a.context, "torch": torch.__version__}
     print(f"device copy bandwidth: {bw:.2f} TB/s  ({rows['gpu']}, torch {torch.__version__})", flush=True)
     print("| shape | weights GB | floor ms | N | eager ms | graph, torch ops ms | graph + fused ops ms "
-          "| speed-up | + GEMM choice ms | logits rel. diff | rowparallel GEMMs | HF eager ms (N=1) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
+          "| speed-up | + GEMM choice ms | PDL chain ms | PDL speed-up | logits rel. diff (fused / choice / PDL) "
+          "| rowparallel GEMMs | HF eager ms (N=1) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
     nan = float("nan")
     for shape in a.shapes.split(","):
         r = ours(shape, a.context, [1, 8], fused=fused)
@@ -195,7 +200,9 @@ def main():
             base, fast = r.get(f"graph_nofuse_{n}", nan), r.get(f"graph_{n}", nan)
             print(f"| {shape} | {r['weight_gb']:.2f} | {floor:.2f} | {n} | {r[f'eager_{n}']:.2f} | "
                   f"{base:.2f} | {fast:.2f} | {base / fast:.2f}x | {r.get(f'graph_auto_{n}', nan):.2f} | "
-                  f"{r.get(f'graph_rel_diff_{n}', nan):.1e} / {r.get(f'graph_auto_rel_diff_{n}', nan):.1e} | "
+                  f"{r.get(f'graph_pdl_{n}', nan):.2f} | {fast / r.get(f'graph_pdl_{n}', nan):.2f}x | "
+                  f"{r.get(f'graph_rel_diff_{n}', nan):.1e} / {r.get(f'graph_auto_rel_diff_{n}', nan):.1e} / "
+                  f"{r.get(f'graph_pdl_rel_diff_{n}', nan):.1e} | "
                   f"{r.get(f'rowparallel_{n}', '-')} | {(r['hf_1'] if n == 1 and r['hf_1'] else nan):.2f} |",
                   flush=True)
     if a.json:

@@ -226,21 +226,31 @@ __device__ __forceinline__ void silu_mul_body(const bf16* __restrict__ gu, int64
 
 }  // namespace fused_ops
 
+// Programmatic dependent launch (fused_ops.py pdl=True): wait for the previous kernel of the
+// stream (its outputs are our inputs) and only then let the next one launch, so at most one
+// dependent grid sits waiting behind us. Both are no-ops for launches without the PDL attribute.
+#define FUSED_OPS_PDL_ENTER()                                  \
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");         \
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory")
+
 #define FUSED_OPS_INSTANTIATE(V)                                                                       \
   extern "C" __global__ void __launch_bounds__(512) add_rmsnorm_v##V(                                  \
       bf16* x, int64_t x_stride, const bf16* a, int64_t a_stride, const bf16* w, bf16* out,           \
       int64_t out_stride, int H, float eps) {                                                          \
+    FUSED_OPS_PDL_ENTER();                                                                             \
     fused_ops::add_rmsnorm_body<V>(x, x_stride, a, a_stride, w, out, out_stride, H, eps);              \
   }                                                                                                    \
   extern "C" __global__ void __launch_bounds__(256) rope_kv_write_v##V(                                \
       bf16* qkv, int64_t qkv_stride, const int64_t* positions, const int64_t* slots,                   \
       const bf16* cos_t, const bf16* sin_t, int rope_len, bf16* k_cache, bf16* v_cache,                \
       int64_t kv_stride, int max_slots, int N, int nh, int nkv, int D) {                               \
+    FUSED_OPS_PDL_ENTER();                                                                             \
     fused_ops::rope_kv_body<V>(qkv, qkv_stride, positions, slots, cos_t, sin_t, rope_len, k_cache,     \
                                v_cache, kv_stride, max_slots, N, nh, nkv, D);                          \
   }                                                                                                    \
   extern "C" __global__ void __launch_bounds__(256) silu_mul_v##V(                                     \
       const bf16* gu, int64_t gu_stride, bf16* out, int64_t out_stride, int N, int I) {                \
+    FUSED_OPS_PDL_ENTER();                                                                             \
     fused_ops::silu_mul_body<V>(gu, gu_stride, out, out_stride, N, I);                                 \
   }
 

@@ -131,6 +131,13 @@ __device__ __forceinline__ void tree_attention_body(
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);
 
+  // Programmatic dependent launch (kernels.py pdl=True): q, the new K/V slots and the mask come
+  // from the previous kernels, so wait for the previous grid first, then let the next kernel
+  // (the O projection, which prefetches its weights before waiting for us) launch. No-ops for
+  // launches without the PDL attribute.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
   cg::cluster_group cluster = cg::this_cluster();
   const int crank = (int)cluster.block_rank();   // == blockIdx.x (cluster spans x)
   const int h = blockIdx.y;                      // KV head

@@ -18,7 +18,10 @@ SWIFTSPEC_FUSED_OPS=0 (read at import) or by `set_enabled(False)` (benchmarks co
 one process; a CUDA graph keeps whatever path was active when it was captured).
 
 GEMMs stay on cuBLAS (F.linear) by default, so the fused path gives the same bits as the torch
-ops path with cuBLAS (measured: identical logits). Opt-in, SWIFTSPEC_FUSED_GEMM=auto (or
+ops path with cuBLAS (measured: identical logits). SWIFTSPEC_FUSED_GEMM=pdl (or
+`set_gemm_mode("pdl")`) runs every bias-free projection on `kernels.gemm_rowparallel` and launches
+every kernel of the layer with programmatic dependent launch (PDL), so launch gaps and the weight
+stream's ramp-up overlap the previous kernel (docs/benchmarks.md has the step times). Opt-in too, SWIFTSPEC_FUSED_GEMM=auto (or
 `set_gemm_mode("auto")`) picks per projection kind and token count between cuBLAS and
 `kernels.gemm_rowparallel` by timing both once over all layers' weights (`prefer_rowparallel`):
 a few % faster on the H200, but a different summation order, which random-weight models amplify
@@ -31,7 +34,7 @@ import os
 
 import torch
 
-from swiftspec_mpi.kernels import _function, _launch, _ptr, available
+from swiftspec_mpi.kernels import _function, _launch, _launch_pdl, _ptr, available
 
 _SOURCE = "fused_ops"
 _RMS_MAX_THREADS = 512      # must not exceed __launch_bounds__ of add_rmsnorm_v* in fused_ops.cu
@@ -43,17 +46,36 @@ _enabled = os.environ.get("SWIFTSPEC_FUSED_OPS", "1").strip().lower() not in ("0
 _gemm_mode = os.environ.get("SWIFTSPEC_FUSED_GEMM", "cublas").strip().lower()
 
 
+GEMM_MODES = ("cublas", "auto", "pdl")
+
+
 def set_gemm_mode(mode: str) -> None:
     """"cublas" (default): always F.linear; "auto": let `prefer_rowparallel` time cuBLAS against
-    kernels.gemm_rowparallel per projection kind."""
+    kernels.gemm_rowparallel per projection kind; "pdl": every projection that the kernel takes
+    (no bias, [out, in] contiguous weights, <= kernels.MAX_GEMM_ROWS tokens) on
+    kernels.gemm_rowparallel, and every kernel of the layer launched with programmatic dependent
+    launch, so each kernel's launch and the next projection's first weight loads overlap the
+    kernel before it (see `pdl_gemm_ok`)."""
     global _gemm_mode
-    if mode not in ("auto", "cublas"):
-        raise ValueError(f"gemm mode must be 'auto' or 'cublas', not {mode!r}")
+    if mode not in GEMM_MODES:
+        raise ValueError(f"gemm mode must be one of {GEMM_MODES}, not {mode!r}")
     _gemm_mode = mode
 
 
 def gemm_mode() -> str:
-    return _gemm_mode if _gemm_mode in ("auto", "cublas") else "cublas"
+    return _gemm_mode if _gemm_mode in GEMM_MODES else "cublas"
+
+
+def pdl_gemm_ok(weights: list, m: int) -> bool:
+    """Whether the "pdl" mode can run `kernels.gemm_rowparallel(x [m, K], w)` for every w: [N, K]
+    bfloat16 contiguous CUDA weights, N and K multiples of 8, 16-byte aligned, m <= MAX_GEMM_ROWS."""
+    from swiftspec_mpi import kernels
+
+    if not weights or not 1 <= m <= kernels.MAX_GEMM_ROWS:
+        return False
+    return all(w is not None and w.dim() == 2 and w.is_cuda and w.dtype == torch.bfloat16
+               and w.is_contiguous() and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0
+               and w.data_ptr() % 16 == 0 for w in weights)
 
 
 def prefer_rowparallel(weights: list, m: int, reps: int = 5) -> bool:
@@ -121,6 +143,14 @@ def enabled() -> bool:
     return _enabled and available()
 
 
+def launch(pdl: bool, f: int, grid: tuple, block: int, smem: int, stream: int, args: list) -> None:
+    """Launch a fused_ops kernel; with `pdl` through programmatic dependent launch: the launch
+    overlaps the tail of the previous kernel in the stream, the kernel waits for that kernel
+    (griddepcontrol.wait) before reading anything and then lets the next kernel launch. Same
+    results either way; in a CUDA graph the dependency becomes a programmatic edge."""
+    (_launch_pdl if pdl else _launch)(f, grid, block, smem, stream, args)
+
+
 def _dev(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
@@ -146,7 +176,7 @@ def _rows_check(name: str, t: torch.Tensor, n: int, cols: int) -> None:
 
 
 def add_rmsnorm(x: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Residual add + RMSNorm in one launch: x += a (in place, rounded to bf16 like x.add_(a)),
     then out = bf16(x * rsqrt(mean(x^2, -1) + eps) * weight) in fp32.
 
@@ -158,6 +188,7 @@ def add_rmsnorm(x: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor, e
       eps:    the norm's epsilon.
       out:    [N, H] bfloat16 (last stride 1), written in full; allocated if None. Must not
               overlap x or a.
+      pdl:    launch with programmatic dependent launch (see `launch`).
 
     Returns:
       out: [N, H] bfloat16.
@@ -184,13 +215,13 @@ def add_rmsnorm(x: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor, e
             ctypes.c_uint64(a.data_ptr() if a is not None else 0),
             ctypes.c_int64(a.stride(0) if a is not None else 0),
             _ptr(weight), _ptr(out), ctypes.c_int64(out.stride(0)), ctypes.c_int32(H), ctypes.c_float(eps)]
-    _launch(f, (N, 1, 1), threads, 0, torch.cuda.current_stream(dev).cuda_stream, args)
+    launch(pdl, f, (N, 1, 1), threads, 0, torch.cuda.current_stream(dev).cuda_stream, args)
     return out
 
 
 def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  n_heads: int) -> None:
+                  n_heads: int, pdl: bool = False) -> None:
     """RoPE on the q and k heads of the fused QKV output + the KV-cache write, in one launch.
 
     With half = D / 2 and p = positions[t], every q/k head vector x of token t becomes
@@ -210,6 +241,7 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, write_slots: torch
                    k_cache[write_slots[t]] = rotated k of token t.
       v_cache:     [S, Hkv, D] bfloat16, same shape and strides: v_cache[write_slots[t]] = v of t.
       n_heads:     local query heads (H). D must be even.
+      pdl:         launch with programmatic dependent launch (see `launch`).
 
     Returns None; writes qkv's q part, k_cache and v_cache.
     """
@@ -242,16 +274,17 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, write_slots: torch
             _ptr(cos), _ptr(sin), ctypes.c_int32(cos.shape[0]), _ptr(k_cache), _ptr(v_cache),
             ctypes.c_int64(k_cache.stride(0)), ctypes.c_int32(S), ctypes.c_int32(N),
             ctypes.c_int32(n_heads), ctypes.c_int32(Hkv), ctypes.c_int32(D)]
-    _launch(f, (blocks, 1, 1), _EW_THREADS, 0, torch.cuda.current_stream(dev).cuda_stream, args)
+    launch(pdl, f, (blocks, 1, 1), _EW_THREADS, 0, torch.cuda.current_stream(dev).cuda_stream, args)
 
 
-def silu_mul(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul(gu: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """SiLU(gate) * up of the fused gate|up GEMM output, in one launch:
     out = bf16(bf16(silu(gu[:, :I])) * gu[:, I:]) (the roundings of F.silu then mul_).
 
     Args:
       gu:  [N, 2 * I] bfloat16 CUDA, last stride 1 (any row stride): gate columns then up columns.
       out: [N, I] bfloat16 (last stride 1), written in full; allocated if None.
+      pdl: launch with programmatic dependent launch (see `launch`).
 
     Returns:
       out: [N, I] bfloat16.
@@ -273,7 +306,7 @@ def silu_mul(gu: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     f = _function(_SOURCE, "", f"silu_mul_v{V}", dev)
     args = [_ptr(gu), ctypes.c_int64(gu.stride(0)), _ptr(out), ctypes.c_int64(out.stride(0)),
             ctypes.c_int32(N), ctypes.c_int32(I)]
-    _launch(f, (blocks, 1, 1), _EW_THREADS, 0, torch.cuda.current_stream(dev).cuda_stream, args)
+    launch(pdl, f, (blocks, 1, 1), _EW_THREADS, 0, torch.cuda.current_stream(dev).cuda_stream, args)
     return out
 
 

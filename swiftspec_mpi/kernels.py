@@ -248,7 +248,8 @@ def tree_attention_config(rows: int, max_len: int) -> tuple[int, int, int]:
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
                    n_valid: int | torch.Tensor | None = None, out: torch.Tensor | None = None,
-                   scale: float | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                   scale: float | None = None, config: tuple[int, int, int] | None = None,
+                   pdl: bool = False) -> torch.Tensor:
     """Masked attention of N <= 64 tree tokens over L KV slots, GQA, one launch.
 
     Args:
@@ -268,6 +269,9 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
       config:  (cluster, stages, row_tiles): KV splits per KV head (thread-block cluster size),
                K/V ring depth, m16 row tiles per block; one of TREE_ATTENTION_VARIANTS x {1,2,4}.
                Default: tree_attention_config(N * H // Hkv, mask.shape[1]).
+      pdl:     launch with programmatic dependent launch: the launch overlaps the previous
+               kernel's tail; the kernel waits for that kernel before reading anything, then lets
+               the next kernel of the stream launch.
 
     Returns:
       out: [N, H, D] bfloat16 = softmax(q k^T * scale, masked) v per head. A token that sees no
@@ -321,7 +325,8 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             _ptr(mask), ctypes.c_int64(mask.stride(0)), nv_ptr, ctypes.c_int32(nv),
             _ptr(out), ctypes.c_int64(out.stride(0)),
             ctypes.c_int32(N), ctypes.c_int32(H), ctypes.c_int32(Hkv), ctypes.c_float(scale * _LOG2E)]
-    _launch(f, (cs, Hkv, rg), _TA_THREADS, smem, torch.cuda.current_stream(dev).cuda_stream, args)
+    (_launch_pdl if pdl else _launch)(f, (cs, Hkv, rg), _TA_THREADS, smem,
+                                      torch.cuda.current_stream(dev).cuda_stream, args)
     return out
 
 

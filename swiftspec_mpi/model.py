@@ -517,17 +517,19 @@ class Transformer(torch.nn.Module):
         Projections with a bias, and weights stored [in, out], stay on cuBLAS."""
         from swiftspec_mpi import fused_ops
 
-        key = ("gemm", fused_ops.gemm_mode())
+        mode = fused_ops.gemm_mode()
+        key = ("gemm", mode)
         rp = ws.get(key)
         if rp is None:
             lays = self.layers
             kinds = {"qkv": (1, 2), "o": (3, 4), "gu": (6, None), "down": (7, None)}
             plain = self.weight_layout == "out_in"
+            pick = fused_ops.pdl_gemm_ok if mode == "pdl" else fused_ops.prefer_rowparallel
             rp = {}
             for kind, (wi, bi) in kinds.items():
                 ok = plain and all(bi is None or lay[bi] is None for lay in lays)
-                rp[kind] = ok and fused_ops.prefer_rowparallel([lay[wi] for lay in lays], n)
-            rp["head"] = plain and fused_ops.prefer_rowparallel([self.head], n)
+                rp[kind] = ok and pick([lay[wi] for lay in lays], n)
+            rp["head"] = plain and pick([self.head], n)
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return rp
             ws[key] = rp
@@ -548,25 +550,29 @@ class Transformer(torch.nn.Module):
         x, h, o, m = ws["x"], ws["h"], ws["o"], ws["m"]
         rp = self._fused_gemm_choice(N, ws)
         gemm = kernels.gemm_rowparallel
+        # "pdl" mode: every kernel launched with programmatic dependent launch (a kernel after a
+        # cuBLAS GEMM or an all-reduce simply waits for it; results are the same bits either way).
+        pdl = fused_ops.gemm_mode() == "pdl"
 
         def lin(use_rp, inp, w, b=None):
-            return gemm(inp, w) if use_rp else self._linear(inp, w, b)
+            return gemm(inp, w, pdl=pdl) if use_rp else self._linear(inp, w, b)
 
         torch.index_select(self.embed, 0, tokens, out=x)
         pending = None                      # the previous layer's MLP output, not yet added to x
         for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in self.layers:
-            fused_ops.add_rmsnorm(x, pending, ln1, eps, out=h)
+            fused_ops.add_rmsnorm(x, pending, ln1, eps, out=h, pdl=pdl)
             qkv = lin(rp["qkv"], h, wqkv, bqkv)                            # [N, (nh+2kv)*hd]
             fused_ops.rope_kv_write(qkv, positions, write_slots, self.rope_cos, self.rope_sin,
-                                    kc, vc, nh_l)
-            kernels.tree_attention(qkv[:, :nh_l * hd].view(N, nh_l, hd), kc, vc, mask, n_valid, out=o)
+                                    kc, vc, nh_l, pdl=pdl)
+            kernels.tree_attention(qkv[:, :nh_l * hd].view(N, nh_l, hd), kc, vc, mask, n_valid, out=o,
+                                   pdl=pdl)
             a = lin(rp["o"], o.view(N, nh_l * hd), wo, bo)
             comm.all_reduce_(a)
-            fused_ops.add_rmsnorm(x, a, ln2, eps, out=h)
-            fused_ops.silu_mul(lin(rp["gu"], h, wgu), out=m)
+            fused_ops.add_rmsnorm(x, a, ln2, eps, out=h, pdl=pdl)
+            fused_ops.silu_mul(lin(rp["gu"], h, wgu), out=m, pdl=pdl)
             pending = lin(rp["down"], m, wd)
             comm.all_reduce_(pending)
-        fused_ops.add_rmsnorm(x, pending, self.norm, eps, out=h)
+        fused_ops.add_rmsnorm(x, pending, self.norm, eps, out=h, pdl=pdl)
         logits = lin(rp["head"], h, self.head)                             # [N, v_chunk]
         if comm.size > 1:
             logits = comm.all_gather_lastdim(logits)

@@ -160,9 +160,12 @@ def test_silu_mul(gen, N, I):
 
 
 # -------------------------------------------------------------------------- CUDA graph
-def test_fused_ops_replay_in_cuda_graph(gen):
+@pytest.mark.parametrize("pdl", [False, True])
+def test_fused_ops_replay_in_cuda_graph(gen, pdl):
     """All three kernels captured once and replayed with new inputs written into the static
-    buffers (positions and slots read on the device): each replay matches the torch ops."""
+    buffers (positions and slots read on the device): each replay matches the torch ops. With
+    `pdl` every launch is a programmatic dependent launch (griddepcontrol in the kernels), and
+    silu_mul then reads what a PDL-launched GEMM wrote just before it."""
     N, nh, nkv, D, H, I = 8, 8, 2, 128, 1024, 2816
     qkv, cos, sin, positions, slots, kbuf, vbuf = _rope_case(gen, N, nh, nkv, D)
     kc, vc = kbuf[0], vbuf[0]
@@ -171,10 +174,16 @@ def test_fused_ops_replay_in_cuda_graph(gen):
     h = torch.empty(N, H, dtype=BF, device="cuda")
     m = torch.empty(N, I, dtype=BF, device="cuda")
 
+    wg = randn(2 * I, H, gen=gen)          # gu2 = h @ wg^T, then silu_mul of it: a PDL chain
+    gu2 = torch.empty(N, 2 * I, dtype=BF, device="cuda")
+    m2 = torch.empty(N, I, dtype=BF, device="cuda")
+
     def step():
-        fused_ops.add_rmsnorm(x, a, w, 1e-5, out=h)
-        fused_ops.rope_kv_write(qkv, positions, slots, cos, sin, kc, vc, nh)
-        fused_ops.silu_mul(gu, out=m)
+        fused_ops.add_rmsnorm(x, a, w, 1e-5, out=h, pdl=pdl)
+        fused_ops.rope_kv_write(qkv, positions, slots, cos, sin, kc, vc, nh, pdl=pdl)
+        fused_ops.silu_mul(gu, out=m, pdl=pdl)
+        kernels.gemm_rowparallel(h, wg, out=gu2, pdl=pdl)
+        fused_ops.silu_mul(gu2, out=m2, pdl=pdl)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -203,6 +212,9 @@ def test_fused_ops_replay_in_cuda_graph(gen):
         assert_bf16_close(kc[slots], rot[:, nh:], "graph: k rope")
         assert torch.equal(vc[slots], qkv0[:, (nh + nkv) * D:].view(N, nkv, D))
         assert_bf16_close(m, m_ref, "graph: silu_mul")
+        gu2_ref = kernels.gemm_rowparallel(h, wg)              # same kernel, plain launch, after
+        assert torch.equal(gu2, gu2_ref), "graph: GEMM after add_rmsnorm"
+        assert torch.equal(m2, fused_ops.silu_mul(gu2_ref)), "graph: silu_mul after the GEMM"
 
 
 # -------------------------------------------------------------------------- whole model
@@ -258,18 +270,20 @@ def test_prefer_rowparallel_decides_and_declines(gen):
     ("llama-3.2-1b", None, "cublas"), ("qwen2.5-0.5b", None, "cublas"), ("llama-3-8b", None, "cublas"),
     ("qwen2.5-0.5b", (1, 2), "cublas"), ("llama-3.2-1b", (3, 4), "cublas"),
     ("llama-3.2-1b", None, "auto"), ("llama-3-8b", None, "auto"),
-    ("llama-3.2-1b", None, "all"), ("llama-3-8b", None, "all"), ("qwen2.5-0.5b", None, "all")])
+    ("llama-3.2-1b", None, "all"), ("llama-3-8b", None, "all"), ("qwen2.5-0.5b", None, "all"),
+    ("llama-3.2-1b", None, "pdl"), ("llama-3-8b", None, "pdl"), ("qwen2.5-0.5b", None, "pdl"),
+    ("llama-3.2-1b", (3, 4), "pdl")])
 def test_forward_graphable_fused_matches_forward(shape, comm, rowpar, monkeypatch):
     """forward (torch SDPA, torch elementwise ops) vs forward_graphable with the fused kernels,
     eager and through a CUDA graph (GraphedModel), and vs forward_graphable with them switched
     off, on 2-layer random models (head_dim 64 and 128, GQA, Qwen2 QKV bias, tied and untied
     heads, TP shards): logits and the KV written agree to bf16 accuracy. rowpar "cublas": the
     default; "auto": the timed GEMM choice; "all": kernels.gemm_rowparallel forced for every
-    projection it can take."""
+    projection it can take; "pdl": the same, every kernel launched with PDL."""
     if rowpar == "all":
         monkeypatch.setattr(fused_ops, "prefer_rowparallel", lambda ws, m: m <= kernels.MAX_GEMM_ROWS and all(
             w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0 and w.is_contiguous() for w in ws))
-    monkeypatch.setattr(fused_ops, "_gemm_mode", "cublas" if rowpar == "cublas" else "auto")
+    monkeypatch.setattr(fused_ops, "_gemm_mode", {"cublas": "cublas", "pdl": "pdl"}.get(rowpar, "auto"))
     from swiftspec_mpi.comm import SingleComm
     from swiftspec_mpi.cuda_graphs import GraphedModel
     from swiftspec_mpi.dummy import SHAPES, RandomSource
@@ -321,10 +335,70 @@ def test_forward_graphable_fused_matches_forward(shape, comm, rowpar, monkeypatc
             f = getattr(fast, buf)[layer, prefix:prefix + n].double()
             rel = ((f - r).norm() / r.norm()).item()
             assert rel < 2e-2, f"{buf}[{layer}] of the new tokens: rel err {rel}"
-    if rowpar == "all":
-        choice = fast._fused_ws[n][("gemm", "auto")]
+    if rowpar in ("all", "pdl"):
+        choice = fast._fused_ws[n][("gemm", "auto" if rowpar == "all" else "pdl")]
         assert choice["o"] and choice["gu"] and choice["down"], choice
+        if rowpar == "pdl" and not shape.startswith("qwen"):
+            assert choice["qkv"] and choice["head"], choice
     # argmax agrees where the top-2 margin is clear
     top2 = a.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 0.05 * scale
     assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+
+
+class _AsFloat32:
+    """A TensorSource giving another source's tensors as float32 (the same bf16 values)."""
+
+    def __init__(self, src):
+        self.src, self.config = src, src.config
+
+    def names(self):
+        return self.src.names()
+
+    def get(self, name, dim=None, start=0, stop=None):
+        return self.src.get(name, dim, start, stop).float()
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("shape", ["llama-3.2-1b", "llama-3-8b"])
+def test_pdl_mode_is_as_accurate_as_cublas(shape, monkeypatch):
+    """The "pdl" GEMM mode (every projection on kernels.gemm_rowparallel, PDL launches) sums in
+    another order than cuBLAS, so its logits differ from the default path's; both must be
+    equally close to a float32 model with the same (bf16-valued) weights: 4-layer random model,
+    700-token prefix, an 8-node tree, error of each bf16 path vs float32 within 1.25x of the
+    other's (plus 1e-3 of the logit scale)."""
+    from swiftspec_mpi.comm import SingleComm
+    from swiftspec_mpi.dummy import SHAPES, RandomSource
+    from swiftspec_mpi.model import Transformer, chain_mask
+    cfg = SHAPES[shape].with_layers(4)
+    S, prefix, dev = 1024, 700, "cuda"
+    src = RandomSource(cfg, dev, BF, seed=11)
+    models = {}
+    for name, dtype, source in (("ref", torch.float32, _AsFloat32(src)), ("cublas", BF, src), ("pdl", BF, src)):
+        m = Transformer(cfg, SingleComm(), max_slots=S, dtype=dtype, device=dev)
+        m.load_weights(source)
+        models[name] = m
+    g = torch.Generator().manual_seed(3)
+    pre = torch.randint(0, 5000, (prefix,), generator=g)
+    for m in models.values():
+        m.forward(pre, torch.arange(prefix), 0, chain_mask(0, prefix))
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6]
+    mask, pos = _tree(prefix, parents)
+    n = len(parents)
+    toks = torch.randint(0, 5000, (n,), generator=g)
+    ref = models["ref"].forward(toks, pos, prefix, mask).double()
+    full = torch.zeros(n, S, dtype=torch.bool, device=dev)
+    full[:, :prefix + n] = mask.to(dev)
+    nv = torch.tensor([prefix + n], dtype=torch.int32, device=dev)
+    slots = torch.arange(prefix, prefix + n, device=dev)
+    got = {}
+    for mode in ("cublas", "pdl"):
+        monkeypatch.setattr(fused_ops, "_gemm_mode", mode)
+        got[mode] = models[mode].forward_graphable(toks.to(dev), pos.to(dev), slots, full, nv).double()
+    assert models["pdl"]._fused_ws[n][("gemm", "pdl")]["down"]
+    scale = ref.abs().max().item()
+    err = {k: (v - ref).abs().max().item() / scale for k, v in got.items()}
+    assert err["pdl"] <= 1.25 * err["cublas"] + 1e-3, err
+    assert err["cublas"] <= 1.25 * err["pdl"] + 1e-3, err
