@@ -8,10 +8,10 @@ bf16, random weights at real shapes. Prints a Markdown table.
 Rows: device copy bandwidth (the floor); for each shape the single-token step, the 8-node tree
 step (verify) and, for the draft shape, the w=8 leaf expansion; HF eager decode of one token.
 Graph columns: "torch ops" = forward_graphable with its torch elementwise ops (the fused kernels
-switched off while that graph was captured); "fused ops" = the default fused path: the fused
-kernels, every GEMM on cuBLAS; "+ GEMM choice" = the opt-in SWIFTSPEC_FUSED_GEMM=auto, where each
+switched off while that graph was captured); "fused ops" = the fused kernels, every GEMM on
+cuBLAS (SWIFTSPEC_FUSED_GEMM=cublas); "+ GEMM choice" = the opt-in SWIFTSPEC_FUSED_GEMM=auto, where each
 projection kind uses kernels.gemm_rowparallel if it timed faster than cuBLAS ("rowparallel
-GEMMs" lists which); "PDL chain" = SWIFTSPEC_FUSED_GEMM=pdl: every projection on
+GEMMs" lists which); "PDL chain" = the default, SWIFTSPEC_FUSED_GEMM=pdl: every projection on
 kernels.gemm_rowparallel and every kernel launched with programmatic dependent launch
 ("PDL speed-up" = fused ops / PDL chain). All graphs are captured on the same model and timed in alternating blocks
 in the same run; speed-up = torch ops / fused ops; rel. diff = max |logits - torch-ops logits| /
@@ -187,7 +187,8 @@ def main():
     rows = {"copy_TBps": bw, "gpu": torch.cuda.get_device_name(), "context": a.context, "torch": torch.__version__}
     print(f"device copy bandwidth: {bw:.2f} TB/s  ({rows['gpu']}, torch {torch.__version__})", flush=True)
     print("| shape | weights GB | floor ms | N | eager ms | graph, torch ops ms | graph + fused ops ms "
-          "| speed-up | + GEMM choice ms | PDL chain ms | PDL speed-up | logits rel. diff (fused / choice / PDL) "
+          "| speed-up | + GEMM choice ms | PDL chain ms | PDL speed-up "
+          "| logits rel. diff (fused / choice / PDL) "
           "| rowparallel GEMMs | HF eager ms (N=1) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
     nan = float("nan")

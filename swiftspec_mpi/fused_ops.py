@@ -17,15 +17,18 @@ of `Transformer.forward_graphable` can hold them. Loaded and launched through th
 SWIFTSPEC_FUSED_OPS=0 (read at import) or by `set_enabled(False)` (benchmarks compare both in
 one process; a CUDA graph keeps whatever path was active when it was captured).
 
-GEMMs stay on cuBLAS (F.linear) by default, so the fused path gives the same bits as the torch
-ops path with cuBLAS (measured: identical logits). SWIFTSPEC_FUSED_GEMM=pdl (or
-`set_gemm_mode("pdl")`) runs every bias-free projection on `kernels.gemm_rowparallel` and launches
-every kernel of the layer with programmatic dependent launch (PDL), so launch gaps and the weight
-stream's ramp-up overlap the previous kernel (docs/benchmarks.md has the step times). Opt-in too, SWIFTSPEC_FUSED_GEMM=auto (or
-`set_gemm_mode("auto")`) picks per projection kind and token count between cuBLAS and
-`kernels.gemm_rowparallel` by timing both once over all layers' weights (`prefer_rowparallel`):
-a few % faster on the H200, but a different summation order, which random-weight models amplify
-through depth (logits 2-4 % apart at 16-32 layers, a near-tie argmax can flip).
+The projections: by default (SWIFTSPEC_FUSED_GEMM=pdl, `set_gemm_mode("pdl")`) every
+bias-free projection runs on `kernels.gemm_rowparallel` and every kernel of the layer is
+launched with programmatic dependent launch (PDL), so each launch, and the first weight loads of
+each projection, overlap the kernel before it: on the H200 the Llama-3-8B step is 1.07x and the
+Llama-3.2-1B step 1.15x faster than with cuBLAS (docs/benchmarks.md). It sums in another order
+than cuBLAS, so its logits are not cuBLAS's bits, but they are as close to a float32 model
+(tests/test_fused_ops_gpu.py::test_pdl_mode_is_as_accurate_as_cublas). SWIFTSPEC_FUSED_GEMM=cublas
+keeps every GEMM on cuBLAS (F.linear): the fused path then gives the same bits as the torch ops
+path. SWIFTSPEC_FUSED_GEMM=auto picks per projection kind and token count between cuBLAS and
+`kernels.gemm_rowparallel` by timing both once over all layers' weights (`prefer_rowparallel`),
+without PDL. Random-weight models amplify the summation-order differences through depth (logits
+2-4 % apart at 16-32 layers; a near-tie argmax can flip).
 """
 from __future__ import annotations
 
@@ -43,14 +46,14 @@ _EW_MAX_BLOCKS = 4096       # grid-stride loops: more work than this just loops
 _enabled = os.environ.get("SWIFTSPEC_FUSED_OPS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-_gemm_mode = os.environ.get("SWIFTSPEC_FUSED_GEMM", "cublas").strip().lower()
+_gemm_mode = os.environ.get("SWIFTSPEC_FUSED_GEMM", "pdl").strip().lower()
 
 
 GEMM_MODES = ("cublas", "auto", "pdl")
 
 
 def set_gemm_mode(mode: str) -> None:
-    """"cublas" (default): always F.linear; "auto": let `prefer_rowparallel` time cuBLAS against
+    """"pdl" (default): see below; "cublas": always F.linear; "auto": let `prefer_rowparallel` time cuBLAS against
     kernels.gemm_rowparallel per projection kind; "pdl": every projection that the kernel takes
     (no bias, [out, in] contiguous weights, <= kernels.MAX_GEMM_ROWS tokens) on
     kernels.gemm_rowparallel, and every kernel of the layer launched with programmatic dependent
@@ -63,7 +66,7 @@ def set_gemm_mode(mode: str) -> None:
 
 
 def gemm_mode() -> str:
-    return _gemm_mode if _gemm_mode in GEMM_MODES else "cublas"
+    return _gemm_mode if _gemm_mode in GEMM_MODES else "pdl"
 
 
 def pdl_gemm_ok(weights: list, m: int) -> bool:

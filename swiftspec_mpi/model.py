@@ -479,7 +479,9 @@ class Transformer(torch.nn.Module):
         bf16 model. Returns float32 logits [N, vocab_size]. Same math as `forward`.
 
         Uses the fused elementwise kernels (swiftspec_mpi.fused_ops: residual add + RMSNorm,
-        RoPE + KV write, SiLU * up) when `fused_ops.enabled()`, else the torch ops of `_layers`.
+        RoPE + KV write, SiLU * up) when `fused_ops.enabled()`, else the torch ops of `_layers`;
+        with them, the projections follow `fused_ops.gemm_mode()` (default "pdl": our GEMV for
+        every bias-free projection, every kernel launched with programmatic dependent launch).
         """
         from swiftspec_mpi import fused_ops, kernels
 

@@ -252,7 +252,11 @@ def test_prefer_rowparallel_decides_and_declines(gen):
     """prefer_rowparallel returns a bool after timing, and declines (False, no timing) in
     "cublas" mode, for too many rows, for shapes the kernel does not take and while capturing."""
     ws = [randn(1024, 512, gen=gen) for _ in range(4)]
-    assert fused_ops.gemm_mode() == "cublas"                    # the default
+    was = fused_ops.gemm_mode()
+    assert was == os.environ.get("SWIFTSPEC_FUSED_GEMM", "pdl")        # the default: the PDL chain
+    fused_ops.set_gemm_mode("cublas")
+    assert fused_ops.prefer_rowparallel(ws, 8) is False
+    fused_ops.set_gemm_mode("pdl")
     assert fused_ops.prefer_rowparallel(ws, 8) is False
     fused_ops.set_gemm_mode("auto")
     try:
@@ -261,7 +265,7 @@ def test_prefer_rowparallel_decides_and_declines(gen):
         assert fused_ops.prefer_rowparallel([randn(1020, 512, gen=gen)], 1) is False      # N % 8
         assert fused_ops.prefer_rowparallel([w.t() for w in ws], 1) is False             # not contiguous
     finally:
-        fused_ops.set_gemm_mode("cublas")
+        fused_ops.set_gemm_mode(was)
     with pytest.raises(ValueError):
         fused_ops.set_gemm_mode("fast")
 
