@@ -9,8 +9,9 @@ communicator (TP = 1) when NCCL gives one. Every timing is a CUDA graph holding 
 "layer", each layer on its own buffers (>= 256 MB in all, so the 60 MB L2 cannot serve repeats),
 replayed many times and timed with CUDA events; the figure is the median replay time divided by
 the calls per replay. Each kernel's first layer is checked against a float64 reference first.
-Every instantiated variant (kernels.TREE_ATTENTION_VARIANTS x row tiles, kernels.GEMM_VARIANTS,
-the GEMM also with programmatic dependent launch) is timed; with --baseline DIR, the previous
+Every instantiated variant (kernels.tree_attention_configs(): both tree-attention kernel
+versions, kernels.GEMM_VARIANTS; both also with programmatic dependent launch, back-to-back
+calls) is timed; with --baseline DIR, the previous
 GEMM kernel (cuda/gemm_allreduce.cu of git 2e8b252, copied to DIR) is timed in the same run.
 Prints Markdown tables; with --out also writes them (bench_kernels.md) and raw numbers (.json).
 """
@@ -139,24 +140,46 @@ def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int) -> d
     out = torch.full((n_layers, N, H, D), float("nan"), dtype=BF16, device="cuda")
     ref = kernels.tree_attention_reference(q[0], kc[0], vc[0], mask, L)
     R = N * H // Hkv
-    row_choices = [1] if R <= 16 else [1, 2] if R <= 32 else [2, 4]
-    default = kernels.tree_attention_config(R, L)
-    configs = [(cs, st, mt) for cs, st in kernels.TREE_ATTENTION_VARIANTS for mt in row_choices]
+    default = tuple(kernels.tree_attention_config(R, L))
+    configs = kernels.tree_attention_configs(R)          # version 1 (3 values) and 2 (4 values)
     if default not in configs:
         configs.append(default)
-    sweep, err, finite = {}, 0.0, True
-    for cfg in configs:
+    sweep, pdl_sweep, err, finite, pdl_equal = {}, {}, 0.0, True, True
+    op = torch.full_like(out, float("nan"))
+    for cfg in list(configs):
         out.fill_(float("nan"))
-        kernels.tree_attention(q[0], kc[0], vc[0], mask, L, out=out[0], config=cfg)
+        try:
+            kernels.tree_attention(q[0], kc[0], vc[0], mask, L, out=out[0], config=cfg)
+        except Exception as e:  # noqa: BLE001  (e.g. a cluster that cannot be scheduled)
+            print(f"attn L={L} N={N} config {cfg_name(cfg)}: launch failed: {e}", flush=True)
+            configs.remove(cfg)
+            continue
         torch.cuda.synchronize()
-        err = max(err, ((out[0].double() - ref).norm() / ref.norm()).item())
-        finite = finite and bool(torch.isfinite(out[0]).all())
+        e = ((out[0].double() - ref).norm() / ref.norm()).item()
+        fin = bool(torch.isfinite(out[0]).all())
+        if e > 1e-2 or not fin:
+            print(f"attn L={L} N={N} config {cfg_name(cfg)}: WRONG (rel err {e:.2e}, finite {fin})", flush=True)
+        err, finite = max(err, e), finite and fin
         calls = [lambda i=i: kernels.tree_attention(q[i], kc[i], vc[i], mask, L, out=out[i], config=cfg)
                  for i in range(n_layers)]
-        sweep["%d/%d/%d" % cfg] = graph_time_us(calls, replays)
+        sweep[cfg_name(cfg)] = graph_time_us(calls, replays)
+        # Programmatic dependent launch, back-to-back calls (as the model chains its kernels).
+        op.fill_(float("nan"))
+        pcalls = [lambda i=i: kernels.tree_attention(q[i], kc[i], vc[i], mask, L, out=op[i], config=cfg, pdl=True)
+                  for i in range(n_layers)]
+        pdl_sweep[cfg_name(cfg)] = graph_time_us(pcalls, replays)
+        pdl_equal = pdl_equal and bool(torch.equal(op, out))
     best = min(sweep, key=sweep.get)
+    best_pdl = min(pdl_sweep, key=pdl_sweep.get)
+    v1 = {k: t for k, t in sweep.items() if k.count("/") == 2}
+    v2 = {k: t for k, t in sweep.items() if k.count("/") == 3}
+    best_v1, best_v2 = min(v1, key=v1.get), min(v2, key=v2.get)
+    v1p = {k: t for k, t in pdl_sweep.items() if k.count("/") == 2}
+    v2p = {k: t for k, t in pdl_sweep.items() if k.count("/") == 3}
+    best_v1p, best_v2p = min(v1p, key=v1p.get), min(v2p, key=v2p.get)
     t_ours = sweep[best]
-    t_default = sweep["%d/%d/%d" % default]
+    t_default = sweep[cfg_name(default)]
+    del op
 
     # SDPA as model.py calls it: q [1, H, N, D], K/V strided views [1, Hkv, L, D] of the cache.
     q4 = [q[i].transpose(0, 1).unsqueeze(0) for i in range(n_layers)]
@@ -171,7 +194,11 @@ def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int) -> d
     torch.cuda.empty_cache()
     return dict(L=L, N=N, H=H, Hkv=Hkv, D=D, layers=n_layers, kv_bytes=kv_layer, err=err, finite=finite,
                 sdpa_err=sdpa_err, us=t_ours, best=best, default_us=t_default,
-                default="%d/%d/%d" % default, sdpa_us=t_sdpa, sweep=sweep)
+                default=cfg_name(default), default_pdl_us=pdl_sweep[cfg_name(default)], pdl_equal=pdl_equal,
+                best_pdl=best_pdl, best_pdl_us=pdl_sweep[best_pdl],
+                best_v1=best_v1, best_v1_us=v1[best_v1], best_v2=best_v2, best_v2_us=v2[best_v2],
+                best_v1_pdl=best_v1p, best_v1_pdl_us=v1p[best_v1p], best_v2_pdl=best_v2p, best_v2_pdl_us=v2p[best_v2p],
+                sdpa_us=t_sdpa, sweep=sweep, pdl_sweep=pdl_sweep)
 
 
 def bench_gemm(M: int, N: int, K: int, replays: int, ar=None, baseline=None) -> dict:
@@ -248,7 +275,7 @@ def sanitize_run() -> int:
     return 0
 
 
-PROFILE_CONFIGS = ((8, 4, 2), (16, 2, 1))
+PROFILE_CONFIGS = ((16, 2, 1), (16, 2, 2, 4))
 
 
 def profile_run(what: str) -> int:
@@ -318,8 +345,10 @@ def main() -> int:
     for L, N in (() if args.only == "gemm" else ((1024, 8), (4096, 8), (16384, 8), (4096, 1), (4096, 64), (16384, 64))):
         r = bench_attention(L, N, 32, 8, 128, replays)
         attn.append(r)
-        print(f"attn L={L} N={N}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["sweep"].items())
-              + f" us (SDPA {r['sdpa_us']:.1f}), err {r['err']:.2e}", flush=True)
+        print(f"attn L={L} N={N} (plain / PDL): " + ", ".join(f"{k} {v:.2f}/{r['pdl_sweep'][k]:.2f}"
+                                                              for k, v in r["sweep"].items())
+              + f" us (SDPA {r['sdpa_us']:.1f}), err {r['err']:.2e}"
+              + ("" if r["pdl_equal"] else " (PDL bits differ!)"), flush=True)
 
     ar = None
     nccl = comm = None
@@ -357,17 +386,22 @@ def main() -> int:
              f"{info['copy_bw_TBps']:.2f} TB/s (read + write). {info['date']}.", "",
              "Tree attention, one layer, Llama-3-8B heads (32 q / 8 KV heads, D 128), bf16, random "
              "tree mask over the last N slots; CUDA graph, median per call:", "",
-             "| context L | tokens N | fused kernel, default config (µs) | best config (cluster/stages/row tiles): µs "
-             "| torch SDPA + bool mask (µs) | speed-up | KV bytes floor (µs) | max rel. err vs float64 |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| context L | tokens N | default config (µs) | default, PDL back-to-back (µs) "
+             "| best version 1: µs | best version 2: µs | best version 1, PDL | best version 2, PDL "
+             "| torch SDPA + bool mask (µs) | speed-up (default) | KV bytes floor (µs) | max rel. err vs float64 |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in attn:
         floor = r["kv_bytes"] / bw * 1e6
-        lines.append(f"| {r['L']} | {r['N']} | {r['default_us']:.2f} ({r['default']}) | {r['best']}: {r['us']:.2f} "
+        lines.append(f"| {r['L']} | {r['N']} | {r['default_us']:.2f} ({r['default']}) | {r['default_pdl_us']:.2f} "
+                     f"| {r['best_v1']}: {r['best_v1_us']:.2f} | {r['best_v2']}: {r['best_v2_us']:.2f} "
+                     f"| {r['best_v1_pdl']}: {r['best_v1_pdl_us']:.2f} | {r['best_v2_pdl']}: {r['best_v2_pdl_us']:.2f} "
                      f"| {r['sdpa_us']:.1f} | {r['sdpa_us'] / r['default_us']:.1f}x | {floor:.2f} "
-                     f"| {r['err']:.1e}{'' if r['finite'] else ' (NaN!)'} |")
-    lines += ["", "All tree-attention configs timed (µs), cluster/stages/row tiles:", ""]
+                     f"| {r['err']:.1e}{'' if r['finite'] else ' (NaN!)'}{'' if r['pdl_equal'] else ' (PDL bits differ!)'} |")
+    lines += ["", "All tree-attention configs timed (µs, plain / PDL back-to-back), "
+              "cluster/stages/row tiles (version 1) or cluster/stages/row tiles/warps (version 2):", ""]
     for r in attn:
-        lines.append(f"- L={r['L']} N={r['N']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["sweep"].items()))
+        lines.append(f"- L={r['L']} N={r['N']}: " + ", ".join(f"{k} {v:.2f} / {r['pdl_sweep'][k]:.2f}"
+                                                              for k, v in r["sweep"].items()))
     lines += ["", "Row-parallel GEMM Y = X W^T (bf16, fp32 accumulate), weights rotated through "
               ">= 256 MB so each call streams them from HBM; % = weight bytes / time / copy bandwidth; "
               "configs are tiles per block/vectors per lane/L2 prefetch/double buffering:", "",

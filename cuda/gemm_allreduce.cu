@@ -96,7 +96,9 @@ struct Chunk {
 // Partial Y tiles [16 x 8] (rows m < M valid) of the T n-tiles tile0 .. tile0 + T - 1 (those
 // < n_tiles) over all of K, summed over the block's warps, into res[t * 128 + m * 8 + n]
 // (shared). red: shared scratch [WARPS][T * 128]. Must be called by all THREADS threads; res is
-// valid after the call (which ends with a barrier) until the next call.
+// valid after the call (which ends with a barrier) until the next call. With pair_off != 0
+// (T == 2) the two tiles are tile0 and tile0 + pair_off instead (the gate and up tiles of the
+// same 8 columns in a fused gate|up weight).
 //
 // Warp w takes the k-chunks w, w + WARPS, ... (KC k's each); the loads of chunk i + 1 are issued
 // before the MMAs of chunk i (register double buffering, PIPE), so each lane keeps up to
@@ -105,7 +107,7 @@ struct Chunk {
 template <int T, int U, int PF, bool PIPE, bool M16>
 __device__ __forceinline__ void gemv_tiles(const __nv_bfloat16* __restrict__ x, long long ldx,
                                            const __nv_bfloat16* __restrict__ w, int M, int K, int n_tiles,
-                                           int tile0, float* red, float* res) {
+                                           int tile0, float* red, float* res, int pair_off = 0) {
   constexpr int KC = 32 * U;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, q = lane & 3;
@@ -113,8 +115,9 @@ __device__ __forceinline__ void gemv_tiles(const __nv_bfloat16* __restrict__ x, 
   bool tv[T];
 #pragma unroll
   for (int t = 0; t < T; ++t) {
-    tv[t] = tile0 + t < n_tiles;
-    wrow[t] = w + (long long)((tv[t] ? tile0 + t : tile0) * 8 + g) * K + 8 * q;
+    const int tile = pair_off ? tile0 + t * pair_off : tile0 + t;   // pair_off: T == 2, SwiGLU pairs
+    tv[t] = tile < n_tiles;
+    wrow[t] = w + (long long)((tv[t] ? tile : tile0) * 8 + g) * K + 8 * q;
   }
   const bool hasA = g < M;                  // X row g
   const bool hasB = M16 && (g + 8 < M);     // X row g + 8
@@ -160,7 +163,9 @@ __device__ __forceinline__ void gemv_tiles(const __nv_bfloat16* __restrict__ x, 
     if (k0 < K) load(c0, k0);
     // Programmatic dependent launch: the first W chunk (a weight, not written by the previous
     // kernel) is in flight before waiting for the previous grid, whose output X may be; a no-op
-    // for launches without the PDL attribute.
+    // for launches without the PDL attribute. (Two chunks before the wait, with the loop below
+    // reordered to keep the same summation order, measured 5-25 % slower on every shape in the
+    // PDL chain, benchmarks/bench_step_breakdown.py, 2026-11-29.)
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     while (k0 < K) {
       load(c1, k0 + STEP);                    // past K: predicated off, zeros
@@ -219,6 +224,102 @@ __device__ __forceinline__ void gemm_rowparallel_body(const __nv_bfloat16* __res
   }
 }
 
+// Gate|up projection with the SwiGLU in its epilogue: Y[M, I] = bf16(bf16(silu(G)) * U) where
+// G = bf16(X Wg^T), U = bf16(X Wu^T) and W = [Wg; Wu] is the fused [2I, K] gate|up weight (I % 8
+// == 0). Block b computes the gate tile b and the up tile b + I/8 (8 columns each) with the same
+// gemv_tiles, so G and U are bit for bit the plain kernel's outputs (same U), and the epilogue
+// repeats fused_ops.cu's silu_mul roundings: the result equals silu_mul(gemm_rowparallel(X, W)).
+// Saves the silu_mul launch and the [M, 2I] round trip. T must be 2 (one gate + one up tile).
+template <int T, int U, int PF, bool PIPE, bool M16>
+__device__ __forceinline__ void gemm_swiglu_body(const __nv_bfloat16* __restrict__ x, long long ldx,
+                                                 const __nv_bfloat16* __restrict__ w,
+                                                 __nv_bfloat16* __restrict__ y, long long ldy,
+                                                 int M, int I, int K) {
+  static_assert(T == 2, "one gate tile and one up tile per block");
+  __shared__ float red[WARPS * T * 128];
+  __shared__ float res[T * 128];
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");   // PDL, as above
+  const int half = I / 8;
+  for (int tile0 = blockIdx.x; tile0 < half; tile0 += gridDim.x) {
+    gemv_tiles<T, U, PF, PIPE, M16>(x, ldx, w, M, K, 2 * half, tile0, red, res, half);
+    for (int e = threadIdx.x; e < 128; e += THREADS) {
+      const int m = e >> 3, n = e & 7;
+      if (m < M) {
+        const float gt = __bfloat162float(__float2bfloat16_rn(res[e]));
+        const float up = __bfloat162float(__float2bfloat16_rn(res[128 + e]));
+        const float s = __bfloat162float(__float2bfloat16_rn(gt / (1.f + __expf(-gt))));
+        y[(long long)m * ldy + tile0 * 8 + n] = __float2bfloat16_rn(s * up);
+      }
+    }
+  }
+}
+
+// QKV projection with RoPE and the KV-cache write in its epilogue: the math of fused_ops.cu's
+// rope_kv_write applied to the bf16 outputs of the plain kernel (same U, so the same bits), i.e.
+// the result equals rope_kv_write(gemm_rowparallel(X, W)) and saves that launch.
+//   W [(nh + 2 nkv) D, K]: q heads, k heads, v heads (nn.Linear layout, no bias).
+//   qkv [M, (nh + 2 nkv) D] (row stride ldq): only the q part is written (rotated); the k and v
+//     parts are left as they were (they go to the cache only).
+//   positions, slots [M] int64; cos_t, sin_t [rope_len, D] (the model's rotate-half tables);
+//   k_cache, v_cache [max_slots, nkv, D] (slot stride kv_stride, head stride D); a slot outside
+//   [0, max_slots) is not written, a position is clamped to the tables.
+// Block b < (nh + nkv) * D/16 takes the rotation pair of tiles (j, j + D/16) of one q/k head (so
+// columns j and j + D/2 meet in its epilogue), the others two consecutive v tiles.
+template <int U, int PF, bool PIPE, bool M16>
+__device__ __forceinline__ void gemm_qkv_rope_body(
+    const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,
+    __nv_bfloat16* __restrict__ qkv, long long ldq, int M, int K,
+    const long long* __restrict__ positions, const long long* __restrict__ slots,
+    const __nv_bfloat16* __restrict__ cos_t, const __nv_bfloat16* __restrict__ sin_t, int rope_len,
+    __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, long long kv_stride,
+    int max_slots, int nh, int nkv, int D) {
+  __shared__ float red[WARPS * 2 * 128];
+  __shared__ float res[2 * 128];
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");   // PDL, as above
+  const int half = D / 2, hp = half / 8, tpd = D / 8;   // rotation pairs / tiles per head
+  const int n_rot = (nh + nkv) * hp;
+  const int n_blocks = n_rot + nkv * D / 16;
+  const int n_tiles = (nh + 2 * nkv) * tpd;
+  auto bf = [](float v) { return __bfloat162float(__float2bfloat16_rn(v)); };
+  for (int b = blockIdx.x; b < n_blocks; b += gridDim.x) {
+    const bool rot = b < n_rot;
+    const int head = rot ? b / hp : 0;
+    const int tile0 = rot ? head * tpd + (b - head * hp) : (nh + nkv) * tpd + 2 * (b - n_rot);
+    gemv_tiles<2, U, PF, PIPE, M16>(x, ldx, w, M, K, n_tiles, tile0, red, res, rot ? hp : 1);
+    for (int e = threadIdx.x; e < 128; e += THREADS) {
+      const int m = e >> 3, n = e & 7;
+      if (m >= M) continue;
+      const long long slot = slots[m];
+      const bool slot_ok = slot >= 0 && slot < max_slots;
+      const float xa = bf(res[e]), xb = bf(res[128 + e]);
+      if (rot) {
+        const int j = (tile0 - head * tpd) * 8 + n;             // < half
+        long long p = positions[m];
+        p = p < 0 ? 0 : (p >= rope_len ? rope_len - 1 : p);
+        const float cl = __bfloat162float(cos_t[p * D + j]), ch = __bfloat162float(cos_t[p * D + half + j]);
+        const float sl = __bfloat162float(sin_t[p * D + j]), sh = __bfloat162float(sin_t[p * D + half + j]);
+        const float yl = bf(xa * cl) + xb * sl;                 // as rope_kv_body (fused_ops.cu)
+        const float yh = bf(xb * ch) + xa * sh;
+        __nv_bfloat16* dst;
+        if (head < nh) {
+          dst = qkv + (long long)m * ldq + head * D;
+        } else {
+          if (!slot_ok) continue;
+          dst = k_cache + slot * kv_stride + (head - nh) * D;
+        }
+        dst[j] = __float2bfloat16_rn(yl);
+        dst[half + j] = __float2bfloat16_rn(yh);
+      } else {
+        if (!slot_ok) continue;
+        const int col = tile0 * 8 - (nh + nkv) * D;           // v column = v head * D + d
+        __nv_bfloat16* dst = v_cache + slot * kv_stride + col + n;
+        dst[0] = __float2bfloat16_rn(xa);
+        dst[8] = __float2bfloat16_rn(xb);
+      }
+    }
+  }
+}
+
 }  // namespace rowpar
 
 // Plain row-parallel GEMM: gemm_rowparallel_m{8,16}_t<T>_u<U>_p<PF>_s<PIPE>, grid ceil(N / 8 / T)
@@ -243,6 +344,46 @@ ROWPAR_KERNEL(4, 4, 256, 1, 1)
 ROWPAR_KERNEL(4, 2, 256, 1, 2)
 ROWPAR_KERNEL(2, 8, 256, 0, 2)
 ROWPAR_KERNEL(1, 8, 256, 1, 2)
+
+// Gate|up GEMM + SwiGLU: gemm_swiglu_m{8,16}_t2_u<U>_p<PF>_s<PIPE>, grid <= I / 8 blocks.
+#define SWIGLU_KERNEL(U, PF, PIPE, MINB)                                                               \
+  extern "C" __global__ void __launch_bounds__(rowpar::THREADS, MINB)                                 \
+  gemm_swiglu_m8_t2_u##U##_p##PF##_s##PIPE(const __nv_bfloat16* __restrict__ x, long long ldx,        \
+      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int I, int K) { \
+    rowpar::gemm_swiglu_body<2, U, PF, PIPE, false>(x, ldx, w, y, ldy, M, I, K);                     \
+  }                                                                                                   \
+  extern "C" __global__ void __launch_bounds__(rowpar::THREADS, MINB)                                 \
+  gemm_swiglu_m16_t2_u##U##_p##PF##_s##PIPE(const __nv_bfloat16* __restrict__ x, long long ldx,       \
+      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int I, int K) { \
+    rowpar::gemm_swiglu_body<2, U, PF, PIPE, true>(x, ldx, w, y, ldy, M, I, K);                      \
+  }
+SWIGLU_KERNEL(4, 256, 1, 2)
+
+// QKV GEMM + RoPE + KV write: gemm_qkv_rope_m{8,16}_u<U>_p<PF>_s<PIPE>.
+#define QKV_ROPE_KERNEL(U, PF, PIPE, MINB)                                                             \
+  extern "C" __global__ void __launch_bounds__(rowpar::THREADS, MINB)                                 \
+  gemm_qkv_rope_m8_u##U##_p##PF##_s##PIPE(                                                            \
+      const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,       \
+      __nv_bfloat16* __restrict__ qkv, long long ldq, int M, int K,                                  \
+      const long long* __restrict__ positions, const long long* __restrict__ slots,                  \
+      const __nv_bfloat16* __restrict__ cos_t, const __nv_bfloat16* __restrict__ sin_t, int rope_len, \
+      __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, long long kv_stride, \
+      int max_slots, int nh, int nkv, int D) {                                                       \
+    rowpar::gemm_qkv_rope_body<U, PF, PIPE, false>(x, ldx, w, qkv, ldq, M, K, positions, slots, cos_t, \
+        sin_t, rope_len, k_cache, v_cache, kv_stride, max_slots, nh, nkv, D);                        \
+  }                                                                                                   \
+  extern "C" __global__ void __launch_bounds__(rowpar::THREADS, MINB)                                 \
+  gemm_qkv_rope_m16_u##U##_p##PF##_s##PIPE(                                                           \
+      const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,       \
+      __nv_bfloat16* __restrict__ qkv, long long ldq, int M, int K,                                  \
+      const long long* __restrict__ positions, const long long* __restrict__ slots,                  \
+      const __nv_bfloat16* __restrict__ cos_t, const __nv_bfloat16* __restrict__ sin_t, int rope_len, \
+      __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, long long kv_stride, \
+      int max_slots, int nh, int nkv, int D) {                                                       \
+    rowpar::gemm_qkv_rope_body<U, PF, PIPE, true>(x, ldx, w, qkv, ldq, M, K, positions, slots, cos_t, \
+        sin_t, rope_len, k_cache, v_cache, kv_stride, max_slots, nh, nkv, D);                        \
+  }
+QKV_ROPE_KERNEL(4, 256, 1, 2)
 
 #ifdef SWIFTSPEC_WITH_NCCL
 namespace rowpar {

@@ -30,25 +30,63 @@
 // 16 us at the 4.18 TB/s copy bandwidth measured on the H200. FLOPs are 4*N*H*L*D = 0.13 / 0.54 /
 // 2.1 GFLOP: nothing for the tensor cores (mma.sync), which is why the CUDA-core version is no
 // option at N = 64.
-// Measured (H200, CUDA graph, default config, benchmarks/gpu_kernels.sh, 2026-11-29, three runs):
-// 9.7 us at 1k, 18.8-19.2 us at 4k, 44.6-45.3 us at 16k (torch SDPA with the bool mask: 32 / 94 /
-// 347 us). Goals were <= 8 us at 1k and <= 12 us at 4k: NOT met. What limits it (ncu, 4k, config
-// 8/4/2): DRAM throughput 15 %, 1 warp per scheduler (occupancy 6 %: 139 KiB of smem per block),
-// one instruction issued every 5.4 cycles: issue/latency bound, not memory bound.
-// A rewrite tried on 2026-11-29 (8 warps per block holding all 32 rows of a KV head, so K/V is
-// read once; the mask packed to bits with one byte load per lane and a ballot, read one tile
-// ahead or for all of a block's tiles up front; O rescaled only when a row max moves; deeper
-// rings; 10-14 variants swept) was no faster (1k 9.75 us, 4k 18.4, 16k 47.4; N = 64 slower) and
-// was not kept. Its diagnostic builds located the time: with one 64-slot tile in all (L = 64)
-// a call takes 7.7 us, 4.5 us of it with no math at all (launch, first K/V tile, combine; the
-// cluster combine alone 1.7 us); streaming K/V alone (no math) reaches only ~2.4 TB/s with 64 or
-// 128 blocks: each KV head reads 256-byte rows at a 2 KiB stride of the [slots, Hkv, D] cache;
-// and per 64-slot tile the stream (0.87 us), the MMAs + softmax (0.56 us) and the mask reads
-// (0.47 us) add up instead of overlapping (16k: 61 = 28 + 18 + 15 us for config 8/4/2, 8 warps).
-// Next steps, in that order: blocks that read all KV heads of a slot range (2 KiB contiguous
-// rows) or a per-head contiguous cache layout; a producer warp with bulk copies (TMA) feeding
-// consumer warps so the math overlaps the stream; no mask reads for the committed prefix (pass
-// its length); PDL so the launch and first tile overlap the previous kernel.
+// Two versions live in this file; kernels.tree_attention_config picks one per shape. Version 1
+// (tree_attention_*, below first) as described above; version 2 (tree_attention2_*, after it)
+// keeps its decomposition and math and changes the loading, the mask and the combine (its own
+// header says how).
+//
+// Measured (H200, CUDA graph of one call per layer on >= 256 MB of buffers, median of 100
+// replays / calls, benchmarks/bench_kernels_gpu.py --only attention, 2026-11-29, copy bandwidth
+// 4.21 TB/s; "PDL" = the same graph of back-to-back pdl=True launches), us:
+//   L      N   version 1 (old default)       version 2 (config)           default now   SDPA
+//   1k     8   9.67 (8/4/2),    PDL 9.46     8.18 (8/4/2/4),  PDL 7.69    version 2     32.3
+//   4k     8   18.56 (16/2/1),  PDL 17.86    17.29 (16/2/2/4), PDL 16.52  version 2     94.6
+//   16k    8   44.15 (16/2/1),  PDL 45.03    45.56 (16/2/2/4), PDL 45.41  version 1    346.2
+//   4k     1   13.92 (16/2/1),  PDL 13.30    12.53 (8/4/1/4),  PDL 12.44  version 2     17.4
+//   4k    64   64.48 (16/2/4),  PDL 64.04    79.17 (16/2/2/4)             version 1     99.7
+//   16k   64   165.73 (16/2/4), PDL 166.31   219.06 (16/2/2/4)            version 1    361.2
+// (An earlier run the same day: version 2 8.09 / 17.37 / 45.70 us for N = 8; version 1 within
+// 0.4 us of the above.) Goals: <= 8 us at 1k and <= 12 us at 4k for N = 8. 1k: met with PDL
+// (7.69), 2 % over without (8.18). 4k: NOT met (17.3, PDL 16.5).
+// What limits it (ncu, 4k, N = 8, version 2 16/2/2/4): 17.8 us per launch, DRAM throughput 20 %
+// (0.95 TB/s), achieved occupancy 7 % (one block of 4 warps per SM: 1 warp per scheduler), one
+// instruction issued every 5.1 cycles (version 1 16/2/1: 19.9 us, 18 %, 8.7 cycles). Latency
+// bound: the memory system is mostly idle. Per block, the fixed part (launch, first tile, the
+// cluster combine) is ~9.8 us (version 2 16/2/2/4 with one tile per block, 1k) and every further
+// 64-slot tile adds ~2.5 us through a 2-stage ring (1k -> 4k: 3 more tiles, +7.5 us): a refill
+// is issued only after its stage's tile has been consumed, so each pair of tiles waits for a
+// full memory round trip plus the math of one tile, with one warp per scheduler to hide it.
+// More in-flight tiles per block do not fit: a 4-stage ring (164 KB) allows one block per SM,
+// and 16-block clusters at one block per SM apparently do not all fit at once (ncu: max 14
+// active clusters of 16 even at 94 KB and 2 blocks per SM): 16/4/2 took 13.0 us at 1k, the
+// same work as 16/2/2 (one tile per block), 9.8 us.
+// Tried on 2026-11-29 for version 2 and NOT kept (all correct, all slower):
+//   - 1-D bulk copies (cp.async.bulk, TMA engine, one per 256-byte K or V row, 128 per tile,
+//     issued by one warp, completing on the stage mbarrier): 1.2-3.4x slower than the same
+//     configs with cp.async (4k N = 8, 16/2/2: 26.9 vs 17.4 us): 256-byte bulk copies are
+//     too small for the copy engine.
+//   - L2 prefetch (prefetch.global.L2 per 128-byte line) of the next 3 or 8 tiles beyond the
+//     ring: slower (4k N = 8: 19.1 vs 17.3 us; 16k: 52.9 vs 45.6).
+//   - 8 warps per block (4 slices of a tile per row tile): slower at 16 splits (4k 24.1 us),
+//     about equal at 8 (4k 17.6 vs 18.1); best version 2 for N = 64 (68.4 us at 4k, 203.9 at
+//     16k) but still behind version 1 (64.5 / 165.7).
+//   - More, smaller partitions (one row tile per block, 2 row groups): 26 us at 4k (version 2 at
+//     82 KB: 2 blocks per SM, 256 blocks of 16-clusters do not fit in one wave).
+// Earlier (version 1 era, 2026-11-29): a rewrite with 8 warps per block holding all 32 rows of
+// a KV head, the mask packed to bits, O rescaled only when a row max moves and deeper rings was
+// no faster (1k 9.75 us, 4k 18.4, 16k 47.4) and was not kept. Its diagnostic builds: with one
+// 64-slot tile in all (L = 64) a call took 7.7 us, 4.5 us of it with no math (launch, first K/V
+// tile, combine; the pull-style cluster combine with two cluster barriers alone 1.7 us); K/V
+// streaming alone reached ~2.4 TB/s with 64 or 128 blocks; per tile the stream (0.87 us), the
+// MMAs + softmax (0.56 us) and the mask reads (0.47 us) added up instead of overlapping.
+// Next steps: TMA tensor copies (cuTensorMapEncodeTiled over [slots, Hkv, D], box 64 slots x 1
+// head x 64 dims, 128-byte swizzle: 4 copies per tile instead of 2048 cp.async or 128 bulk
+// copies) in a producer warp, so the ring can be refilled per stage as soon as the consumers
+// release it (empty mbarriers) and the block needs no __syncthreads; a split-K without
+// clusters (global fp32 workspace, per-(head, row group) arrival counter) so that many small
+// blocks per SM hide the latency instead of one block of 4 warps -- its combine must then be
+// spread over blocks (a single last-arriving block would read 16 x 16 KB of partials); no mask
+// reads for the committed prefix (pass its length).
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -452,3 +490,439 @@ TREE_ATTN_KERNEL(128, 4, 16, 2)
 TREE_ATTN_KERNEL(64, 1, 16, 2)
 TREE_ATTN_KERNEL(64, 2, 16, 2)
 TREE_ATTN_KERNEL(64, 4, 16, 2)
+
+// ============================================================================================
+// Version 2 (issue #11 follow-up): same decomposition and math as version 1 (grid (CS, Hkv, RG),
+// cluster (CS,1,1), NW = 4 warps = MT row tiles x NW/MT slices of every 64-slot tile, mma.sync
+// m16n8k16 + online softmax in registers), with three changes aimed at the fixed cost:
+//  1. K/V tiles go through a STAGES-deep ring whose stages complete on mbarriers: every thread
+//     issues its 16-byte cp.async (zero-fill past L), then cp.async.mbarrier.arrive.noinc on the
+//     stage's barrier (count = threads); consumers wait on the barrier's phase parity. The first
+//     min(STAGES, tiles of the block) tiles are all issued up front (8/4: the 2 tiles of a block
+//     at 1k), and the loop has no __syncthreads unless a stage is refilled.
+//  2. The mask is read once per block and tile as bits: for every (tile, token) of the block a
+//     warp loads 64 bytes (2 coalesced byte loads per lane), packs them with two ballots and
+//     stores a 64-bit word in shared memory (chunks of MAXT tiles, loads batched, overlapping
+//     the K/V stream). Each lane then reads one 64-bit word per row and tile (version 1: 16-32
+//     byte loads per lane and tile).
+//  3. The cluster combine pushes instead of pulling: every block pre-combines its warps'
+//     partials and STORES each slice of (O, m, l) into the receive buffer of the block that
+//     finalizes it (distributed shared memory), then ONE cluster barrier (arrive.release /
+//     wait.acquire), then each block reduces its slice from its own shared memory. A relaxed
+//     cluster arrive at kernel start (waited on just before the pushes) guarantees that the
+//     target blocks are running. No workspace, nothing to reset: CUDA-graph safe.
+// Shared memory (D 128): ring STAGES x 34 KB + receive buffer RB x D x 4 B + CS x RB x 8 B +
+// mask bits MAXT x RB x 8 B: 94 KB for 16/2/2 (2 blocks per SM), 162 KB for 8/4/2 (1 per SM).
+// PDL: griddepcontrol.wait before any global read, launch_dependents right after it; only
+// shared memory (mbarrier init) is touched before the wait.
+// Measured: see the table in the file header.
+// ============================================================================================
+namespace tree_attn2 {
+
+using tree_attn::TILE;
+using tree_attn::smem_u32;
+using tree_attn::cp_async_16;
+using tree_attn::ldmatrix_x4;
+using tree_attn::ldmatrix_x4_trans;
+using tree_attn::mma_bf16;
+using tree_attn::pack_bf16;
+
+constexpr int MAXT = 16;   // tiles whose mask bits are built per chunk
+
+// Shared memory layout (bytes), mirrored by kernels.tree_attention_smem_bytes(version=2).
+template <int D, int MT_BLK, int CS, int STAGES>
+struct Layout {
+  static constexpr int LDS = D + 8;
+  static constexpr int RB = MT_BLK * 16;
+  static constexpr int ITEMS = RB * (D / 4);
+  static constexpr int PER = (ITEMS + CS - 1) / CS;
+  static constexpr int RING = STAGES * 2 * TILE * LDS * 2;
+  static constexpr int RECV_O = RING;                       // [CS][PER] float4
+  static constexpr int RECV_ML = RECV_O + CS * PER * 16;    // [CS][RB] float2 (m, l)
+  static constexpr int BITS = RECV_ML + CS * RB * 8;        // [MAXT][RB] uint64
+  static constexpr int MBAR = BITS + MAXT * RB * 8;         // [STAGES] uint64
+  static constexpr int TOTAL = MBAR + STAGES * 8;
+};
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok = 0;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+  } while (!ok);
+}
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+
+template <int D, int MT_BLK, int CS, int STAGES, int NW>
+__device__ __forceinline__ void body(
+    const __nv_bfloat16* __restrict__ q, long long q_tok_stride,
+    const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc, long long kv_slot_stride,
+    const uint8_t* __restrict__ mask, long long mask_stride,
+    const int* __restrict__ n_valid_ptr, int n_valid,
+    __nv_bfloat16* __restrict__ out, long long out_tok_stride,
+    int N, int H, int Hkv, float scale_log2) {
+  using LY = Layout<D, MT_BLK, CS, STAGES>;
+  constexpr int THREADS = NW * 32;
+  constexpr int KV_PARTS = NW / MT_BLK;       // warps sharing one row tile
+  constexpr int PW = TILE / KV_PARTS;         // slots of a tile per warp
+  static_assert(PW >= 16 && PW % 16 == 0, "P V needs k = 16 slots per warp");
+  constexpr int NT = PW / 8;
+  constexpr int DK = D / 16;
+  constexpr int DN = D / 8;
+  constexpr int LDS = LY::LDS;
+  constexpr int RB = LY::RB;
+  constexpr int CHUNKS = D / 8;
+  constexpr int STAGE_ELEMS = 2 * TILE * LDS;
+  constexpr int D4 = D / 4;
+  constexpr int ITEMS = LY::ITEMS;
+  constexpr int PER = LY::PER;
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  static_assert(LY::RING >= (NW * 16 * D + NW * 16 * 2) * 4, "warp partials fit in the K/V ring");
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __nv_bfloat16* smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+  float4* recv_o = reinterpret_cast<float4*>(smem_raw + LY::RECV_O);
+  float2* recv_ml = reinterpret_cast<float2*>(smem_raw + LY::RECV_ML);
+  unsigned long long* bits = reinterpret_cast<unsigned long long*>(smem_raw + LY::BITS);
+  const uint32_t mbar0 = smem_u32(smem_raw + LY::MBAR);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // Cluster barrier phase 0: arrive now, wait just before the first DSMEM store (all blocks of
+  // the cluster are then known to run). Relaxed: nothing to publish.
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) mbar_init(mbar0 + 8 * s, THREADS);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  // PDL: wait for the previous grid before reading any input, then let the next one launch.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int crank = (int)cluster.block_rank();
+  const int h = blockIdx.y;
+  const int rg = blockIdx.z;
+  const int G = H / Hkv;
+  const int R = N * G;
+  const int g = lane >> 2, qd = lane & 3;
+  const int mt = warp % MT_BLK, part = warp / MT_BLK;
+  const int L = n_valid_ptr ? __ldg(n_valid_ptr) : n_valid;
+
+  const int n_tiles = (L + TILE - 1) / TILE;
+  const int t_begin = (int)(((long long)n_tiles * crank) / CS);
+  const int t_end = (int)(((long long)n_tiles * (crank + 1)) / CS);
+  const int my_tiles = t_end - t_begin;
+
+  const __nv_bfloat16* kh = kc + (long long)h * D;
+  const __nv_bfloat16* vh = vc + (long long)h * D;
+
+  // Issue tile t into ring stage `stage` (all threads): 16-byte cp.async, zero-fill past L, then
+  // an arrival on the stage's mbarrier once this thread's copies have landed.
+  auto issue_tile = [&](int t, int stage) {
+    __nv_bfloat16* ks = smem + stage * STAGE_ELEMS;
+    __nv_bfloat16* vs = ks + TILE * LDS;
+    const int slot0 = t * TILE;
+#pragma unroll
+    for (int i = tid; i < TILE * CHUNKS; i += THREADS) {
+      const int r = i / CHUNKS, c = i % CHUNKS;
+      const int slot = slot0 + r;
+      const bool ok = slot < L;
+      const long long off = (long long)(ok ? slot : 0) * kv_slot_stride + c * 8;
+      cp_async_16(smem_u32(ks + r * LDS + c * 8), kh + off, ok);
+      cp_async_16(smem_u32(vs + r * LDS + c * 8), vh + off, ok);
+    }
+    cp_async_mbar_arrive(mbar0 + 8 * stage);
+  };
+
+  const int n_pro = min(my_tiles, STAGES);
+  for (int s = 0; s < n_pro; ++s) issue_tile(t_begin + s, s);
+
+  // Tokens of this block's rows: [tok_lo, tok_hi]; ntok <= RB.
+  const int row_lo = rg * RB;
+  const int row_hi = min(R, row_lo + RB) - 1;
+  const int tok_lo = row_lo / G;
+  const int ntok = row_hi / G - tok_lo + 1;
+
+  // Mask bits of tiles [t_begin + c0, t_begin + c0 + nt) -> bits[ti * RB + token - tok_lo].
+  auto build_bits = [&](int c0, int nt) {
+    const int total = nt * ntok;
+    constexpr int UNR = 4;
+    for (int base = warp; base < total; base += NW * UNR) {
+      uint8_t b[UNR][2];
+#pragma unroll
+      for (int u = 0; u < UNR; ++u) {
+        const int idx = base + NW * u;
+        b[u][0] = b[u][1] = 0;
+        if (idx < total) {
+          const int ti = idx / ntok, tk = idx % ntok;
+          const int s0 = (t_begin + c0 + ti) * TILE + lane;
+          const uint8_t* mr = mask + (long long)(tok_lo + tk) * mask_stride;
+          if (s0 < L) b[u][0] = __ldg(mr + s0);
+          if (s0 + 32 < L) b[u][1] = __ldg(mr + s0 + 32);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < UNR; ++u) {
+        const int idx = base + NW * u;
+        if (idx < total) {   // warp-uniform
+          const unsigned lo = __ballot_sync(0xffffffffu, b[u][0] != 0);
+          const unsigned hi = __ballot_sync(0xffffffffu, b[u][1] != 0);
+          if (lane == 0) {
+            const int ti = idx / ntok, tk = idx % ntok;
+            bits[ti * RB + tk] = (unsigned long long)lo | ((unsigned long long)hi << 32);
+          }
+        }
+      }
+    }
+  };
+
+  // Q fragments (A operand) for rows rowA = g and rowB = g + 8 of this warp's tile.
+  const int row_base = rg * RB + mt * 16;
+  const int rowA = row_base + g, rowB = row_base + g + 8;
+  const bool validA = rowA < R, validB = rowB < R;
+  const int tokA = validA ? rowA / G : 0, tokB = validB ? rowB / G : 0;
+  const __nv_bfloat16* qA = q + (long long)tokA * q_tok_stride + (long long)(h * G + rowA % G) * D;
+  const __nv_bfloat16* qB = q + (long long)tokB * q_tok_stride + (long long)(h * G + rowB % G) * D;
+  uint32_t qf[DK][4];
+#pragma unroll
+  for (int s = 0; s < DK; ++s) {
+    const int c0 = s * 16 + 2 * qd;
+    qf[s][0] = validA ? __ldg(reinterpret_cast<const uint32_t*>(qA + c0)) : 0u;
+    qf[s][1] = validB ? __ldg(reinterpret_cast<const uint32_t*>(qB + c0)) : 0u;
+    qf[s][2] = validA ? __ldg(reinterpret_cast<const uint32_t*>(qA + c0 + 8)) : 0u;
+    qf[s][3] = validB ? __ldg(reinterpret_cast<const uint32_t*>(qB + c0 + 8)) : 0u;
+  }
+  const int lA = validA ? tokA - tok_lo : -1, lB = validB ? tokB - tok_lo : -1;
+  const int bit0 = part * PW + 2 * qd;   // this lane's first slot within a tile
+
+  float o[DN][4];
+#pragma unroll
+  for (int i = 0; i < DN; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+
+  for (int it = 0; it < my_tiles; ++it) {
+    if (it % MAXT == 0) {
+      if (it > 0) __syncthreads();   // everyone done with the previous chunk's bits
+      build_bits(it, min(MAXT, my_tiles - it));
+      __syncthreads();
+    }
+    const int stage = it % STAGES;
+    mbar_wait(mbar0 + 8 * stage, (uint32_t)((it / STAGES) & 1));
+
+    const __nv_bfloat16* ks = smem + stage * STAGE_ELEMS;
+    const __nv_bfloat16* vs = ks + TILE * LDS;
+    const unsigned long long wA = lA >= 0 ? bits[(it % MAXT) * RB + lA] >> bit0 : 0ull;
+    const unsigned long long wB = lB >= 0 ? bits[(it % MAXT) * RB + lB] >> bit0 : 0ull;
+
+    float sacc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.f;
+      const __nv_bfloat16* krow = ks + (part * PW + 8 * j + (lane & 7)) * LDS + 8 * (lane >> 3);
+#pragma unroll
+      for (int s2 = 0; s2 < DK / 2; ++s2) {
+        uint32_t b0, b1, b2, b3;
+        ldmatrix_x4(b0, b1, b2, b3, smem_u32(krow + 32 * s2));
+        mma_bf16(sacc[j], qf[2 * s2][0], qf[2 * s2][1], qf[2 * s2][2], qf[2 * s2][3], b0, b1);
+        mma_bf16(sacc[j], qf[2 * s2 + 1][0], qf[2 * s2 + 1][1], qf[2 * s2 + 1][2], qf[2 * s2 + 1][3], b2, b3);
+      }
+    }
+
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const unsigned long long w = (e >> 1) ? wB : wA;
+        const bool vis = (w >> (8 * j + (e & 1))) & 1ull;
+        const float s = vis ? sacc[j][e] * scale_log2 : -INFINITY;
+        sacc[j][e] = s;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s);
+      }
+    }
+    float alpha[2], msub[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      const float m_new = fmaxf(m_run[r], mx[r]);
+      msub[r] = (m_new == -INFINITY) ? 0.f : m_new;
+      alpha[r] = exp2f(m_run[r] - msub[r]);
+      m_run[r] = m_new;
+      l_run[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int i = 0; i < DN; ++i) {
+      o[i][0] *= alpha[0]; o[i][1] *= alpha[0];
+      o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
+    }
+    uint32_t pf[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const float p0 = exp2f(sacc[j][0] - msub[0]), p1 = exp2f(sacc[j][1] - msub[0]);
+      const float p2 = exp2f(sacc[j][2] - msub[1]), p3 = exp2f(sacc[j][3] - msub[1]);
+      l_run[0] += p0 + p1;
+      l_run[1] += p2 + p3;
+      pf[j][0] = pack_bf16(p0, p1);
+      pf[j][1] = pack_bf16(p2, p3);
+    }
+#pragma unroll
+    for (int ks16 = 0; ks16 < PW / 16; ++ks16) {
+      const uint32_t a0 = pf[2 * ks16][0], a1 = pf[2 * ks16][1];
+      const uint32_t a2 = pf[2 * ks16 + 1][0], a3 = pf[2 * ks16 + 1][1];
+      const __nv_bfloat16* vrow =
+          vs + (part * PW + 16 * ks16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * LDS + 8 * (lane >> 4);
+#pragma unroll
+      for (int dn2 = 0; dn2 < DN / 2; ++dn2) {
+        uint32_t b0, b1, b2, b3;
+        ldmatrix_x4_trans(b0, b1, b2, b3, smem_u32(vrow + 16 * dn2));
+        mma_bf16(o[2 * dn2], a0, a1, a2, a3, b0, b1);
+        mma_bf16(o[2 * dn2 + 1], a0, a1, a2, a3, b2, b3);
+      }
+    }
+    // Refill this stage with tile it + STAGES once every warp is done with it (block-uniform).
+    if (it + STAGES < my_tiles) {
+      __syncthreads();
+      issue_tile(t_begin + it + STAGES, stage);
+    }
+  }
+  __syncthreads();  // all warps done with the ring (every issued stage was waited on): reuse it
+
+  float* part_o = reinterpret_cast<float*>(smem_raw);   // [NW][16][D]
+  float* part_m = part_o + NW * 16 * D;                  // [NW][16]
+  float* part_l = part_m + NW * 16;                      // [NW][16]
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
+  if (qd == 0) {
+    part_m[warp * 16 + g] = m_run[0];
+    part_m[warp * 16 + g + 8] = m_run[1];
+    part_l[warp * 16 + g] = l_run[0];
+    part_l[warp * 16 + g + 8] = l_run[1];
+  }
+#pragma unroll
+  for (int i = 0; i < DN; ++i) {
+    const int c = 8 * i + 2 * qd;
+    *reinterpret_cast<float2*>(&part_o[(warp * 16 + g) * D + c]) = make_float2(o[i][0], o[i][1]);
+    *reinterpret_cast<float2*>(&part_o[(warp * 16 + g + 8) * D + c]) = make_float2(o[i][2], o[i][3]);
+  }
+  __syncthreads();
+  // Every block of the cluster has started (phase 0): its shared memory may be written.
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+
+  // Push: pre-combine this block's KV_PARTS warp partials per (row, 4 columns) and store the
+  // result into the receive slot [crank] of the block that finalizes that item.
+  for (int item = tid; item < ITEMS; item += THREADS) {
+    const int rl = item / D4, d4 = item % D4;
+    const int wmt = rl / 16, rr = rl % 16;
+    float mp[KV_PARTS];
+    float mmax = -INFINITY;
+#pragma unroll
+    for (int p = 0; p < KV_PARTS; ++p) {
+      mp[p] = part_m[(wmt + MT_BLK * p) * 16 + rr];
+      mmax = fmaxf(mmax, mp[p]);
+    }
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (mmax != -INFINITY) {
+#pragma unroll
+      for (int p = 0; p < KV_PARTS; ++p) {
+        const int w = wmt + MT_BLK * p;
+        const float sc = exp2f(mp[p] - mmax);
+        const float4 v = *reinterpret_cast<const float4*>(&part_o[(w * 16 + rr) * D + 4 * d4]);
+        acc.x += sc * v.x; acc.y += sc * v.y; acc.z += sc * v.z; acc.w += sc * v.w;
+      }
+    }
+    const int dst = item / PER;
+    *cluster.map_shared_rank(recv_o + crank * PER + (item - dst * PER), dst) = acc;
+  }
+  for (int i = tid; i < RB * CS; i += THREADS) {
+    const int rl = i % RB, dst = i / RB;
+    const int wmt = rl / 16, rr = rl % 16;
+    float mmax = -INFINITY;
+#pragma unroll
+    for (int p = 0; p < KV_PARTS; ++p) mmax = fmaxf(mmax, part_m[(wmt + MT_BLK * p) * 16 + rr]);
+    float lsum = 0.f;
+    if (mmax != -INFINITY) {
+#pragma unroll
+      for (int p = 0; p < KV_PARTS; ++p) {
+        const int w = wmt + MT_BLK * p;
+        lsum += exp2f(part_m[w * 16 + rr] - mmax) * part_l[w * 16 + rr];
+      }
+    }
+    *cluster.map_shared_rank(recv_ml + crank * RB + rl, dst) = make_float2(mmax, lsum);
+  }
+  // Phase 1: all pushes of the cluster are visible. Nobody touches another block's shared
+  // memory after this, so every block may finish and exit on its own.
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+
+  for (int idx = tid; idx < PER; idx += THREADS) {
+    const int item = crank * PER + idx;
+    if (item >= ITEMS) break;
+    const int rl = item / D4, d4 = item % D4;
+    const int row = rg * RB + rl;
+    if (row >= R) continue;
+    float2 ml[CS];
+    float4 oi[CS];
+#pragma unroll
+    for (int cb = 0; cb < CS; ++cb) {
+      ml[cb] = recv_ml[cb * RB + rl];
+      oi[cb] = recv_o[cb * PER + idx];
+    }
+    float mmax = -INFINITY;
+#pragma unroll
+    for (int cb = 0; cb < CS; ++cb) mmax = fmaxf(mmax, ml[cb].x);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float lsum = 0.f;
+    if (mmax != -INFINITY) {
+#pragma unroll
+      for (int cb = 0; cb < CS; ++cb) {
+        const float sc = exp2f(ml[cb].x - mmax);
+        lsum += sc * ml[cb].y;
+        acc.x += sc * oi[cb].x; acc.y += sc * oi[cb].y; acc.z += sc * oi[cb].z; acc.w += sc * oi[cb].w;
+      }
+    }
+    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;   // a row that sees nothing gives zeros
+    const int tok = row / G, hq = h * G + row % G;
+    __nv_bfloat16* dstp = out + (long long)tok * out_tok_stride + (long long)hq * D + 4 * d4;
+    uint2 pk;
+    pk.x = pack_bf16(acc.x * inv, acc.y * inv);
+    pk.y = pack_bf16(acc.z * inv, acc.w * inv);
+    *reinterpret_cast<uint2*>(dstp) = pk;
+  }
+}
+
+}  // namespace tree_attn2
+
+#define TREE_ATTN2_KERNEL(D, MT, CS, ST, NW)                                                          \
+  extern "C" __global__ void __cluster_dims__(CS, 1, 1) __launch_bounds__(NW * 32)                    \
+  tree_attention2_d##D##_mt##MT##_cs##CS##_st##ST##_w##NW(                                            \
+      const __nv_bfloat16* __restrict__ q, long long q_tok_stride,                                    \
+      const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v, long long kv_slot_stride, \
+      const uint8_t* __restrict__ mask, long long mask_stride,                                        \
+      const int* __restrict__ n_valid_ptr, int n_valid,                                               \
+      __nv_bfloat16* __restrict__ out, long long out_tok_stride,                                      \
+      int N, int H, int Hkv, float scale_log2) {                                                      \
+    tree_attn2::body<D, MT, CS, ST, NW>(q, q_tok_stride, k, v, kv_slot_stride, mask, mask_stride,     \
+                                        n_valid_ptr, n_valid, out, out_tok_stride, N, H, Hkv,         \
+                                        scale_log2);                                                  \
+  }
+// 4 warps: row tiles 1, 2, 4 (8 warps would take 2 or 4: a warp needs >= 16 slots of a tile).
+#define TREE_ATTN2_W4(D, CS, ST) TREE_ATTN2_KERNEL(D, 1, CS, ST, 4) \
+  TREE_ATTN2_KERNEL(D, 2, CS, ST, 4) TREE_ATTN2_KERNEL(D, 4, CS, ST, 4)
+
+// Keep in sync with kernels.TREE_ATTENTION_V2_VARIANTS (cluster, stages, warps).
+TREE_ATTN2_W4(128, 16, 2)
+TREE_ATTN2_W4(64, 16, 2)
+TREE_ATTN2_W4(128, 8, 4)
+TREE_ATTN2_W4(64, 8, 4)

@@ -29,6 +29,11 @@ MAX_GEMM_ROWS = 16         # rows M of gemm_rowparallel / gemm_allreduce
 # (cluster size = KV splits, cp.async ring stages); row tiles per block 1, 2 or 4.
 _TA_TILE, _TA_THREADS = 64, 128
 TREE_ATTENTION_VARIANTS = ((8, 4), (16, 3), (16, 2))
+# Version 2 of the kernel (tree_attention2_*, must match its instantiations): (cluster, stages,
+# warps per block); row tiles 1, 2 or 4. A config (cluster, stages, row_tiles, warps) selects it;
+# a 3-tuple version 1.
+TREE_ATTENTION_V2_VARIANTS = ((16, 2, 4), (8, 4, 4))
+_TA2_MAXT = 16               # tiles per mask-bits chunk (tree_attn2::MAXT)
 # Must match cuda/gemm_allreduce.cu: (tiles per block T, 16-byte vectors per lane and chunk U,
 # L2 prefetch hint bytes PF, register double buffering PIPE) of
 # gemm_rowparallel_m{8,16}_t<T>_u<U>_p<PF>_s<PIPE>; the GEMM + all-reduce exists for fewer.
@@ -225,22 +230,45 @@ def _check_bf16(name: str, t: torch.Tensor, ndim: int) -> None:
         raise ValueError(f"{name} must have a contiguous last dim and a 16-byte aligned start")
 
 
-def tree_attention_smem_bytes(head_dim: int, stages: int) -> int:
-    """Dynamic shared memory of one tree_attention block: its K/V ring of `stages` 64-slot tiles."""
-    return stages * 2 * _TA_TILE * (head_dim + 8) * 2
+def tree_attention_smem_bytes(head_dim: int, stages: int, config: tuple | None = None) -> int:
+    """Dynamic shared memory of one tree_attention block. Version 1 (config None or a 3-tuple):
+    its K/V ring of `stages` 64-slot tiles. Version 2 (a 4-tuple config): the ring, the combine's
+    receive buffer, the mask bits and the ring's mbarriers (tree_attn2::Layout)."""
+    ring = stages * 2 * _TA_TILE * (head_dim + 8) * 2
+    if config is None or len(config) == 3:
+        return ring
+    cs, mt = config[0], config[2]
+    rb = 16 * mt
+    items = rb * head_dim // 4
+    per = -(-items // cs)
+    return ring + cs * per * 16 + cs * rb * 8 + _TA2_MAXT * rb * 8 + stages * 8
 
 
-def tree_attention_config(rows: int, max_len: int) -> tuple[int, int, int]:
-    """(cluster, stages, row_tiles) used by default for `rows` = N * (H / Hkv) query rows per KV
-    head and a mask of `max_len` columns (the largest context the call may see; a graph captured
-    over a static [N, max_slots] mask gets the long-context choice).
+def tree_attention_configs(rows: int | None = None) -> list[tuple]:
+    """Every instantiated config: version 1 (cluster, stages, row_tiles) and version 2
+    (cluster, stages, row_tiles, warps). With `rows`, only row-tile counts that suit that many
+    rows per KV head (<= 16: 1; <= 32: 1, 2; more: 2, 4)."""
+    mts = (1, 2, 4) if rows is None else (1,) if rows <= 16 else (1, 2) if rows <= 32 else (2, 4)
+    return ([(cs, st, mt) for cs, st in TREE_ATTENTION_VARIANTS for mt in mts]
+            + [(cs, st, mt, nw) for cs, st, nw in TREE_ATTENTION_V2_VARIANTS for mt in mts])
 
-    From the sweep on the H200 (docs/benchmarks.md, "Fused kernels (H200)", Llama-3-8B heads):
-    up to 2k slots, 8 blocks per cluster with a 4-stage ring (N = 8 at 1k: 9.7 us vs 11.3-15.5);
-    beyond, 16 blocks per cluster with a 2-stage ring (3 blocks per SM), one row tile per block
-    for <= 32 rows (N = 8 at 4k: 18.8 us vs 22.9; at 16k: 44.7 vs 77.2) and 4 for more (N = 64:
-    65 us at 4k, 166 at 16k, vs 74 / 245).
+
+def tree_attention_config(rows: int, max_len: int) -> tuple[int, ...]:
+    """Config used by default for `rows` = N * (H / Hkv) query rows per KV head and a mask of
+    `max_len` columns (the largest context the call may see; a graph captured over a static
+    [N, max_slots] mask gets the long-context choice). A 3-tuple (cluster, stages, row_tiles)
+    is the version 1 kernel, a 4-tuple (cluster, stages, row_tiles, warps) version 2.
+
+    From the sweeps on the H200 (benchmarks/bench_kernels_gpu.py, Llama-3-8B heads, header of
+    cuda/tree_attention.cu): up to 32 rows (N <= 8 at G = 4), version 2 up to 8k slots: 8 blocks
+    per cluster holding all of a block's tiles (2 at 1k) for <= 2k slots (N = 8 at 1k: 8.1 us vs
+    9.7 for version 1), 16 per cluster with a 2-stage ring beyond (4k: 17.4 vs 18.7); at 16k
+    version 1's 16/2/1 (44.5 vs 45.7). More rows (N = 64): version 1, 4 row tiles per block (65 us
+    at 4k, 167 at 16k; version 2 80 / 223).
     """
+    if rows <= 32 and max_len <= 8192:
+        mt = 1 if rows <= 16 else 2
+        return (8, 4, mt, 4) if max_len <= 2048 or rows <= 16 else (16, 2, mt, 4)
     if max_len <= 2048:
         return 8, 4, 1 if rows <= 16 else 2 if rows <= 32 else 4
     return 16, 2, 1 if rows <= 32 else 4
@@ -248,7 +276,7 @@ def tree_attention_config(rows: int, max_len: int) -> tuple[int, int, int]:
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
                    n_valid: int | torch.Tensor | None = None, out: torch.Tensor | None = None,
-                   scale: float | None = None, config: tuple[int, int, int] | None = None,
+                   scale: float | None = None, config: tuple[int, ...] | None = None,
                    pdl: bool = False) -> torch.Tensor:
     """Masked attention of N <= 64 tree tokens over L KV slots, GQA, one launch.
 
@@ -266,9 +294,11 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                new context length). Default: mask.shape[1].
       out:     [N, H, D] bfloat16 (head stride D, last stride 1), written in full; allocated if None.
       scale:   softmax scale, default 1/sqrt(D).
-      config:  (cluster, stages, row_tiles): KV splits per KV head (thread-block cluster size),
-               K/V ring depth, m16 row tiles per block; one of TREE_ATTENTION_VARIANTS x {1,2,4}.
-               Default: tree_attention_config(N * H // Hkv, mask.shape[1]).
+      config:  version 1: (cluster, stages, row_tiles), (cluster, stages) one of
+               TREE_ATTENTION_VARIANTS; version 2: (cluster, stages, row_tiles, warps),
+               (cluster, stages, warps) one of TREE_ATTENTION_V2_VARIANTS; row_tiles 1, 2 or 4
+               (m16 row tiles per block); cluster = KV splits per KV head. All of them:
+               tree_attention_configs(). Default: tree_attention_config(N * H // Hkv, mask.shape[1]).
       pdl:     launch with programmatic dependent launch: the launch overlaps the previous
                kernel's tail; the kernel waits for that kernel before reading anything, then lets
                the next kernel of the stream launch.
@@ -312,20 +342,31 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         nv_ptr = ctypes.c_uint64(0)
     G = H // Hkv
     R = N * G
-    cs, st, mt = tree_attention_config(R, mask.shape[1]) if config is None else config
-    if (cs, st) not in TREE_ATTENTION_VARIANTS or mt not in (1, 2, 4):
-        raise ValueError(f"config {(cs, st, mt)}: (cluster, stages) must be one of "
-                         f"{TREE_ATTENTION_VARIANTS} and row_tiles 1, 2 or 4")
+    config = tuple(tree_attention_config(R, mask.shape[1]) if config is None else config)
+    if len(config) == 3:
+        cs, st, mt = config
+        if (cs, st) not in TREE_ATTENTION_VARIANTS or mt not in (1, 2, 4):
+            raise ValueError(f"config {config}: (cluster, stages) must be one of "
+                             f"{TREE_ATTENTION_VARIANTS} and row_tiles 1, 2 or 4")
+        name, threads = f"tree_attention_d{D}_mt{mt}_cs{cs}_st{st}", _TA_THREADS
+    elif len(config) == 4:
+        cs, st, mt, nw = config
+        if (cs, st, nw) not in TREE_ATTENTION_V2_VARIANTS or mt not in (1, 2, 4):
+            raise ValueError(f"config {config}: (cluster, stages, warps) must be one of "
+                             f"{TREE_ATTENTION_V2_VARIANTS} and row_tiles 1, 2 or 4")
+        name, threads = f"tree_attention2_d{D}_mt{mt}_cs{cs}_st{st}_w{nw}", 32 * nw
+    else:
+        raise ValueError(f"config {config}: 3 (version 1) or 4 (version 2) values")
     rg = -(-R // (16 * mt))
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    smem = tree_attention_smem_bytes(D, st)
-    f = _function("tree_attention", "", f"tree_attention_d{D}_mt{mt}_cs{cs}_st{st}", dev, smem, cs > 8)
+    smem = tree_attention_smem_bytes(D, st, config)
+    f = _function("tree_attention", "", name, dev, smem, cs > 8)
     scale = D ** -0.5 if scale is None else float(scale)
     args = [_ptr(q), ctypes.c_int64(q.stride(0)), _ptr(k_cache), _ptr(v_cache), ctypes.c_int64(k_cache.stride(0)),
             _ptr(mask), ctypes.c_int64(mask.stride(0)), nv_ptr, ctypes.c_int32(nv),
             _ptr(out), ctypes.c_int64(out.stride(0)),
             ctypes.c_int32(N), ctypes.c_int32(H), ctypes.c_int32(Hkv), ctypes.c_float(scale * _LOG2E)]
-    (_launch_pdl if pdl else _launch)(f, (cs, Hkv, rg), _TA_THREADS, smem,
+    (_launch_pdl if pdl else _launch)(f, (cs, Hkv, rg), threads, smem,
                                       torch.cuda.current_stream(dev).cuda_stream, args)
     return out
 
@@ -356,6 +397,9 @@ def gemm_rowparallel_config(M: int, N: int, K: int) -> tuple[int, int, int, int]
     From the sweep on the H200 (docs/benchmarks.md, "Fused kernels (H200)"): 2 tiles per block,
     4 vectors, L2::256B prefetch, double buffering is the fastest variant for M = 1 and 8 on both
     Llama-3-8B shapes (o_proj 11.1 us, down_proj 31.5 us; 2 / 8 / 256 / 0 is ~6 % faster at M = 16).
+    Not yet tried: T = 1 for shapes whose N / 16 blocks leave SMs idle (Llama-3.2-1B's N = 2048
+    projections: 128 blocks on 132 SMs, 2 fit per SM); T does not change the summation order (U
+    does), so such a choice would keep the bits.
     """
     return 2, 4, 256, 1
 
@@ -391,6 +435,100 @@ def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None 
     return out
 
 
+def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                pdl: bool = False) -> torch.Tensor:
+    """The gate|up projection with the SwiGLU fused into its epilogue, for decode-sized x:
+    out = bf16(bf16(silu(g)) * u) with [g | u] = gemm_rowparallel(x, w), bit for bit what
+    fused_ops.silu_mul(gemm_rowparallel(x, w)) gives, in one launch and without the [M, 2I]
+    intermediate.
+
+    Args:
+      x:   [M, K] bfloat16, M <= 16, last stride 1, row stride a multiple of 8.
+      w:   [2I, K] bfloat16 contiguous: the gate rows [0, I) then the up rows [I, 2I); I % 8 == 0.
+      out: [M, I] bfloat16, last stride 1; allocated if None.
+      pdl: programmatic dependent launch, as for gemm_rowparallel.
+
+    Returns:
+      out: [M, I] bfloat16.
+    """
+    _check_bf16("x", x, 2)
+    _check_bf16("w", w, 2)
+    M, K = x.shape
+    I2, Kw = w.shape
+    I = I2 // 2
+    if Kw != K or I2 % 16 or not 1 <= M <= MAX_GEMM_ROWS or K % 8 or not w.is_contiguous() or x.stride(0) % 8:
+        raise ValueError(f"gemm_swiglu: x {tuple(x.shape)} w {tuple(w.shape)}: need M <= {MAX_GEMM_ROWS}, "
+                         "w rows 2I with I a multiple of 8, K a multiple of 8, w contiguous")
+    if out is None:
+        out = torch.empty((M, I), dtype=torch.bfloat16, device=x.device)
+    else:
+        _check_bf16("out", out, 2)
+        if tuple(out.shape) != (M, I):
+            raise ValueError(f"out must be [M, I] = {(M, I)}")
+    # One instantiation (T = 2: a gate and an up tile per block); its U must be the plain
+    # kernel's default U, or the bits would differ from silu_mul(gemm_rowparallel(x, w)).
+    assert gemm_rowparallel_config(M, I2, K)[1] == 4
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    f = _function("gemm_allreduce", "", f"gemm_swiglu_m{8 if M <= 8 else 16}_t2_u4_p256_s1", dev)
+    args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(out), ctypes.c_int64(out.stride(0)),
+            ctypes.c_int32(M), ctypes.c_int32(I), ctypes.c_int32(K)]
+    (_launch_pdl if pdl else _launch)(f, (I // 8, 1, 1), _GEMM_THREADS, 0,
+                                      torch.cuda.current_stream(dev).cuda_stream, args)
+    return out
+
+
+def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor,
+                  write_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, pdl: bool = False) -> None:
+    """The QKV projection with RoPE and the KV-cache write fused into its epilogue, in one launch:
+    bit for bit `qkv = gemm_rowparallel(x, w)` followed by
+    `fused_ops.rope_kv_write(qkv, positions, write_slots, cos, sin, k_cache, v_cache, n_heads)`,
+    except that the k and v columns of qkv are not written (they only go to the cache).
+
+    Args:
+      x:           [M, K] bfloat16, M <= 16, last stride 1, row stride a multiple of 8.
+      w:           [(n_heads + 2 Hkv) D, K] bfloat16 contiguous: q heads, k heads, v heads.
+      qkv:         [M, (n_heads + 2 Hkv) D] bfloat16, last stride 1: its q part gets the rotated q.
+      positions:   [M] int64 CUDA: RoPE positions (clamped to the tables).
+      write_slots: [M] int64 CUDA: KV slots (a slot outside [0, S) is not written).
+      cos, sin:    [P, D] bfloat16 contiguous rotate-half tables (Transformer.rope_cos / rope_sin).
+      k_cache, v_cache: [S, Hkv, D] bfloat16, head stride D, last stride 1, same strides.
+      n_heads:     local q heads. D % 16 == 0.
+      pdl:         programmatic dependent launch, as for gemm_rowparallel.
+    """
+    _check_bf16("x", x, 2)
+    _check_bf16("w", w, 2)
+    _check_bf16("qkv", qkv, 2)
+    _check_bf16("k_cache", k_cache, 3)
+    M, K = x.shape
+    S, Hkv, D = k_cache.shape
+    cols = (n_heads + 2 * Hkv) * D
+    if (tuple(w.shape) != (cols, K) or not w.is_contiguous() or tuple(qkv.shape) != (M, cols)
+            or not 1 <= M <= MAX_GEMM_ROWS or K % 8 or D % 16 or x.stride(0) % 8):
+        raise ValueError(f"gemm_qkv_rope: x {tuple(x.shape)} w {tuple(w.shape)} qkv {tuple(qkv.shape)} "
+                         f"k_cache {tuple(k_cache.shape)} n_heads {n_heads}: need w [(H + 2 Hkv) D, K] "
+                         f"contiguous, qkv [M, (H + 2 Hkv) D], M <= {MAX_GEMM_ROWS}, K % 8 == 0, D % 16 == 0")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(1) != D \
+            or v_cache.dtype != torch.bfloat16:
+        raise ValueError("k_cache / v_cache: same shape and strides, head stride D, bfloat16")
+    for name, t in (("positions", positions), ("write_slots", write_slots)):
+        if not (t.is_cuda and t.dtype == torch.int64 and t.dim() == 1 and t.shape[0] == M and t.stride(0) == 1):
+            raise ValueError(f"{name} must be a contiguous [{M}] int64 CUDA tensor")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not (t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.shape[1] == D and t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous [P, {D}] bfloat16 CUDA tensor")
+    assert gemm_rowparallel_config(M, cols, K)[1] == 4      # the plain kernel's U: the same bits
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    f = _function("gemm_allreduce", "", f"gemm_qkv_rope_m{8 if M <= 8 else 16}_u4_p256_s1", dev)
+    args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(qkv), ctypes.c_int64(qkv.stride(0)),
+            ctypes.c_int32(M), ctypes.c_int32(K), _ptr(positions), _ptr(write_slots), _ptr(cos), _ptr(sin),
+            ctypes.c_int32(cos.shape[0]), _ptr(k_cache), _ptr(v_cache), ctypes.c_int64(k_cache.stride(0)),
+            ctypes.c_int32(S), ctypes.c_int32(n_heads), ctypes.c_int32(Hkv), ctypes.c_int32(D)]
+    grid = (n_heads + Hkv) * D // 16 + Hkv * D // 16
+    (_launch_pdl if pdl else _launch)(f, (grid, 1, 1), _GEMM_THREADS, 0,
+                                      torch.cuda.current_stream(dev).cuda_stream, args)
+
+
 def gemm_allreduce(x: torch.Tensor, w: torch.Tensor, ar, out: torch.Tensor | None = None) -> torch.Tensor:
     """out = all_reduce_sum(x @ w.T) over the ranks of `ar`, in one kernel (row-parallel o_proj /
     down_proj of tensor parallelism). Collective: every rank calls it with the same shapes.
@@ -409,7 +547,8 @@ def gemm_allreduce(x: torch.Tensor, w: torch.Tensor, ar, out: torch.Tensor | Non
         raise ValueError(f"N={N} exceeds the DeviceAllReduce window (max_n={ar.max_n})")
     config = gemm_rowparallel_config(M, N, K)
     # the plain kernel's config, else an instantiated one with the same U (the same bits)
-    same_u = [c for c in GEMM_ALLREDUCE_VARIANTS if c[1] == config[1]]
+    same_u = sorted((c for c in GEMM_ALLREDUCE_VARIANTS if c[1] == config[1]),
+                    key=lambda c: c != (2, 4, 256, 1))           # the sweep's best first
     if config not in GEMM_ALLREDUCE_VARIANTS and not same_u:
         raise RuntimeError(f"no GEMM + all-reduce kernel with U={config[1]} (config {config})")
     t, u, pf, pipe = config if config in GEMM_ALLREDUCE_VARIANTS else same_u[0]

@@ -541,7 +541,9 @@ class Transformer(torch.nn.Module):
         """`forward_graphable` with the fused kernels (same arguments and result). Per layer:
         add_rmsnorm (the previous layer's down output + ln1; plain RMSNorm in layer 0), QKV GEMM,
         rope_kv_write, tree attention, O GEMM, all-reduce, add_rmsnorm (+ ln2), gate|up GEMM,
-        silu_mul, down GEMM, all-reduce; the last residual add is fused with the final norm."""
+        silu_mul, down GEMM, all-reduce; the last residual add is fused with the final norm. In
+        "pdl" mode QKV GEMM + rope_kv_write is one kernel (kernels.gemm_qkv_rope), and so is
+        gate|up GEMM + silu_mul (kernels.gemm_swiglu): 7 kernels per layer."""
         from swiftspec_mpi import fused_ops, kernels
 
         cfg, sh, comm = self.cfg, self.shard, self.comm
@@ -563,15 +565,23 @@ class Transformer(torch.nn.Module):
         pending = None                      # the previous layer's MLP output, not yet added to x
         for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in self.layers:
             fused_ops.add_rmsnorm(x, pending, ln1, eps, out=h, pdl=pdl)
-            qkv = lin(rp["qkv"], h, wqkv, bqkv)                            # [N, (nh+2kv)*hd]
-            fused_ops.rope_kv_write(qkv, positions, write_slots, self.rope_cos, self.rope_sin,
-                                    kc, vc, nh_l, pdl=pdl)
+            if pdl and rp["qkv"] and hd % 16 == 0:                         # QKV GEMM + RoPE + KV write
+                qkv = torch.empty(N, wqkv.shape[0], dtype=self.dtype, device=self.device)
+                kernels.gemm_qkv_rope(h, wqkv, qkv, positions, write_slots, self.rope_cos, self.rope_sin,
+                                      kc, vc, nh_l, pdl=True)
+            else:
+                qkv = lin(rp["qkv"], h, wqkv, bqkv)                        # [N, (nh+2kv)*hd]
+                fused_ops.rope_kv_write(qkv, positions, write_slots, self.rope_cos, self.rope_sin,
+                                        kc, vc, nh_l, pdl=pdl)
             kernels.tree_attention(qkv[:, :nh_l * hd].view(N, nh_l, hd), kc, vc, mask, n_valid, out=o,
                                    pdl=pdl)
             a = lin(rp["o"], o.view(N, nh_l * hd), wo, bo)
             comm.all_reduce_(a)
             fused_ops.add_rmsnorm(x, a, ln2, eps, out=h, pdl=pdl)
-            fused_ops.silu_mul(lin(rp["gu"], h, wgu), out=m, pdl=pdl)
+            if pdl and rp["gu"] and wgu.shape[0] % 16 == 0:
+                kernels.gemm_swiglu(h, wgu, out=m, pdl=True)               # gate|up GEMM + SwiGLU
+            else:
+                fused_ops.silu_mul(lin(rp["gu"], h, wgu), out=m, pdl=pdl)
             pending = lin(rp["down"], m, wd)
             comm.all_reduce_(pending)
         fused_ops.add_rmsnorm(x, pending, self.norm, eps, out=h, pdl=pdl)

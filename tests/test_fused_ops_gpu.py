@@ -177,6 +177,7 @@ def test_fused_ops_replay_in_cuda_graph(gen, pdl):
     wg = randn(2 * I, H, gen=gen)          # gu2 = h @ wg^T, then silu_mul of it: a PDL chain
     gu2 = torch.empty(N, 2 * I, dtype=BF, device="cuda")
     m2 = torch.empty(N, I, dtype=BF, device="cuda")
+    m3 = torch.empty(N, I, dtype=BF, device="cuda")
 
     def step():
         fused_ops.add_rmsnorm(x, a, w, 1e-5, out=h, pdl=pdl)
@@ -184,6 +185,7 @@ def test_fused_ops_replay_in_cuda_graph(gen, pdl):
         fused_ops.silu_mul(gu, out=m, pdl=pdl)
         kernels.gemm_rowparallel(h, wg, out=gu2, pdl=pdl)
         fused_ops.silu_mul(gu2, out=m2, pdl=pdl)
+        kernels.gemm_swiglu(h, wg, out=m3, pdl=pdl)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -215,6 +217,58 @@ def test_fused_ops_replay_in_cuda_graph(gen, pdl):
         gu2_ref = kernels.gemm_rowparallel(h, wg)              # same kernel, plain launch, after
         assert torch.equal(gu2, gu2_ref), "graph: GEMM after add_rmsnorm"
         assert torch.equal(m2, fused_ops.silu_mul(gu2_ref)), "graph: silu_mul after the GEMM"
+        assert torch.equal(m3, m2), "graph: gemm_swiglu vs GEMM + silu_mul"
+
+
+@pytest.mark.parametrize("M", [1, 5, 8, 16])
+@pytest.mark.parametrize("I,K", [(2816, 1024), (2824, 520)])
+def test_gemm_swiglu_equals_gemm_then_silu_mul(gen, M, I, K):
+    """kernels.gemm_swiglu (gate|up GEMM with the SwiGLU in its epilogue) gives the bits of
+    silu_mul(gemm_rowparallel(x, w)), for M up to 16, I not a multiple of 16 and K not of 64; its
+    output is written in full (NaN-poisoned before); bad shapes are refused."""
+    x = randn(M, K, gen=gen)
+    w = randn(2 * I, K, gen=gen)
+    out = torch.full((M, I), float("nan"), dtype=BF, device="cuda")
+    kernels.gemm_swiglu(x, w, out=out)
+    ref = fused_ops.silu_mul(kernels.gemm_rowparallel(x, w))
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
+    exact = torch.nn.functional.silu(x.double() @ w[:I].double().t()) * (x.double() @ w[I:].double().t())
+    rel = ((out.double() - exact).norm() / exact.norm()).item()
+    assert rel < 2e-2, rel
+    with pytest.raises(ValueError):
+        kernels.gemm_swiglu(x, randn(2 * I - 8, K, gen=gen))          # I not a multiple of 8
+    with pytest.raises(ValueError):
+        kernels.gemm_swiglu(randn(17, K, gen=gen), w)                 # too many rows
+
+
+@pytest.mark.parametrize("M", [1, 8, 13])
+@pytest.mark.parametrize("nh,nkv,D,K", [(32, 8, 128, 1024), (8, 2, 64, 520), (4, 4, 64, 256)])
+def test_gemm_qkv_rope_equals_gemm_then_rope_kv_write(gen, M, nh, nkv, D, K):
+    """kernels.gemm_qkv_rope gives the bits of gemm_rowparallel + rope_kv_write: the rotated q in
+    qkv, the rotated k and the v in the cache slots; slots outside the cache are skipped,
+    positions clamped to the tables, no other slot or layer written (NaN-poisoned caches)."""
+    cols = (nh + 2 * nkv) * D
+    x, w = randn(M, K, gen=gen), randn(cols, K, gen=gen, scale=0.05)
+    _, cos, sin, _, _, kbuf, vbuf = _rope_case(gen, M, nh, nkv, D, S=64, P=128)
+    positions = torch.randint(-3, 140, (M,), generator=gen, device="cuda")      # some out of range
+    slots = torch.randperm(64, generator=gen, device="cuda")[:M].contiguous()
+    slots[0] = 64 if M > 1 else slots[0]                                         # outside the cache
+    if M > 2:
+        slots[2] = -1
+    kref, vref = kbuf.clone(), vbuf.clone()
+    qkv_ref = kernels.gemm_rowparallel(x, w)
+    fused_ops.rope_kv_write(qkv_ref, positions, slots, cos, sin, kref[1], vref[1], nh)
+    qkv = torch.full((M, cols), float("nan"), dtype=BF, device="cuda")
+    kernels.gemm_qkv_rope(x, w, qkv, positions, slots, cos, sin, kbuf[1], vbuf[1], nh)
+    torch.cuda.synchronize()
+    assert torch.equal(qkv[:, :nh * D], qkv_ref[:, :nh * D]), "rotated q"
+    assert torch.isnan(qkv[:, nh * D:]).all(), "k/v columns of qkv are not written"
+    same = lambda a, b: torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))       # noqa: E731
+    assert same(kbuf, kref), "k cache (rotated k in the valid slots, NaN elsewhere)"
+    assert same(vbuf, vref), "v cache"
+    with pytest.raises(ValueError):
+        kernels.gemm_qkv_rope(x, w[:-8], qkv, positions, slots, cos, sin, kbuf[1], vbuf[1], nh)
 
 
 # -------------------------------------------------------------------------- whole model

@@ -148,8 +148,9 @@ def attn_inputs(L, N, H, Hkv, D, kind, seed, q_scale=1.0):
 @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: "L%d-N%d-H%d-KV%d-D%d-%s" % c)
 def test_tree_attention_matches_float64(case):
     L, N, H, Hkv, D, kind = case
-    # the default config, then every (cluster, stages) x row-tiles variant, soft and peaked softmax
-    configs = [None] + [(cs, st, mt) for cs, st in kernels.TREE_ATTENTION_VARIANTS for mt in (1, 2, 4)]
+    # the default config, then every config of both kernel versions (tree_attention_configs:
+    # cluster/stages/row tiles[/loader]), soft and peaked softmax
+    configs = [None] + kernels.tree_attention_configs()
     for i, config in enumerate(configs):
         q_scale = 4.0 if i % 2 else 1.0
         q, k, v, mask = attn_inputs(L, N, H, Hkv, D, kind, i * 1000 + L, q_scale)
@@ -164,10 +165,15 @@ def test_tree_attention_matches_float64(case):
             assert not out[0].any(), f"config {config}: invisible token's output not zero"
 
 
+GRAPH_CONFIGS = [None, (16, 2, 1), (16, 2, 2, 4), (8, 4, 2, 4), (16, 2, 1, 4)]
+
+
 @pytest.mark.gpu
 @needs_gpu
-def test_tree_attention_cuda_graph_new_length():
-    """n_valid read on the device: one captured graph serves growing contexts."""
+@pytest.mark.parametrize("config", GRAPH_CONFIGS, ids=lambda c: "default" if c is None else "/".join(map(str, c)))
+def test_tree_attention_cuda_graph_new_length(config):
+    """n_valid read on the device: one captured graph serves growing contexts (version 2: ring
+    refills at L = 2999, empty splits at L = 65)."""
     N, H, Hkv, D, Lmax = 8, 32, 8, 128, 3000
     gen = torch.Generator().manual_seed(7)
     k = torch.randn(Lmax, Hkv, D, generator=gen).to(torch.bfloat16).cuda()
@@ -184,11 +190,11 @@ def test_tree_attention_cuda_graph_new_length():
         n_valid.fill_(L)
 
     fill(500, 1)
-    kernels.tree_attention(q, k, v, mask, n_valid, out=out)    # warm-up: compile + load
+    kernels.tree_attention(q, k, v, mask, n_valid, out=out, config=config)    # warm-up: compile + load
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kernels.tree_attention(q, k, v, mask, n_valid, out=out)
+        kernels.tree_attention(q, k, v, mask, n_valid, out=out, config=config)
     for L, seed in ((700, 2), (2999, 3), (65, 4)):
         fill(L, seed)
         out.fill_(float("nan"))
@@ -197,6 +203,53 @@ def test_tree_attention_cuda_graph_new_length():
         ref = kernels.tree_attention_reference(q, k, v, mask, L)
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) <= BF16_TOL, f"replay at L={L}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("config", GRAPH_CONFIGS, ids=lambda c: "default" if c is None else "/".join(map(str, c)))
+def test_tree_attention_pdl_graph_equals_plain(config):
+    """A CUDA graph of back-to-back pdl=True calls (each waits for the previous one before
+    reading; the layers chain through q = previous out) gives the plain launches' bits, replay
+    after replay (the kernel keeps no state between calls: nothing to reset)."""
+    N, H, Hkv, D, L, layers = 8, 32, 8, 128, 1500, 6
+    gen = torch.Generator().manual_seed(11)
+    k = torch.randn(layers, L, Hkv, D, generator=gen).to(torch.bfloat16).cuda()
+    v = torch.randn(layers, L, Hkv, D, generator=gen).to(torch.bfloat16).cuda()
+    q0 = torch.randn(N, H, D, generator=gen).to(torch.bfloat16).cuda()
+    mask = make_mask("tree", N, L, L, gen).cuda()
+
+    def chain(outs, pdl):
+        x = q0
+        for i in range(layers):
+            kernels.tree_attention(x, k[i], v[i], mask, L, out=outs[i], config=config, pdl=pdl)
+            x = outs[i]
+
+    ref = torch.full((layers, N, H, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    chain(ref, False)
+    torch.cuda.synchronize()
+    assert torch.isfinite(ref).all()
+    x = q0
+    for i in range(layers):                      # the chain itself is right, not just repeatable
+        e = rel_err(ref[i], kernels.tree_attention_reference(x, k[i], v[i], mask, L))
+        assert e <= BF16_TOL, f"layer {i}: rel err {e:.3e}"
+        x = ref[i]
+    outs = torch.full_like(ref, float("nan"))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain(outs, True)                        # eager PDL launches
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    assert torch.equal(outs, ref), "eager pdl=True differs from pdl=False"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain(outs, True)
+    for r in range(40):
+        outs.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs, ref), f"graph replay {r}: pdl=True differs from pdl=False"
 
 
 GEMM_SHAPES = [(4096, 4096), (4096, 14336), (64, 200), (2048, 8192)]
