@@ -397,11 +397,26 @@ def gemm_rowparallel_config(M: int, N: int, K: int) -> tuple[int, int, int, int]
     From the sweep on the H200 (docs/benchmarks.md, "Fused kernels (H200)"): 2 tiles per block,
     4 vectors, L2::256B prefetch, double buffering is the fastest variant for M = 1 and 8 on both
     Llama-3-8B shapes (o_proj 11.1 us, down_proj 31.5 us; 2 / 8 / 256 / 0 is ~6 % faster at M = 16).
-    Not yet tried: T = 1 for shapes whose N / 16 blocks leave SMs idle (Llama-3.2-1B's N = 2048
-    projections: 128 blocks on 132 SMs, 2 fit per SM); T does not change the summation order (U
-    does), so such a choice would keep the bits.
+    Two blocks fit per SM (126 registers per thread): when N / 16 blocks would fill fewer than
+    3/4 of those slots on the current GPU, T = 1 doubles the blocks (Llama-3.2-1B's o_proj and
+    down_proj, N = 2048: 256 blocks instead of 128 on 132 SMs). T does not change the summation
+    order (U does), so the bits stay the same.
     """
+    if -(-N // 16) < 1.5 * _sm_count():
+        return 1, 4, 256, 1
     return 2, 4, 256, 1
+
+
+_sm_counts: dict = {}
+
+
+def _sm_count() -> int:
+    """SMs of the current CUDA device (132 on an H200; cached per device)."""
+    dev = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    n = _sm_counts.get(dev)
+    if n is None:
+        n = _sm_counts[dev] = torch.cuda.get_device_properties(dev).multi_processor_count if dev >= 0 else 132
+    return n
 
 
 def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
