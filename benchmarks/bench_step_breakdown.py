@@ -19,31 +19,12 @@ import statistics
 
 import torch
 
+from bench_kernels_gpu import graph_time_us      # same folder: captured once, median of replays
+
 
 def graph_ms(fn, replays: int = 30) -> float:
     """Median ms of one replay of a CUDA graph holding fn()'s launches."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    del g
-    return statistics.median(times)
+    return graph_time_us([fn], replays) / 1e3
 
 
 def bandwidths() -> tuple[float, float]:
