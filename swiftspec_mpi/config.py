@@ -17,6 +17,8 @@ from swiftspec_mpi.errors import UserError
 
 MODES = ("async", "sync", "ar")
 DTYPES = ("float32", "bfloat16", "float16")
+FUSED_GEMM_MODES = ("pdl", "cublas", "auto")     # SWIFTSPEC_FUSED_GEMM, read by fused_ops.py
+_SWITCH_WORDS = ("0", "1", "false", "true", "no", "yes", "off", "on")
 
 
 @dataclass
@@ -224,6 +226,19 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
     if cfg.prompt is not None and not cfg.prompt:
         raise UserError("--prompt is empty; give some text")
     return cfg
+
+
+def check_environment() -> None:
+    """The GPU path's switches are environment variables read at import (fused_ops.py): a typo
+    there would silently give the default, so refuse it with the fix."""
+    mode = os.environ.get("SWIFTSPEC_FUSED_GEMM")
+    if mode is not None and mode.strip().lower() not in FUSED_GEMM_MODES:
+        raise UserError(f"SWIFTSPEC_FUSED_GEMM={mode!r} is not a GEMM mode; use "
+                        f"{', '.join(FUSED_GEMM_MODES)}, or unset it for the default (pdl)")
+    ops = os.environ.get("SWIFTSPEC_FUSED_OPS")
+    if ops is not None and ops.strip().lower() not in _SWITCH_WORDS:
+        raise UserError(f"SWIFTSPEC_FUSED_OPS={ops!r} is not a switch; use 1 or 0, or unset it "
+                        "for the default (1: fused kernels on)")
 
 
 def check_output_path_default(cfg: RunConfig) -> None:

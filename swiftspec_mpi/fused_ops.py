@@ -37,6 +37,7 @@ import os
 
 import torch
 
+from swiftspec_mpi.config import FUSED_GEMM_MODES
 from swiftspec_mpi.kernels import _function, _launch, _launch_pdl, _ptr, available
 
 _SOURCE = "fused_ops"
@@ -49,7 +50,7 @@ _enabled = os.environ.get("SWIFTSPEC_FUSED_OPS", "1").strip().lower() not in ("0
 _gemm_mode = os.environ.get("SWIFTSPEC_FUSED_GEMM", "pdl").strip().lower()
 
 
-GEMM_MODES = ("cublas", "auto", "pdl")
+GEMM_MODES = FUSED_GEMM_MODES     # ("pdl", "cublas", "auto"); config.check_environment refuses others
 
 
 def set_gemm_mode(mode: str) -> None:

@@ -49,6 +49,7 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
     cfg = C.merge(toml_values, flags)
     C.check_slurm_world(world_size)   # first: a PMI mismatch explains every other symptom
     C.validate_basic(cfg, world_size)
+    C.check_environment()
     C.check_output_path_default(cfg)
     # cheap checks that need no model first (fail fast); then the models' configs and headers
     C.check_output_path(cfg)

@@ -70,6 +70,22 @@ def test_bad_values_fail_with_one_line(args, needle):
     assert needle in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("var,value,needle", [
+    ("SWIFTSPEC_FUSED_GEMM", "fast", "SWIFTSPEC_FUSED_GEMM='fast' is not a GEMM mode"),
+    ("SWIFTSPEC_FUSED_OPS", "maybe", "SWIFTSPEC_FUSED_OPS='maybe' is not a switch"),
+])
+def test_bad_environment_switch_fails_with_one_line(var, value, needle):
+    """The GPU switches are environment variables; a typo must not silently pick the default."""
+    import os
+    env = dict(os.environ, **{var: value})
+    proc = subprocess.run([sys.executable, "-m", "swiftspec_mpi", "run", "--load-format", "dummy",
+                           "--target", "tiny", "--mode", "ar", "--max-new-tokens", "1"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_python_m_and_console_script_agree():
     a = run(sys.executable, "-m", "swiftspec_mpi", "--version")
     b = run(str(BIN / "swiftspec"), "--version")
