@@ -499,7 +499,8 @@ class Transformer(torch.nn.Module):
 
     def _fused_workspace(self, n: int) -> dict:
         """Static bf16 buffers of the fused forward for n tokens, made once per n (a captured CUDA
-        graph keeps pointing at them): x, h [n, hidden]; o [n, nh_l, hd]; m [n, inter_l]."""
+        graph keeps pointing at them): x, h [n, hidden]; o [n, nh_l, hd]; m [n, inter_l];
+        qkv [n, (nh_l + 2 nkv_l) hd] (the output of kernels.gemm_qkv_rope)."""
         ws_all = self.__dict__.get("_fused_ws")
         if ws_all is None:
             ws_all = self.__dict__["_fused_ws"] = {}
@@ -509,7 +510,8 @@ class Transformer(torch.nn.Module):
             kw = dict(dtype=self.dtype, device=self.device)
             ws = ws_all[n] = {"x": torch.empty(n, H, **kw), "h": torch.empty(n, H, **kw),
                               "o": torch.empty(n, sh.nh_l, hd, **kw),
-                              "m": torch.empty(n, sh.inter_l, **kw)}
+                              "m": torch.empty(n, sh.inter_l, **kw),
+                              "qkv": torch.empty(n, (sh.nh_l + 2 * sh.nkv_l) * hd, **kw)}
         return ws
 
     def _fused_gemm_choice(self, n: int, ws: dict) -> dict:
@@ -566,7 +568,7 @@ class Transformer(torch.nn.Module):
         for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in self.layers:
             fused_ops.add_rmsnorm(x, pending, ln1, eps, out=h, pdl=pdl)
             if pdl and rp["qkv"] and hd % 16 == 0:                         # QKV GEMM + RoPE + KV write
-                qkv = torch.empty(N, wqkv.shape[0], dtype=self.dtype, device=self.device)
+                qkv = ws["qkv"]
                 kernels.gemm_qkv_rope(h, wqkv, qkv, positions, write_slots, self.rope_cos, self.rope_sin,
                                       kc, vc, nh_l, pdl=True)
             else:
