@@ -20,8 +20,8 @@ one process; a CUDA graph keeps whatever path was active when it was captured).
 The projections: by default (SWIFTSPEC_FUSED_GEMM=pdl, `set_gemm_mode("pdl")`) every
 bias-free projection runs on `kernels.gemm_rowparallel` and every kernel of the layer is
 launched with programmatic dependent launch (PDL), so each launch, and the first weight loads of
-each projection, overlap the kernel before it: on the H200 the Llama-3-8B step is 1.07x and the
-Llama-3.2-1B step 1.15x faster than with cuBLAS (docs/benchmarks.md). It sums in another order
+each projection, overlap the kernel before it: on the H200 the Llama-3-8B step is 1.06-1.07x and
+the Llama-3.2-1B step 1.14-1.24x faster than with cuBLAS (docs/benchmarks.md). It sums in another order
 than cuBLAS, so its logits are not cuBLAS's bits, but they are as close to a float32 model
 (tests/test_fused_ops_gpu.py::test_pdl_mode_is_as_accurate_as_cublas). SWIFTSPEC_FUSED_GEMM=cublas
 keeps every GEMM on cuBLAS (F.linear): the fused path then gives the same bits as the torch ops
@@ -54,12 +54,12 @@ GEMM_MODES = FUSED_GEMM_MODES     # ("pdl", "cublas", "auto"); config.check_envi
 
 
 def set_gemm_mode(mode: str) -> None:
-    """"pdl" (default): see below; "cublas": always F.linear; "auto": let `prefer_rowparallel` time cuBLAS against
-    kernels.gemm_rowparallel per projection kind; "pdl": every projection that the kernel takes
-    (no bias, [out, in] contiguous weights, <= kernels.MAX_GEMM_ROWS tokens) on
-    kernels.gemm_rowparallel, and every kernel of the layer launched with programmatic dependent
-    launch, so each kernel's launch and the next projection's first weight loads overlap the
-    kernel before it (see `pdl_gemm_ok`)."""
+    """"pdl" (default): every projection that the kernel takes (no bias, [out, in] contiguous
+    weights, <= kernels.MAX_GEMM_ROWS tokens; see `pdl_gemm_ok`) on our GEMV kernels, and every
+    kernel of the layer launched with programmatic dependent launch, so each kernel's launch and
+    the next projection's first weight loads overlap the kernel before it; "cublas": always
+    F.linear; "auto": let `prefer_rowparallel` time cuBLAS against kernels.gemm_rowparallel per
+    projection kind."""
     global _gemm_mode
     if mode not in GEMM_MODES:
         raise ValueError(f"gemm mode must be one of {GEMM_MODES}, not {mode!r}")
