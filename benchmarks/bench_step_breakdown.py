@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
-from bench_kernels_gpu import graph_time_us      # same folder: captured once, median of replays
+from bench_kernels_gpu import copy_bandwidth, graph_time_us   # same folder (the kernel benchmark)
 
 
 def graph_ms(fn, replays: int = 30) -> float:
@@ -29,19 +28,7 @@ def graph_ms(fn, replays: int = 30) -> float:
 
 def bandwidths() -> tuple[float, float]:
     """(copy TB/s counting read + write, read TB/s of torch.sum over 4 GiB bf16)."""
-    n = 2 << 30                         # as bench_gpu_step.py: plain copies, median of 20
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(22):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1))
-    copy = 2 * n / (statistics.median(times[2:]) / 1e3) / 1e12
-    del a, b
+    copy = copy_bandwidth() / 1e12
     x = torch.ones(2 << 30, dtype=torch.bfloat16, device="cuda")
     out = torch.empty((), dtype=torch.float32, device="cuda")
     read = x.numel() * 2 / (graph_ms(lambda: torch.sum(x, dim=0, dtype=torch.float32, out=out), 10) / 1e3) / 1e12
