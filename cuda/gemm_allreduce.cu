@@ -346,43 +346,32 @@ ROWPAR_KERNEL(2, 8, 256, 0, 2)
 ROWPAR_KERNEL(1, 8, 256, 1, 2)
 
 // Gate|up GEMM + SwiGLU: gemm_swiglu_m{8,16}_t2_u<U>_p<PF>_s<PIPE>, grid <= I / 8 blocks.
-#define SWIGLU_KERNEL(U, PF, PIPE, MINB)                                                               \
+// MS = the kernel name's m8 / m16, M16 = its rows-8..15 flag.
+#define SWIGLU_KERNEL1(MS, M16, U, PF, PIPE, MINB)                                                     \
   extern "C" __global__ void __launch_bounds__(rowpar::THREADS, MINB)                                 \
-  gemm_swiglu_m8_t2_u##U##_p##PF##_s##PIPE(const __nv_bfloat16* __restrict__ x, long long ldx,        \
+  gemm_swiglu_##MS##_t2_u##U##_p##PF##_s##PIPE(const __nv_bfloat16* __restrict__ x, long long ldx,    \
       const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int I, int K) { \
-    rowpar::gemm_swiglu_body<2, U, PF, PIPE, false>(x, ldx, w, y, ldy, M, I, K);                     \
-  }                                                                                                   \
-  extern "C" __global__ void __launch_bounds__(rowpar::THREADS, MINB)                                 \
-  gemm_swiglu_m16_t2_u##U##_p##PF##_s##PIPE(const __nv_bfloat16* __restrict__ x, long long ldx,       \
-      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int I, int K) { \
-    rowpar::gemm_swiglu_body<2, U, PF, PIPE, true>(x, ldx, w, y, ldy, M, I, K);                      \
+    rowpar::gemm_swiglu_body<2, U, PF, PIPE, M16>(x, ldx, w, y, ldy, M, I, K);                       \
   }
+#define SWIGLU_KERNEL(U, PF, PIPE, MINB) \
+  SWIGLU_KERNEL1(m8, false, U, PF, PIPE, MINB) SWIGLU_KERNEL1(m16, true, U, PF, PIPE, MINB)
 SWIGLU_KERNEL(4, 256, 1, 2)
 
 // QKV GEMM + RoPE + KV write: gemm_qkv_rope_m{8,16}_u<U>_p<PF>_s<PIPE>.
-#define QKV_ROPE_KERNEL(U, PF, PIPE, MINB)                                                             \
+#define QKV_ROPE_KERNEL1(MS, M16, U, PF, PIPE, MINB)                                                   \
   extern "C" __global__ void __launch_bounds__(rowpar::THREADS, MINB)                                 \
-  gemm_qkv_rope_m8_u##U##_p##PF##_s##PIPE(                                                            \
+  gemm_qkv_rope_##MS##_u##U##_p##PF##_s##PIPE(                                                        \
       const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,       \
       __nv_bfloat16* __restrict__ qkv, long long ldq, int M, int K,                                  \
       const long long* __restrict__ positions, const long long* __restrict__ slots,                  \
       const __nv_bfloat16* __restrict__ cos_t, const __nv_bfloat16* __restrict__ sin_t, int rope_len, \
       __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, long long kv_stride, \
       int max_slots, int nh, int nkv, int D) {                                                       \
-    rowpar::gemm_qkv_rope_body<U, PF, PIPE, false>(x, ldx, w, qkv, ldq, M, K, positions, slots, cos_t, \
-        sin_t, rope_len, k_cache, v_cache, kv_stride, max_slots, nh, nkv, D);                        \
-  }                                                                                                   \
-  extern "C" __global__ void __launch_bounds__(rowpar::THREADS, MINB)                                 \
-  gemm_qkv_rope_m16_u##U##_p##PF##_s##PIPE(                                                           \
-      const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,       \
-      __nv_bfloat16* __restrict__ qkv, long long ldq, int M, int K,                                  \
-      const long long* __restrict__ positions, const long long* __restrict__ slots,                  \
-      const __nv_bfloat16* __restrict__ cos_t, const __nv_bfloat16* __restrict__ sin_t, int rope_len, \
-      __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, long long kv_stride, \
-      int max_slots, int nh, int nkv, int D) {                                                       \
-    rowpar::gemm_qkv_rope_body<U, PF, PIPE, true>(x, ldx, w, qkv, ldq, M, K, positions, slots, cos_t, \
+    rowpar::gemm_qkv_rope_body<U, PF, PIPE, M16>(x, ldx, w, qkv, ldq, M, K, positions, slots, cos_t, \
         sin_t, rope_len, k_cache, v_cache, kv_stride, max_slots, nh, nkv, D);                        \
   }
+#define QKV_ROPE_KERNEL(U, PF, PIPE, MINB) \
+  QKV_ROPE_KERNEL1(m8, false, U, PF, PIPE, MINB) QKV_ROPE_KERNEL1(m16, true, U, PF, PIPE, MINB)
 QKV_ROPE_KERNEL(4, 256, 1, 2)
 
 #ifdef SWIFTSPEC_WITH_NCCL
