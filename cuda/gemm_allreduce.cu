@@ -203,6 +203,17 @@ __device__ __forceinline__ void gemv_tiles(const __nv_bfloat16* __restrict__ x, 
   __syncthreads();   // res complete; red free again
 }
 
+// Y rows m < M of the T tiles tile0 .. tile0 + T - 1 (those < n_tiles) from res (shared, as
+// gemv_tiles leaves it): thread e writes element (tile t, row m, column n).
+template <int T>
+__device__ __forceinline__ void store_tiles(const float* res, __nv_bfloat16* __restrict__ y, long long ldy,
+                                            int M, int n_tiles, int tile0, int tid, int nthreads) {
+  for (int e = tid; e < T * 128; e += nthreads) {
+    const int t = e / 128, m = (e % 128) >> 3, n = e & 7;
+    if (m < M && tile0 + t < n_tiles) y[(long long)m * ldy + (tile0 + t) * 8 + n] = __float2bfloat16_rn(res[e]);
+  }
+}
+
 template <int T, int U, int PF, bool PIPE, bool M16>
 __device__ __forceinline__ void gemm_rowparallel_body(const __nv_bfloat16* __restrict__ x, long long ldx,
                                                       const __nv_bfloat16* __restrict__ w,
@@ -216,10 +227,21 @@ __device__ __forceinline__ void gemm_rowparallel_body(const __nv_bfloat16* __res
   const int n_tiles = N / 8;
   for (int tile0 = blockIdx.x * T; tile0 < n_tiles; tile0 += gridDim.x * T) {
     gemv_tiles<T, U, PF, PIPE, M16>(x, ldx, w, M, K, n_tiles, tile0, red, res);
-    // Y rows m < M of the T tiles: thread e writes element (tile t, row m, column n).
-    for (int e = threadIdx.x; e < T * 128; e += THREADS) {
-      const int t = e / 128, m = (e % 128) >> 3, n = e & 7;
-      if (m < M && tile0 + t < n_tiles) y[(long long)m * ldy + (tile0 + t) * 8 + n] = __float2bfloat16_rn(res[e]);
+    store_tiles<T>(res, y, ldy, M, n_tiles, tile0, threadIdx.x, THREADS);
+  }
+}
+
+// SwiGLU epilogue: gate tile res[0:128], up tile res[128:256] (shared, as gemv_tiles leaves
+// them with pair_off) -> Y[m, tile0*8 + n] = bf16(bf16(silu(bf16 g)) * bf16 u), silu_mul's roundings.
+__device__ __forceinline__ void swiglu_store(const float* res, __nv_bfloat16* __restrict__ y, long long ldy,
+                                             int M, int tile0, int tid, int nthreads) {
+  for (int e = tid; e < 128; e += nthreads) {
+    const int m = e >> 3, n = e & 7;
+    if (m < M) {
+      const float gt = __bfloat162float(__float2bfloat16_rn(res[e]));
+      const float up = __bfloat162float(__float2bfloat16_rn(res[128 + e]));
+      const float s = __bfloat162float(__float2bfloat16_rn(gt / (1.f + __expf(-gt))));
+      y[(long long)m * ldy + tile0 * 8 + n] = __float2bfloat16_rn(s * up);
     }
   }
 }
@@ -242,15 +264,7 @@ __device__ __forceinline__ void gemm_swiglu_body(const __nv_bfloat16* __restrict
   const int half = I / 8;
   for (int tile0 = blockIdx.x; tile0 < half; tile0 += gridDim.x) {
     gemv_tiles<T, U, PF, PIPE, M16>(x, ldx, w, M, K, 2 * half, tile0, red, res, half);
-    for (int e = threadIdx.x; e < 128; e += THREADS) {
-      const int m = e >> 3, n = e & 7;
-      if (m < M) {
-        const float gt = __bfloat162float(__float2bfloat16_rn(res[e]));
-        const float up = __bfloat162float(__float2bfloat16_rn(res[128 + e]));
-        const float s = __bfloat162float(__float2bfloat16_rn(gt / (1.f + __expf(-gt))));
-        y[(long long)m * ldy + tile0 * 8 + n] = __float2bfloat16_rn(s * up);
-      }
-    }
+    swiglu_store(res, y, ldy, M, tile0, threadIdx.x, THREADS);
   }
 }
 
@@ -265,6 +279,61 @@ __device__ __forceinline__ void gemm_swiglu_body(const __nv_bfloat16* __restrict
 //   [0, max_slots) is not written, a position is clamped to the tables.
 // Block b < (nh + nkv) * D/16 takes the rotation pair of tiles (j, j + D/16) of one q/k head (so
 // columns j and j + D/2 meet in its epilogue), the others two consecutive v tiles.
+// The QKV epilogue: block b of the grid (see above) with its two tiles in res (shared) -> the
+// rotated q into qkv, the rotated k and the v into the caches. The tile0 of block b:
+__device__ __forceinline__ int qkv_rope_tile0(int b, int nh, int nkv, int D) {
+  const int hp = D / 16, tpd = D / 8, n_rot = (nh + nkv) * hp;
+  if (b < n_rot) {
+    const int head = b / hp;
+    return head * tpd + (b - head * hp);
+  }
+  return (nh + nkv) * tpd + 2 * (b - n_rot);
+}
+
+__device__ __forceinline__ void qkv_rope_store(
+    const float* res, int b, int tile0, __nv_bfloat16* __restrict__ qkv, long long ldq, int M,
+    const long long* __restrict__ positions, const long long* __restrict__ slots,
+    const __nv_bfloat16* __restrict__ cos_t, const __nv_bfloat16* __restrict__ sin_t, int rope_len,
+    __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, long long kv_stride,
+    int max_slots, int nh, int nkv, int D, int tid, int nthreads) {
+  const int half = D / 2, hp = half / 8, tpd = D / 8;   // rotation pairs / tiles per head
+  const int n_rot = (nh + nkv) * hp;
+  const bool rot = b < n_rot;
+  const int head = rot ? b / hp : 0;
+  auto bf = [](float v) { return __bfloat162float(__float2bfloat16_rn(v)); };
+  for (int e = tid; e < 128; e += nthreads) {
+    const int m = e >> 3, n = e & 7;
+    if (m >= M) continue;
+    const long long slot = slots[m];
+    const bool slot_ok = slot >= 0 && slot < max_slots;
+    const float xa = bf(res[e]), xb = bf(res[128 + e]);
+    if (rot) {
+      const int j = (tile0 - head * tpd) * 8 + n;             // < half
+      long long p = positions[m];
+      p = p < 0 ? 0 : (p >= rope_len ? rope_len - 1 : p);
+      const float cl = __bfloat162float(cos_t[p * D + j]), ch = __bfloat162float(cos_t[p * D + half + j]);
+      const float sl = __bfloat162float(sin_t[p * D + j]), sh = __bfloat162float(sin_t[p * D + half + j]);
+      const float yl = bf(xa * cl) + xb * sl;                 // as rope_kv_body (fused_ops.cu)
+      const float yh = bf(xb * ch) + xa * sh;
+      __nv_bfloat16* dst;
+      if (head < nh) {
+        dst = qkv + (long long)m * ldq + head * D;
+      } else {
+        if (!slot_ok) continue;
+        dst = k_cache + slot * kv_stride + (head - nh) * D;
+      }
+      dst[j] = __float2bfloat16_rn(yl);
+      dst[half + j] = __float2bfloat16_rn(yh);
+    } else {
+      if (!slot_ok) continue;
+      const int col = tile0 * 8 - (nh + nkv) * D;           // v column = v head * D + d
+      __nv_bfloat16* dst = v_cache + slot * kv_stride + col + n;
+      dst[0] = __float2bfloat16_rn(xa);
+      dst[8] = __float2bfloat16_rn(xb);
+    }
+  }
+}
+
 template <int U, int PF, bool PIPE, bool M16>
 __device__ __forceinline__ void gemm_qkv_rope_body(
     const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,
@@ -276,48 +345,243 @@ __device__ __forceinline__ void gemm_qkv_rope_body(
   __shared__ float red[WARPS * 2 * 128];
   __shared__ float res[2 * 128];
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");   // PDL, as above
-  const int half = D / 2, hp = half / 8, tpd = D / 8;   // rotation pairs / tiles per head
+  const int hp = D / 16, tpd = D / 8;
   const int n_rot = (nh + nkv) * hp;
   const int n_blocks = n_rot + nkv * D / 16;
   const int n_tiles = (nh + 2 * nkv) * tpd;
-  auto bf = [](float v) { return __bfloat162float(__float2bfloat16_rn(v)); };
   for (int b = blockIdx.x; b < n_blocks; b += gridDim.x) {
-    const bool rot = b < n_rot;
-    const int head = rot ? b / hp : 0;
-    const int tile0 = rot ? head * tpd + (b - head * hp) : (nh + nkv) * tpd + 2 * (b - n_rot);
-    gemv_tiles<2, U, PF, PIPE, M16>(x, ldx, w, M, K, n_tiles, tile0, red, res, rot ? hp : 1);
-    for (int e = threadIdx.x; e < 128; e += THREADS) {
-      const int m = e >> 3, n = e & 7;
-      if (m >= M) continue;
-      const long long slot = slots[m];
-      const bool slot_ok = slot >= 0 && slot < max_slots;
-      const float xa = bf(res[e]), xb = bf(res[128 + e]);
-      if (rot) {
-        const int j = (tile0 - head * tpd) * 8 + n;             // < half
-        long long p = positions[m];
-        p = p < 0 ? 0 : (p >= rope_len ? rope_len - 1 : p);
-        const float cl = __bfloat162float(cos_t[p * D + j]), ch = __bfloat162float(cos_t[p * D + half + j]);
-        const float sl = __bfloat162float(sin_t[p * D + j]), sh = __bfloat162float(sin_t[p * D + half + j]);
-        const float yl = bf(xa * cl) + xb * sl;                 // as rope_kv_body (fused_ops.cu)
-        const float yh = bf(xb * ch) + xa * sh;
-        __nv_bfloat16* dst;
-        if (head < nh) {
-          dst = qkv + (long long)m * ldq + head * D;
-        } else {
-          if (!slot_ok) continue;
-          dst = k_cache + slot * kv_stride + (head - nh) * D;
+    const int tile0 = qkv_rope_tile0(b, nh, nkv, D);
+    gemv_tiles<2, U, PF, PIPE, M16>(x, ldx, w, M, K, n_tiles, tile0, red, res, b < n_rot ? hp : 1);
+    qkv_rope_store(res, b, tile0, qkv, ldq, M, positions, slots, cos_t, sin_t, rope_len, k_cache, v_cache,
+                   kv_stride, max_slots, nh, nkv, D, threadIdx.x, THREADS);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weight streaming through shared memory (the "smem" GEMVs: gemm_rowparallel_smem_*,
+// gemm_swiglu_smem_*, gemm_qkv_rope_smem_*). Same tiles, same per-warp chunk assignment and the
+// same MMA sequence as gemv_tiles with U = 4, so the same bits; only the way W reaches the MMAs
+// differs. One producer warp (the block's last) streams the block's W rows into a ring of
+// STAGES stages with 1-D bulk copies (the TMA engine: one cp.async.bulk of up to 2 KiB per W row
+// and stage, completing on the stage's "full" mbarrier); NW consumer warps read them from shared
+// memory and release each stage on its "empty" mbarrier. A stage holds SK = 1024 k's of the
+// block's 8 T rows: the 8 chunks of KC = 128 k's that gemv_tiles gives to warps 0..7. With NW = 4
+// each consumer warp plays two of those warps (chunk w into one accumulator set, chunk w + 4
+// into another), so the 8 partial tiles and their summation are gemv_tiles' exactly.
+// Why: the producer issues the first STAGES stages before griddepcontrol.wait, so under PDL a
+// block that became resident while the previous kernel still runs (attention, a norm, the tail
+// of the previous GEMV) has up to STAGES * 16 KiB * T of its weights landed when it may start;
+// and a block needs no registers for loads in flight, so more blocks fit per SM (3 with T = 2,
+// STAGES = 2: the QKV GEMV's 384 blocks in one wave of 396 slots on 132 SMs instead of 1.45
+// waves of 264). Rows are SK + 8 elements apart in shared memory, so the 8 rows a warp reads at
+// once fall 16 bytes apart modulo 128: 4 wavefronts per 512-byte warp read, no bank conflicts.
+// One tile group per block (grid = ceil(n_tiles / T)); blockDim = 32 (NW + 1); dynamic shared
+// memory SmemGemvLayout<T, STAGES>::TOTAL bytes.
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok = 0;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+  } while (!ok);
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+// 1-D bulk copy global -> shared (bytes % 16 == 0, both addresses 16-byte aligned), completing
+// `bytes` of transaction count on the mbarrier.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+template <int T, int STAGES>
+struct SmemGemvLayout {
+  static constexpr int R = 8 * T;                   // W rows per block
+  static constexpr int SK = WARPS * 128;            // k's per stage: gemv_tiles' 8 chunks (U = 4)
+  static constexpr int LDW = SK + 8;                // row pitch in elements (16-byte shift per row)
+  static constexpr int RING = STAGES * R * LDW * 2; // bytes; after the last stage: red [8][T*128] f32
+  static constexpr int RES = RING;                  // float [T * 128]
+  static constexpr int MBAR = RES + T * 128 * 4;    // full[STAGES], empty[STAGES]
+  static constexpr int TOTAL = MBAR + 2 * STAGES * 8;
+  static_assert(RING >= WARPS * T * 128 * 4, "the warp partials fit in the ring");
+};
+
+// gemv_tiles with W through the shared-memory ring (see above): the partial tiles of the T
+// n-tiles of tile0 (or tile0 and tile0 + pair_off) over all of K into res = smem + RES, valid
+// after the call. Called once per block by all 32 (NW + 1) threads; waits for the previous grid
+// (PDL) before reading x, after the producer has issued the first STAGES stages.
+template <int T, int NW, int STAGES, bool M16>
+__device__ __forceinline__ const float* gemv_tiles_smem(const __nv_bfloat16* __restrict__ x, long long ldx,
+                                                        const __nv_bfloat16* __restrict__ w, int M, int K,
+                                                        int n_tiles, int tile0, int pair_off,
+                                                        unsigned char* smem) {
+  using LY = SmemGemvLayout<T, STAGES>;
+  constexpr int V = WARPS / NW;            // gemv_tiles warps played by one consumer warp
+  static_assert(NW * V == WARPS, "NW must divide 8");
+  constexpr int KC = 128, U = 4, LDW = LY::LDW, SK = LY::SK, R = LY::R;
+  const __nv_bfloat16* ring = reinterpret_cast<const __nv_bfloat16*>(smem);
+  float* red = reinterpret_cast<float*>(smem);
+  float* res = reinterpret_cast<float*>(smem + LY::RES);
+  const uint32_t full0 = smem_addr(smem + LY::MBAR), empty0 = full0 + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int n_stages = (K + SK - 1) / SK;
+  int tile[T];
+  bool tv[T];
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    tile[t] = pair_off ? tile0 + t * pair_off : tile0 + t;
+    tv[t] = tile[t] < n_tiles;
+  }
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, NW);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  float c[V][T][4];
+#pragma unroll
+  for (int j = 0; j < V; ++j)
+#pragma unroll
+    for (int t = 0; t < T; ++t) c[j][t][0] = c[j][t][1] = c[j][t][2] = c[j][t][3] = 0.f;
+  const int g = lane >> 2, q = lane & 3;
+  if (warp == NW) {
+    // Producer: one lane issues every copy. Stage i of W rows (tile t, row r) -> ring stage i % STAGES.
+    if (lane == 0) {
+      int rows = 0;
+#pragma unroll
+      for (int t = 0; t < T; ++t) rows += tv[t] ? 8 : 0;
+      const uint32_t ring0 = smem_addr(smem);
+      for (int i = 0; i < n_stages; ++i) {
+        const int s = i % STAGES;
+        if (i >= STAGES) mbar_wait(empty0 + 8 * s, ((i / STAGES) - 1) & 1);
+        const int k0 = i * SK;
+        const int kk = min(SK, K - k0);
+        mbar_arrive_expect_tx(full0 + 8 * s, (uint32_t)(rows * kk * 2));
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          if (!tv[t]) continue;
+#pragma unroll
+          for (int r = 0; r < 8; ++r)
+            bulk_load(ring0 + (uint32_t)(((s * R + t * 8 + r) * LDW) * 2),
+                      w + (long long)(tile[t] * 8 + r) * K + k0, (uint32_t)(kk * 2), full0 + 8 * s);
         }
-        dst[j] = __float2bfloat16_rn(yl);
-        dst[half + j] = __float2bfloat16_rn(yh);
-      } else {
-        if (!slot_ok) continue;
-        const int col = tile0 * 8 - (nh + nkv) * D;           // v column = v head * D + d
-        __nv_bfloat16* dst = v_cache + slot * kv_stride + col + n;
-        dst[0] = __float2bfloat16_rn(xa);
-        dst[8] = __float2bfloat16_rn(xb);
       }
     }
+  } else {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");    // x may be the previous kernel's output
+    const bool hasA = g < M;
+    const bool hasB = M16 && (g + 8 < M);
+    const __nv_bfloat16* xa = x + (long long)g * ldx + 8 * q;
+    const __nv_bfloat16* xb = x + (long long)(g + 8) * ldx + 8 * q;
+    for (int i = 0; i < n_stages; ++i) {
+      const int s = i % STAGES;
+      mbar_wait(full0 + 8 * s, (i / STAGES) & 1);
+      const __nv_bfloat16* st = ring + s * R * LDW + g * LDW + 8 * q;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const int kl = (warp + NW * j) * KC;              // this chunk's k offset in the stage
+        const int k0 = i * SK + kl;
+        uint4 a[U], b[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int k = k0 + 32 * u;
+          const bool ok = k + 8 * q < K;
+          a[u] = (ok && hasA) ? __ldg(reinterpret_cast<const uint4*>(xa + k)) : make_uint4(0, 0, 0, 0);
+          b[u] = (M16 && ok && hasB) ? __ldg(reinterpret_cast<const uint4*>(xb + k)) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const bool ok = k0 + 32 * u + 8 * q < K;
+#pragma unroll
+          for (int t = 0; t < T; ++t) {
+            const uint4 wv = (ok && tv[t]) ? *reinterpret_cast<const uint4*>(st + t * 8 * LDW + kl + 32 * u)
+                                           : make_uint4(0, 0, 0, 0);
+            mma_bf16(c[j][t], a[u].x, b[u].x, a[u].y, b[u].y, wv.x, wv.y);
+            mma_bf16(c[j][t], a[u].z, b[u].z, a[u].w, b[u].w, wv.z, wv.w);
+          }
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty0 + 8 * s);
+    }
   }
+  __syncthreads();   // every stage consumed and every copy landed: the ring is free for red
+  if (warp < NW) {
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        float* r = red + (warp + NW * j) * (T * 128) + t * 128;
+        r[g * 8 + 2 * q] = c[j][t][0];
+        r[g * 8 + 2 * q + 1] = c[j][t][1];
+        r[(g + 8) * 8 + 2 * q] = c[j][t][2];
+        r[(g + 8) * 8 + 2 * q + 1] = c[j][t][3];
+      }
+  }
+  __syncthreads();
+  for (int e = tid; e < T * 128; e += 32 * (NW + 1)) {
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < WARPS; ++i) sum += red[i * (T * 128) + e];
+    res[e] = sum;
+  }
+  __syncthreads();
+  return res;
+}
+
+template <int T, int NW, int STAGES, bool M16>
+__device__ __forceinline__ void gemm_rowparallel_smem_body(const __nv_bfloat16* __restrict__ x, long long ldx,
+                                                           const __nv_bfloat16* __restrict__ w,
+                                                           __nv_bfloat16* __restrict__ y, long long ldy,
+                                                           int M, int N, int K) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");   // PDL, as above
+  const int n_tiles = N / 8, tile0 = blockIdx.x * T;
+  const float* res = gemv_tiles_smem<T, NW, STAGES, M16>(x, ldx, w, M, K, n_tiles, tile0, 0, smem);
+  store_tiles<T>(res, y, ldy, M, n_tiles, tile0, threadIdx.x, 32 * (NW + 1));
+}
+
+template <int NW, int STAGES, bool M16>
+__device__ __forceinline__ void gemm_swiglu_smem_body(const __nv_bfloat16* __restrict__ x, long long ldx,
+                                                      const __nv_bfloat16* __restrict__ w,
+                                                      __nv_bfloat16* __restrict__ y, long long ldy,
+                                                      int M, int I, int K) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  const int half = I / 8, tile0 = blockIdx.x;
+  const float* res = gemv_tiles_smem<2, NW, STAGES, M16>(x, ldx, w, M, K, 2 * half, tile0, half, smem);
+  swiglu_store(res, y, ldy, M, tile0, threadIdx.x, 32 * (NW + 1));
+}
+
+template <int NW, int STAGES, bool M16>
+__device__ __forceinline__ void gemm_qkv_rope_smem_body(
+    const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,
+    __nv_bfloat16* __restrict__ qkv, long long ldq, int M, int K,
+    const long long* __restrict__ positions, const long long* __restrict__ slots,
+    const __nv_bfloat16* __restrict__ cos_t, const __nv_bfloat16* __restrict__ sin_t, int rope_len,
+    __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, long long kv_stride,
+    int max_slots, int nh, int nkv, int D) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  const int b = blockIdx.x, hp = D / 16, n_rot = (nh + nkv) * hp;
+  const int tile0 = qkv_rope_tile0(b, nh, nkv, D);
+  const float* res = gemv_tiles_smem<2, NW, STAGES, M16>(x, ldx, w, M, K, (nh + 2 * nkv) * (D / 8), tile0,
+                                                         b < n_rot ? hp : 1, smem);
+  qkv_rope_store(res, b, tile0, qkv, ldq, M, positions, slots, cos_t, sin_t, rope_len, k_cache, v_cache,
+                 kv_stride, max_slots, nh, nkv, D, threadIdx.x, 32 * (NW + 1));
 }
 
 }  // namespace rowpar
@@ -373,6 +637,44 @@ SWIGLU_KERNEL(4, 256, 1, 2)
 #define QKV_ROPE_KERNEL(U, PF, PIPE, MINB) \
   QKV_ROPE_KERNEL1(m8, false, U, PF, PIPE, MINB) QKV_ROPE_KERNEL1(m16, true, U, PF, PIPE, MINB)
 QKV_ROPE_KERNEL(4, 256, 1, 2)
+
+// Shared-memory-streamed variants: <name>_smem_m{8,16}_t<T>_w<NW>_st<STAGES> (rowparallel) and
+// <name>_smem_m{8,16}_w<NW>_st<STAGES> (swiglu, qkv_rope: T = 2), blockDim 32 (NW + 1), dynamic
+// shared memory SmemGemvLayout<T, STAGES>::TOTAL (kernels.gemv_smem_bytes).
+#define ROWPAR_SMEM_KERNEL1(MS, M16, T, NW, ST, MINB)                                                  \
+  extern "C" __global__ void __launch_bounds__(32 * (NW + 1), MINB)                                   \
+  gemm_rowparallel_smem_##MS##_t##T##_w##NW##_st##ST(const __nv_bfloat16* __restrict__ x, long long ldx, \
+      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K) { \
+    rowpar::gemm_rowparallel_smem_body<T, NW, ST, M16>(x, ldx, w, y, ldy, M, N, K);                  \
+  }
+#define SWIGLU_SMEM_KERNEL1(MS, M16, NW, ST, MINB)                                                     \
+  extern "C" __global__ void __launch_bounds__(32 * (NW + 1), MINB)                                   \
+  gemm_swiglu_smem_##MS##_w##NW##_st##ST(const __nv_bfloat16* __restrict__ x, long long ldx,          \
+      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int I, int K) { \
+    rowpar::gemm_swiglu_smem_body<NW, ST, M16>(x, ldx, w, y, ldy, M, I, K);                          \
+  }
+#define QKV_ROPE_SMEM_KERNEL1(MS, M16, NW, ST, MINB)                                                   \
+  extern "C" __global__ void __launch_bounds__(32 * (NW + 1), MINB)                                   \
+  gemm_qkv_rope_smem_##MS##_w##NW##_st##ST(                                                          \
+      const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,       \
+      __nv_bfloat16* __restrict__ qkv, long long ldq, int M, int K,                                  \
+      const long long* __restrict__ positions, const long long* __restrict__ slots,                  \
+      const __nv_bfloat16* __restrict__ cos_t, const __nv_bfloat16* __restrict__ sin_t, int rope_len, \
+      __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, long long kv_stride, \
+      int max_slots, int nh, int nkv, int D) {                                                       \
+    rowpar::gemm_qkv_rope_smem_body<NW, ST, M16>(x, ldx, w, qkv, ldq, M, K, positions, slots, cos_t, \
+        sin_t, rope_len, k_cache, v_cache, kv_stride, max_slots, nh, nkv, D);                        \
+  }
+#define GEMV_SMEM_KERNELS(NW, ST, MINB)                                                                \
+  ROWPAR_SMEM_KERNEL1(m8, false, 1, NW, ST, MINB) ROWPAR_SMEM_KERNEL1(m16, true, 1, NW, ST, MINB)    \
+  ROWPAR_SMEM_KERNEL1(m8, false, 2, NW, ST, MINB) ROWPAR_SMEM_KERNEL1(m16, true, 2, NW, ST, MINB)    \
+  SWIGLU_SMEM_KERNEL1(m8, false, NW, ST, MINB) SWIGLU_SMEM_KERNEL1(m16, true, NW, ST, MINB)          \
+  QKV_ROPE_SMEM_KERNEL1(m8, false, NW, ST, MINB) QKV_ROPE_SMEM_KERNEL1(m16, true, NW, ST, MINB)
+GEMV_SMEM_KERNELS(4, 2, 3)
+GEMV_SMEM_KERNELS(4, 3, 2)
+GEMV_SMEM_KERNELS(8, 2, 2)
+GEMV_SMEM_KERNELS(8, 3, 2)
+GEMV_SMEM_KERNELS(4, 4, 1)
 
 #ifdef SWIFTSPEC_WITH_NCCL
 namespace rowpar {

@@ -34,12 +34,29 @@ TREE_ATTENTION_VARIANTS = ((8, 4), (16, 3), (16, 2))
 # a 3-tuple version 1.
 TREE_ATTENTION_V2_VARIANTS = ((16, 2, 4), (8, 4, 4))
 _TA2_MAXT = 16               # tiles per mask-bits chunk (tree_attn2::MAXT)
+# Version 3 (tree_attention3_*: split-K over cluster-free blocks, fp32 partials in a global
+# workspace): its instantiated ring depths. A config (tiles_per_split, stages, row_tiles, warps,
+# combine) selects it: splits = ceil(KV tiles / tiles_per_split) (a launch-time number, any
+# tiles_per_split >= 1), warps 4, combine 0 = the last block of each (KV head, row group) reduces
+# the partials (ticket counter), 1 = a second kernel launched with PDL does.
+TREE_ATTENTION_V3_STAGES = (2, 4)
+# The version 3 configs that tree_attention_configs lists (tiles_per_split, stages, combine).
+TREE_ATTENTION_V3_VARIANTS = ((1, 2, 1), (2, 2, 1), (4, 2, 1), (4, 4, 1), (8, 2, 1), (8, 4, 1),
+                              (2, 2, 0), (4, 2, 0), (4, 4, 0), (8, 4, 0))
+_TA3_MAX_SPLITS = 1024       # splits per (KV head, row group) at most
+_TA3_COMBINE_THREADS = 128   # tree_attention3_combine's block
+_TA3_WORKSPACES: dict = {}   # device index -> (partial O fp32, partial (m, l) fp32, counters int32)
+_TA3_RETIRED: list = []      # outgrown workspaces, kept alive: captured graphs may point at them
 # Must match cuda/gemm_allreduce.cu: (tiles per block T, 16-byte vectors per lane and chunk U,
 # L2 prefetch hint bytes PF, register double buffering PIPE) of
 # gemm_rowparallel_m{8,16}_t<T>_u<U>_p<PF>_s<PIPE>; the GEMM + all-reduce exists for fewer.
 GEMM_VARIANTS = ((1, 4, 0, 0), (1, 4, 256, 1), (2, 4, 256, 1), (2, 4, 0, 1), (4, 4, 256, 1),
                  (4, 2, 256, 1), (2, 8, 256, 0), (1, 8, 256, 1))
 GEMM_ALLREDUCE_VARIANTS = ((1, 4, 0, 0), (2, 4, 256, 1), (1, 8, 256, 1))
+# Must match cuda/gemm_allreduce.cu's GEMV_SMEM_KERNELS: (consumer warps NW, ring stages) of the
+# GEMVs that stream W through shared memory (gemm_*_smem_*, same bits as the U = 4 variants).
+GEMV_SMEM_VARIANTS = ((4, 2), (4, 3), (8, 2), (8, 3), (4, 4))
+_SMEM_SK = 1024              # k's per ring stage (SmemGemvLayout::SK)
 _GEMM_THREADS = 256          # must match cuda/gemm_allreduce.cu
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
@@ -233,10 +250,14 @@ def _check_bf16(name: str, t: torch.Tensor, ndim: int) -> None:
 def tree_attention_smem_bytes(head_dim: int, stages: int, config: tuple | None = None) -> int:
     """Dynamic shared memory of one tree_attention block. Version 1 (config None or a 3-tuple):
     its K/V ring of `stages` 64-slot tiles. Version 2 (a 4-tuple config): the ring, the combine's
-    receive buffer, the mask bits and the ring's mbarriers (tree_attn2::Layout)."""
+    receive buffer, the mask bits and the ring's mbarriers (tree_attn2::Layout). Version 3 (a
+    5-tuple): the ring, the mask bits, the mbarriers and a flag (tree_attn3::Layout)."""
     ring = stages * 2 * _TA_TILE * (head_dim + 8) * 2
     if config is None or len(config) == 3:
         return ring
+    if len(config) == 5:
+        rb = 16 * config[2]
+        return ring + _TA2_MAXT * rb * 8 + stages * 8 + 16
     cs, mt = config[0], config[2]
     rb = 16 * mt
     items = rb * head_dim // 4
@@ -245,19 +266,20 @@ def tree_attention_smem_bytes(head_dim: int, stages: int, config: tuple | None =
 
 
 def tree_attention_configs(rows: int | None = None) -> list[tuple]:
-    """Every instantiated config: version 1 (cluster, stages, row_tiles) and version 2
-    (cluster, stages, row_tiles, warps). With `rows`, only row-tile counts that suit that many
-    rows per KV head (<= 16: 1; <= 32: 1, 2; more: 2, 4)."""
+    """Every instantiated config: version 1 (cluster, stages, row_tiles), version 2
+    (cluster, stages, row_tiles, warps) and the listed version 3 ones (tiles_per_split, stages,
+    row_tiles, warps, combine). With `rows`, only row-tile counts that suit that many rows per
+    KV head (<= 16: 1; <= 32: 1, 2; more: 2, 4)."""
     mts = (1, 2, 4) if rows is None else (1,) if rows <= 16 else (1, 2) if rows <= 32 else (2, 4)
     return ([(cs, st, mt) for cs, st in TREE_ATTENTION_VARIANTS for mt in mts]
-            + [(cs, st, mt, nw) for cs, st, nw in TREE_ATTENTION_V2_VARIANTS for mt in mts])
+            + [(cs, st, mt, nw) for cs, st, nw in TREE_ATTENTION_V2_VARIANTS for mt in mts]
+            + [(t, st, mt, 4, c) for t, st, c in TREE_ATTENTION_V3_VARIANTS for mt in mts])
 
 
-def tree_attention_config(rows: int, max_len: int) -> tuple[int, ...]:
-    """Config used by default for `rows` = N * (H / Hkv) query rows per KV head and a mask of
-    `max_len` columns (the largest context the call may see; a graph captured over a static
-    [N, max_slots] mask gets the long-context choice). A 3-tuple (cluster, stages, row_tiles)
-    is the version 1 kernel, a 4-tuple (cluster, stages, row_tiles, warps) version 2.
+def tree_attention_cluster_config(rows: int, max_len: int) -> tuple[int, ...]:
+    """The best version 1 / 2 config (thread-block clusters, no workspace) for `rows` query rows
+    per KV head and `max_len` mask columns: what tree_attention_config chose before version 3,
+    and the default's stand-in while a CUDA graph is captured before version 3's workspace exists.
 
     From the sweeps on the H200 (benchmarks/bench_kernels_gpu.py, Llama-3-8B heads, header of
     cuda/tree_attention.cu): up to 32 rows (N <= 8 at G = 4), version 2 up to 8k slots: 8 blocks
@@ -272,6 +294,45 @@ def tree_attention_config(rows: int, max_len: int) -> tuple[int, ...]:
     if max_len <= 2048:
         return 8, 4, 1 if rows <= 16 else 2 if rows <= 32 else 4
     return 16, 2, 1 if rows <= 32 else 4
+
+
+def tree_attention_config(rows: int, max_len: int) -> tuple[int, ...]:
+    """Config used by default for `rows` = N * (H / Hkv) query rows per KV head and a mask of
+    `max_len` columns (the largest context the call may see; a graph captured over a static
+    [N, max_slots] mask gets the long-context choice). A 3-tuple (cluster, stages, row_tiles)
+    is the version 1 kernel, a 4-tuple (cluster, stages, row_tiles, warps) version 2, a 5-tuple
+    (tiles_per_split, stages, row_tiles, warps, combine) version 3.
+    """
+    return tree_attention_cluster_config(rows, max_len)
+
+
+def tree_attention_workspace(device: int, n_o: int, n_ml: int, n_counters: int):
+    """Version 3's global workspace on `device`: (partial O, partial (m, l), ticket counters),
+    float32 / float32 / int32 CUDA tensors of at least n_o / n_ml / n_counters elements. Made
+    once per device and grown (at least doubling) when a call needs more; an outgrown one is
+    kept alive (a captured CUDA graph may still point at it). The counters start at zero and
+    every call leaves them at zero. Raises while a CUDA graph is being captured and the
+    workspace is too small (no allocation may be captured): call once eagerly first."""
+    ws = _TA3_WORKSPACES.get(device)
+    if ws is not None and ws[0].numel() >= n_o and ws[1].numel() >= n_ml and ws[2].numel() >= n_counters:
+        return ws
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("tree_attention version 3: workspace too small while capturing a CUDA graph; "
+                           "run the call once outside the capture first")
+    with _lock:
+        ws = _TA3_WORKSPACES.get(device)
+        if ws is not None and ws[0].numel() >= n_o and ws[1].numel() >= n_ml and ws[2].numel() >= n_counters:
+            return ws
+        old = (0, 0, 0) if ws is None else (ws[0].numel(), ws[1].numel(), ws[2].numel())
+        grow = lambda need, have: have if need <= have else max(need, 2 * have)   # noqa: E731
+        dev = torch.device("cuda", device)
+        new = (torch.zeros(grow(n_o, old[0]), dtype=torch.float32, device=dev),
+               torch.zeros(grow(n_ml, old[1]), dtype=torch.float32, device=dev),
+               torch.zeros(max(grow(n_counters, old[2]), 256), dtype=torch.int32, device=dev))
+        if ws is not None:
+            _TA3_RETIRED.append(ws)
+        _TA3_WORKSPACES[device] = new
+        return new
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
@@ -296,9 +357,13 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
       scale:   softmax scale, default 1/sqrt(D).
       config:  version 1: (cluster, stages, row_tiles), (cluster, stages) one of
                TREE_ATTENTION_VARIANTS; version 2: (cluster, stages, row_tiles, warps),
-               (cluster, stages, warps) one of TREE_ATTENTION_V2_VARIANTS; row_tiles 1, 2 or 4
-               (m16 row tiles per block); cluster = KV splits per KV head. All of them:
-               tree_attention_configs(). Default: tree_attention_config(N * H // Hkv, mask.shape[1]).
+               (cluster, stages, warps) one of TREE_ATTENTION_V2_VARIANTS; version 3:
+               (tiles_per_split, stages, row_tiles, 4, combine), stages one of
+               TREE_ATTENTION_V3_STAGES, combine 0 (last block) or 1 (second kernel, PDL); it
+               uses the per-device workspace (tree_attention_workspace), so calls on different
+               streams must not overlap. row_tiles 1, 2 or 4 (m16 row tiles per block); cluster
+               = KV splits per KV head. The listed ones: tree_attention_configs(). Default:
+               tree_attention_config(N * H // Hkv, mask.shape[1]).
       pdl:     launch with programmatic dependent launch: the launch overlaps the previous
                kernel's tail; the kernel waits for that kernel before reading anything, then lets
                the next kernel of the stream launch.
@@ -342,6 +407,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         nv_ptr = ctypes.c_uint64(0)
     G = H // Hkv
     R = N * G
+    default = config is None
     config = tuple(tree_attention_config(R, mask.shape[1]) if config is None else config)
     if len(config) == 3:
         cs, st, mt = config
@@ -355,19 +421,56 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             raise ValueError(f"config {config}: (cluster, stages, warps) must be one of "
                              f"{TREE_ATTENTION_V2_VARIANTS} and row_tiles 1, 2 or 4")
         name, threads = f"tree_attention2_d{D}_mt{mt}_cs{cs}_st{st}_w{nw}", 32 * nw
+    elif len(config) == 5:
+        tps, st, mt, nw, comb = config
+        if st not in TREE_ATTENTION_V3_STAGES or nw != 4 or mt not in (1, 2, 4) or comb not in (0, 1) \
+                or int(tps) < 1:
+            raise ValueError(f"config {config}: (tiles_per_split >= 1, stages in {TREE_ATTENTION_V3_STAGES}, "
+                             "row_tiles 1, 2 or 4, warps 4, combine 0 or 1)")
+        name, threads = f"tree_attention3_d{D}_mt{mt}_st{st}_w4", 128
     else:
-        raise ValueError(f"config {config}: 3 (version 1) or 4 (version 2) values")
+        raise ValueError(f"config {config}: 3 (version 1), 4 (version 2) or 5 (version 3) values")
     rg = -(-R // (16 * mt))
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    smem = tree_attention_smem_bytes(D, st, config)
-    f = _function("tree_attention", "", name, dev, smem, cs > 8)
+    stream = torch.cuda.current_stream(dev).cuda_stream
     scale = D ** -0.5 if scale is None else float(scale)
     args = [_ptr(q), ctypes.c_int64(q.stride(0)), _ptr(k_cache), _ptr(v_cache), ctypes.c_int64(k_cache.stride(0)),
             _ptr(mask), ctypes.c_int64(mask.stride(0)), nv_ptr, ctypes.c_int32(nv),
             _ptr(out), ctypes.c_int64(out.stride(0)),
             ctypes.c_int32(N), ctypes.c_int32(H), ctypes.c_int32(Hkv), ctypes.c_float(scale * _LOG2E)]
-    (_launch_pdl if pdl else _launch)(f, (cs, Hkv, rg), threads, smem,
-                                      torch.cuda.current_stream(dev).cuda_stream, args)
+    if len(config) == 5:
+        # Splits over the largest length this call may see (a device-side n_valid: the mask's
+        # columns), so one captured graph serves every shorter length (empty splits store m = -inf).
+        max_len = mask.shape[1] if isinstance(n_valid, torch.Tensor) else nv
+        n_tiles = -(-max_len // _TA_TILE)
+        splits = max(1, min(_TA3_MAX_SPLITS, -(-n_tiles // int(tps))))
+        rb = 16 * mt
+        parts = splits * Hkv * rg * rb
+        try:
+            ws_o, ws_ml, ctr = tree_attention_workspace(dev, parts * D, parts * 2, Hkv * rg)
+        except RuntimeError:
+            if not default:
+                raise
+            # default config while capturing with no workspace yet: the cluster kernels need none
+            return tree_attention(q, k_cache, v_cache, mask, n_valid, out, scale,
+                                  tree_attention_cluster_config(R, mask.shape[1]), pdl)
+        smem = tree_attention_smem_bytes(D, st, config)
+        f = _function("tree_attention", "", name, dev, smem, False)
+        args += [_ptr(ws_o), _ptr(ws_ml), _ptr(ctr), ctypes.c_int32(1 if comb == 0 else 0)]
+        (_launch_pdl if pdl else _launch)(f, (splits, Hkv, rg), threads, smem, stream, args)
+        if comb == 1:
+            # The combine kernel always with PDL: it launches while the main kernel runs and
+            # waits for it (griddepcontrol.wait) before reading the workspace.
+            fc = _function("tree_attention", "", "tree_attention3_combine", dev)
+            gx = -(-(rb * D // 4) // _TA3_COMBINE_THREADS)
+            cargs = [_ptr(ws_o), _ptr(ws_ml), ctypes.c_int32(splits), ctypes.c_int32(rb), ctypes.c_int32(D),
+                     ctypes.c_int32(N), ctypes.c_int32(H), ctypes.c_int32(Hkv), _ptr(out),
+                     ctypes.c_int64(out.stride(0))]
+            _launch_pdl(fc, (gx, Hkv, rg), _TA3_COMBINE_THREADS, 0, stream, cargs)
+        return out
+    smem = tree_attention_smem_bytes(D, st, config)
+    f = _function("tree_attention", "", name, dev, smem, cs > 8)
+    (_launch_pdl if pdl else _launch)(f, (cs, Hkv, rg), threads, smem, stream, args)
     return out
 
 
@@ -376,9 +479,11 @@ def _gemm_checks(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None):
     _check_bf16("w", w, 2)
     M, K = x.shape
     N, Kw = w.shape
-    if Kw != K or not 1 <= M <= MAX_GEMM_ROWS or N % 8 or K % 8 or not w.is_contiguous() or x.stride(0) % 8:
+    if (Kw != K or not 1 <= M <= MAX_GEMM_ROWS or N % 8 or K % 8 or not w.is_contiguous() or x.stride(0) % 8
+            or w.data_ptr() % 16 or x.data_ptr() % 16):
         raise ValueError(f"gemm: x {tuple(x.shape)} w {tuple(w.shape)}: need M <= {MAX_GEMM_ROWS}, "
-                         "N and K multiples of 8, w contiguous, x row stride a multiple of 8")
+                         "N and K multiples of 8, w contiguous, x row stride a multiple of 8, "
+                         "16-byte aligned x and w")
     if out is None:
         out = torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
     else:
@@ -388,11 +493,23 @@ def _gemm_checks(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None):
     return M, N, K, out
 
 
-def gemm_rowparallel_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
-    """(T, U, PF, PIPE) used by default for an [M, K] x [N, K]^T product: n-tiles of 8 W rows
-    per block, 16-byte W vectors per lane and k-chunk, L2 prefetch hint (0 or 256 bytes),
-    register double buffering of the W loads. gemm_allreduce runs the same config (or one with
-    the same U: the same summation order), so at TP = 1 it gives gemm_rowparallel's bits.
+def gemm_rowparallel_config(M: int, N: int, K: int) -> tuple:
+    """Config used by default for an [M, K] x [N, K]^T product: the register-pipelined
+    (T, U, PF, PIPE) of gemm_regs_config, or ("smem", T, NW, STAGES) of the shared-memory GEMV
+    where gemv_stream() asks for it ("auto", the default: where it needs fewer waves of blocks,
+    _smem_pays). Every default gives the same bits (U = 4 summation order)."""
+    mode = gemv_stream()
+    regs = gemm_regs_config(M, N, K)
+    if mode == "regs" or (mode == "auto" and not _smem_pays(M, -(-(N // 8) // regs[0]))):
+        return regs
+    return gemv_smem_config(M, N, K)
+
+
+def gemm_regs_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
+    """(T, U, PF, PIPE) of the register-pipelined kernel: n-tiles of 8 W rows per block, 16-byte W
+    vectors per lane and k-chunk, L2 prefetch hint (0 or 256 bytes), register double buffering of
+    the W loads. gemm_allreduce runs the same config (or one with the same U: the same summation
+    order), so at TP = 1 it gives gemm_rowparallel's bits.
 
     From the sweep on the H200 (docs/benchmarks.md, "Fused kernels (H200)"): 2 tiles per block,
     4 vectors, L2::256B prefetch, double buffering is the fastest variant for M = 1 and 8 on both
@@ -405,6 +522,60 @@ def gemm_rowparallel_config(M: int, N: int, K: int) -> tuple[int, int, int, int]
     if -(-N // 16) < 1.5 * _sm_count():
         return 1, 4, 256, 1
     return 2, 4, 256, 1
+
+
+def _smem_pays(M: int, blocks: int) -> bool:
+    """True where the shared-memory GEMV (3 blocks per SM for M <= 8: 82 registers, 68 KB) runs
+    `blocks` blocks in fewer waves than the register-pipelined one (2 per SM), which only pays
+    when the latter needs at most 2 waves: measured on the H200 in the PDL chain (2026-12-01,
+    benchmarks/bench_step_breakdown.py): the Llama-3-8B QKV GEMV, 384 blocks, 0.461 vs 0.519 ms
+    per step; with many waves (gate|up, 1792 blocks) the register kernel is faster (1.81 vs 1.89
+    ms), and at one wave too (o_proj 0.29 vs 0.31, down_proj 0.92 vs 0.94)."""
+    sm = _sm_count()
+    regs_waves = -(-blocks // (2 * sm))
+    smem_waves = -(-blocks // ((3 if M <= 8 else 2) * sm))
+    return smem_waves < regs_waves <= 2
+
+
+_gemv_stream = "auto"
+
+
+def gemv_stream() -> str:
+    """Which GEMV kernels the defaults use: "auto" (the register-pipelined ones, the shared-memory
+    ones where _smem_pays), "smem" or "regs" everywhere (benchmarks and tests)."""
+    return _gemv_stream
+
+
+def set_gemv_stream(mode: str) -> None:
+    """Switch the default GEMV kind ("auto", "smem" or "regs"). A captured CUDA graph keeps the
+    kernels it was captured with."""
+    global _gemv_stream
+    if mode not in ("auto", "smem", "regs"):
+        raise ValueError(f"gemv stream must be 'auto', 'smem' or 'regs', not {mode!r}")
+    _gemv_stream = mode
+
+
+def gemv_smem_config(M: int, N: int, K: int) -> tuple:
+    """("smem", T, NW, STAGES) used by default for the shared-memory GEMV of [M, K] x [N, K]^T:
+    T as in gemm_regs_config; 8 consumer warps and a 2-stage ring of 16 KiB * T per stage (the
+    fastest of GEMV_SMEM_VARIANTS on the Llama-3-8B QKV GEMV in the PDL chain, 2026-12-01)."""
+    return ("smem", gemm_regs_config(M, N, K)[0], 8, 2)
+
+
+def gemv_smem_bytes(t: int, stages: int) -> int:
+    """Dynamic shared memory of one smem-GEMV block (SmemGemvLayout<T, STAGES>::TOTAL): the ring of
+    `stages` x 8T rows x (1024 + 8) bf16, the [T * 128] fp32 result tile, 2 mbarriers per stage."""
+    return stages * 8 * t * (_SMEM_SK + 8) * 2 + t * 128 * 4 + 2 * stages * 8
+
+
+def _smem_launch(kernel: str, x: torch.Tensor, nw: int, st: int, t: int, grid: int, args: list, pdl: bool) -> None:
+    if (nw, st) not in GEMV_SMEM_VARIANTS:
+        raise ValueError(f"smem GEMV (NW, STAGES) = {(nw, st)} must be one of {GEMV_SMEM_VARIANTS}")
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    smem = gemv_smem_bytes(t, st)
+    f = _function("gemm_allreduce", "", kernel, dev, smem)
+    (_launch_pdl if pdl else _launch)(f, (grid, 1, 1), 32 * (nw + 1), smem,
+                                      torch.cuda.current_stream(dev).cuda_stream, args)
 
 
 _sm_counts: dict = {}
@@ -420,15 +591,18 @@ def _sm_count() -> int:
 
 
 def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                     config: tuple[int, int, int, int] | None = None, pdl: bool = False) -> torch.Tensor:
+                     config: tuple | None = None, pdl: bool = False) -> torch.Tensor:
     """out = x @ w.T for decode-sized x (the local part of a row-parallel projection), no all-reduce.
 
     Args:
       x:      [M, K] bfloat16, M <= 16, last stride 1, row stride a multiple of 8.
-      w:      [N, K] bfloat16 contiguous (nn.Linear weight layout), N % 8 == 0, K % 8 == 0.
+      w:      [N, K] bfloat16 contiguous (nn.Linear weight layout), N % 8 == 0, K % 8 == 0,
+              16-byte aligned.
       out:    [M, N] bfloat16, last stride 1; allocated if None.
-      config: (T, U, PF, PIPE), one of GEMM_VARIANTS; default gemm_rowparallel_config(M, N, K).
-              Variants with the same U give the same bits.
+      config: (T, U, PF, PIPE), one of GEMM_VARIANTS (register-pipelined kernel), or
+              ("smem", T, NW, STAGES) with T in (1, 2) and (NW, STAGES) one of GEMV_SMEM_VARIANTS
+              (W streamed through shared memory); default gemm_rowparallel_config(M, N, K).
+              Variants with the same U give the same bits; the smem kernels have U = 4's.
       pdl:    launch with programmatic dependent launch: the kernel starts streaming w while the
               previous kernel in the stream finishes (x is read, out written only after it
               completed). Only for a w that the previous kernel does not write (a weight).
@@ -438,20 +612,44 @@ def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None 
     """
     M, N, K, out = _gemm_checks(x, w, out)
     config = gemm_rowparallel_config(M, N, K) if config is None else tuple(config)
+    args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(out), ctypes.c_int64(out.stride(0)),
+            ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
+    if config[0] == "smem":
+        _, t, nw, st = config
+        if t not in (1, 2):
+            raise ValueError(f"config {config}: smem T must be 1 or 2")
+        _smem_launch(f"gemm_rowparallel_smem_m{8 if M <= 8 else 16}_t{t}_w{nw}_st{st}", x, nw, st, t,
+                     -(-(N // 8) // t), args, pdl)
+        return out
     if config not in GEMM_VARIANTS:
-        raise ValueError(f"config {config} must be one of {GEMM_VARIANTS}")
+        raise ValueError(f"config {config} must be one of {GEMM_VARIANTS} or ('smem', T, NW, STAGES)")
     t, u, pf, pipe = config
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     f = _function("gemm_allreduce", "", f"gemm_rowparallel_m{8 if M <= 8 else 16}_t{t}_u{u}_p{pf}_s{pipe}", dev)
-    args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(out), ctypes.c_int64(out.stride(0)),
-            ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
     (_launch_pdl if pdl else _launch)(f, (-(-(N // 8) // t), 1, 1), _GEMM_THREADS, 0,
                                       torch.cuda.current_stream(dev).cuda_stream, args)
     return out
 
 
+def _fused_gemv_variant(config, M: int, N: int, K: int) -> tuple | None:
+    """gemm_swiglu / gemm_qkv_rope's config argument -> ("smem", NW, STAGES) or None (the
+    register-pipelined kernel, T = 2, U = 4)."""
+    if config is None:                   # T = 2 either way: N / 16 blocks
+        mode = gemv_stream()
+        if mode == "smem" or (mode == "auto" and _smem_pays(M, N // 16)):
+            return ("smem",) + gemv_smem_config(M, N, K)[2:]
+        return None
+    if config == "regs":
+        return None
+    config = tuple(config)
+    if len(config) != 3 or config[0] != "smem" or tuple(config[1:]) not in GEMV_SMEM_VARIANTS:
+        raise ValueError(f"config {config}: None, 'regs' or ('smem', NW, STAGES) with (NW, STAGES) "
+                         f"one of {GEMV_SMEM_VARIANTS}")
+    return config
+
+
 def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                pdl: bool = False) -> torch.Tensor:
+                pdl: bool = False, config=None) -> torch.Tensor:
     """The gate|up projection with the SwiGLU fused into its epilogue, for decode-sized x:
     out = bf16(bf16(silu(g)) * u) with [g | u] = gemm_rowparallel(x, w), bit for bit what
     fused_ops.silu_mul(gemm_rowparallel(x, w)) gives, in one launch and without the [M, 2I]
@@ -462,6 +660,8 @@ def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
       w:   [2I, K] bfloat16 contiguous: the gate rows [0, I) then the up rows [I, 2I); I % 8 == 0.
       out: [M, I] bfloat16, last stride 1; allocated if None.
       pdl: programmatic dependent launch, as for gemm_rowparallel.
+      config: None (the default kind, gemv_stream()), "regs" (register-pipelined kernel) or
+              ("smem", NW, STAGES) (W through shared memory); all give the same bits.
 
     Returns:
       out: [M, I] bfloat16.
@@ -480,13 +680,17 @@ def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         _check_bf16("out", out, 2)
         if tuple(out.shape) != (M, I):
             raise ValueError(f"out must be [M, I] = {(M, I)}")
-    # One instantiation (T = 2: a gate and an up tile per block); its U must be the plain
-    # kernel's default U, or the bits would differ from silu_mul(gemm_rowparallel(x, w)).
-    assert gemm_rowparallel_config(M, I2, K)[1] == 4
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    f = _function("gemm_allreduce", "", f"gemm_swiglu_m{8 if M <= 8 else 16}_t2_u4_p256_s1", dev)
+    # T = 2 (a gate and an up tile per block) and U = 4, the plain kernel's summation order, or
+    # the bits would differ from silu_mul(gemm_rowparallel(x, w)); the smem kernels keep it.
+    variant = _fused_gemv_variant(config, M, I2, K)
     args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(out), ctypes.c_int64(out.stride(0)),
             ctypes.c_int32(M), ctypes.c_int32(I), ctypes.c_int32(K)]
+    if variant is not None:
+        _, nw, st = variant
+        _smem_launch(f"gemm_swiglu_smem_m{8 if M <= 8 else 16}_w{nw}_st{st}", x, nw, st, 2, I // 8, args, pdl)
+        return out
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    f = _function("gemm_allreduce", "", f"gemm_swiglu_m{8 if M <= 8 else 16}_t2_u4_p256_s1", dev)
     (_launch_pdl if pdl else _launch)(f, (I // 8, 1, 1), _GEMM_THREADS, 0,
                                       torch.cuda.current_stream(dev).cuda_stream, args)
     return out
@@ -494,7 +698,8 @@ def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
 
 def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor,
                   write_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, pdl: bool = False) -> None:
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, pdl: bool = False,
+                  config=None) -> None:
     """The QKV projection with RoPE and the KV-cache write fused into its epilogue, in one launch:
     bit for bit `qkv = gemm_rowparallel(x, w)` followed by
     `fused_ops.rope_kv_write(qkv, positions, write_slots, cos, sin, k_cache, v_cache, n_heads)`,
@@ -510,6 +715,7 @@ def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions
       k_cache, v_cache: [S, Hkv, D] bfloat16, head stride D, last stride 1, same strides.
       n_heads:     local q heads. D % 16 == 0.
       pdl:         programmatic dependent launch, as for gemm_rowparallel.
+      config:      None (the default kind), "regs" or ("smem", NW, STAGES), as for gemm_swiglu.
     """
     _check_bf16("x", x, 2)
     _check_bf16("w", w, 2)
@@ -532,14 +738,18 @@ def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions
     for name, t in (("cos", cos), ("sin", sin)):
         if not (t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.shape[1] == D and t.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous [P, {D}] bfloat16 CUDA tensor")
-    assert gemm_rowparallel_config(M, cols, K)[1] == 4      # the plain kernel's U: the same bits
+    variant = _fused_gemv_variant(config, M, cols, K)      # U = 4 either way: the same bits
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    f = _function("gemm_allreduce", "", f"gemm_qkv_rope_m{8 if M <= 8 else 16}_u4_p256_s1", dev)
     args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(qkv), ctypes.c_int64(qkv.stride(0)),
             ctypes.c_int32(M), ctypes.c_int32(K), _ptr(positions), _ptr(write_slots), _ptr(cos), _ptr(sin),
             ctypes.c_int32(cos.shape[0]), _ptr(k_cache), _ptr(v_cache), ctypes.c_int64(k_cache.stride(0)),
             ctypes.c_int32(S), ctypes.c_int32(n_heads), ctypes.c_int32(Hkv), ctypes.c_int32(D)]
     grid = (n_heads + Hkv) * D // 16 + Hkv * D // 16
+    if variant is not None:
+        _, nw, st = variant
+        _smem_launch(f"gemm_qkv_rope_smem_m{8 if M <= 8 else 16}_w{nw}_st{st}", x, nw, st, 2, grid, args, pdl)
+        return
+    f = _function("gemm_allreduce", "", f"gemm_qkv_rope_m{8 if M <= 8 else 16}_u4_p256_s1", dev)
     (_launch_pdl if pdl else _launch)(f, (grid, 1, 1), _GEMM_THREADS, 0,
                                       torch.cuda.current_stream(dev).cuda_stream, args)
 
@@ -560,7 +770,7 @@ def gemm_allreduce(x: torch.Tensor, w: torch.Tensor, ar, out: torch.Tensor | Non
     M, N, K, out = _gemm_checks(x, w, out)
     if N > ar.max_n:
         raise ValueError(f"N={N} exceeds the DeviceAllReduce window (max_n={ar.max_n})")
-    config = gemm_rowparallel_config(M, N, K)
+    config = gemm_regs_config(M, N, K)     # U = 4, as the smem kernels: gemm_rowparallel's bits
     # the plain kernel's config, else an instantiated one with the same U (the same bits)
     same_u = sorted((c for c in GEMM_ALLREDUCE_VARIANTS if c[1] == config[1]),
                     key=lambda c: c != (2, 4, 256, 1))           # the sweep's best first

@@ -220,16 +220,22 @@ def test_fused_ops_replay_in_cuda_graph(gen, pdl):
         assert torch.equal(m3, m2), "graph: gemm_swiglu vs GEMM + silu_mul"
 
 
+# the fused GEMVs' kinds: default, register-pipelined, every shared-memory-streamed variant
+GEMV_CONFIGS = [None, "regs"] + [("smem",) + v for v in kernels.GEMV_SMEM_VARIANTS]
+
+
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=str)
 @pytest.mark.parametrize("M", [1, 5, 8, 16])
-@pytest.mark.parametrize("I,K", [(2816, 1024), (2824, 520)])
-def test_gemm_swiglu_equals_gemm_then_silu_mul(gen, M, I, K):
+@pytest.mark.parametrize("I,K", [(2816, 1024), (2824, 520), (256, 5128)])
+def test_gemm_swiglu_equals_gemm_then_silu_mul(gen, M, I, K, config):
     """kernels.gemm_swiglu (gate|up GEMM with the SwiGLU in its epilogue) gives the bits of
-    silu_mul(gemm_rowparallel(x, w)), for M up to 16, I not a multiple of 16 and K not of 64; its
-    output is written in full (NaN-poisoned before); bad shapes are refused."""
+    silu_mul(gemm_rowparallel(x, w)), for M up to 16, I not a multiple of 16, K not of 64 and K
+    over several stages of the smem kernels' ring (with a partial last one), in every kernel
+    variant; its output is written in full (NaN-poisoned before); bad shapes are refused."""
     x = randn(M, K, gen=gen)
     w = randn(2 * I, K, gen=gen)
     out = torch.full((M, I), float("nan"), dtype=BF, device="cuda")
-    kernels.gemm_swiglu(x, w, out=out)
+    kernels.gemm_swiglu(x, w, out=out, config=config)
     ref = fused_ops.silu_mul(kernels.gemm_rowparallel(x, w))
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
@@ -242,9 +248,10 @@ def test_gemm_swiglu_equals_gemm_then_silu_mul(gen, M, I, K):
         kernels.gemm_swiglu(randn(17, K, gen=gen), w)                 # too many rows
 
 
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=str)
 @pytest.mark.parametrize("M", [1, 8, 13])
-@pytest.mark.parametrize("nh,nkv,D,K", [(32, 8, 128, 1024), (8, 2, 64, 520), (4, 4, 64, 256)])
-def test_gemm_qkv_rope_equals_gemm_then_rope_kv_write(gen, M, nh, nkv, D, K):
+@pytest.mark.parametrize("nh,nkv,D,K", [(32, 8, 128, 1024), (8, 2, 64, 520), (4, 4, 64, 256), (4, 2, 128, 3080)])
+def test_gemm_qkv_rope_equals_gemm_then_rope_kv_write(gen, M, nh, nkv, D, K, config):
     """kernels.gemm_qkv_rope gives the bits of gemm_rowparallel + rope_kv_write: the rotated q in
     qkv, the rotated k and the v in the cache slots; slots outside the cache are skipped,
     positions clamped to the tables, no other slot or layer written (NaN-poisoned caches)."""
@@ -260,7 +267,7 @@ def test_gemm_qkv_rope_equals_gemm_then_rope_kv_write(gen, M, nh, nkv, D, K):
     qkv_ref = kernels.gemm_rowparallel(x, w)
     fused_ops.rope_kv_write(qkv_ref, positions, slots, cos, sin, kref[1], vref[1], nh)
     qkv = torch.full((M, cols), float("nan"), dtype=BF, device="cuda")
-    kernels.gemm_qkv_rope(x, w, qkv, positions, slots, cos, sin, kbuf[1], vbuf[1], nh)
+    kernels.gemm_qkv_rope(x, w, qkv, positions, slots, cos, sin, kbuf[1], vbuf[1], nh, config=config)
     torch.cuda.synchronize()
     assert torch.equal(qkv[:, :nh * D], qkv_ref[:, :nh * D]), "rotated q"
     assert torch.isnan(qkv[:, nh * D:]).all(), "k/v columns of qkv are not written"

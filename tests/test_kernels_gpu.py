@@ -148,8 +148,8 @@ def attn_inputs(L, N, H, Hkv, D, kind, seed, q_scale=1.0):
 @pytest.mark.parametrize("case", ATTN_CASES, ids=lambda c: "L%d-N%d-H%d-KV%d-D%d-%s" % c)
 def test_tree_attention_matches_float64(case):
     L, N, H, Hkv, D, kind = case
-    # the default config, then every config of both kernel versions (tree_attention_configs:
-    # cluster/stages/row tiles[/loader]), soft and peaked softmax
+    # the default config, then every listed config of the three kernel versions
+    # (tree_attention_configs), soft and peaked softmax
     configs = [None] + kernels.tree_attention_configs()
     for i, config in enumerate(configs):
         q_scale = 4.0 if i % 2 else 1.0
@@ -165,7 +165,10 @@ def test_tree_attention_matches_float64(case):
             assert not out[0].any(), f"config {config}: invisible token's output not zero"
 
 
-GRAPH_CONFIGS = [None, (16, 2, 1), (16, 2, 2, 4), (8, 4, 2, 4), (16, 2, 1, 4)]
+# version 3 (5 values): last-block combine (ticket counter reset by the kernel) and the PDL
+# combine kernel, 1 to 4 tiles per split
+GRAPH_CONFIGS = [None, (16, 2, 1), (16, 2, 2, 4), (8, 4, 2, 4), (16, 2, 1, 4),
+                 (2, 2, 2, 4, 0), (1, 2, 2, 4, 1), (4, 4, 1, 4, 0), (4, 2, 2, 4, 1)]
 
 
 @pytest.mark.gpu
@@ -211,7 +214,8 @@ def test_tree_attention_cuda_graph_new_length(config):
 def test_tree_attention_pdl_graph_equals_plain(config):
     """A CUDA graph of back-to-back pdl=True calls (each waits for the previous one before
     reading; the layers chain through q = previous out) gives the plain launches' bits, replay
-    after replay (the kernel keeps no state between calls: nothing to reset)."""
+    after replay (versions 1 and 2 keep no state between calls; version 3 shares one workspace
+    between the layers, and its last-block combine resets its ticket counters itself)."""
     N, H, Hkv, D, L, layers = 8, 32, 8, 128, 1500, 6
     gen = torch.Generator().manual_seed(11)
     k = torch.randn(layers, L, Hkv, D, generator=gen).to(torch.bfloat16).cuda()
@@ -252,7 +256,67 @@ def test_tree_attention_pdl_graph_equals_plain(config):
         assert torch.equal(outs, ref), f"graph replay {r}: pdl=True differs from pdl=False"
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("combine", [0, 1])
+def test_tree_attention_v3_graph_survives_workspace_growth(combine):
+    """Version 3: a graph captured on the per-device workspace keeps working after a larger call
+    replaced that workspace (the outgrown one stays alive), and the larger call is right too."""
+    config = (1, 2, 2, 4, combine)
+    dev = torch.cuda.current_device()
+    old = kernels._TA3_WORKSPACES.pop(dev, None)          # start from a fresh, small workspace
+    if old is not None:
+        kernels._TA3_RETIRED.append(old)
+    q, k, v, mask = attn_inputs(300, 8, 32, 8, 128, "tree", 21)
+    out = torch.full((8, 32, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kernels.tree_attention(q, k, v, mask, 300, out=out, config=config)
+    torch.cuda.synchronize()
+    small_ws = kernels._TA3_WORKSPACES[dev]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.tree_attention(q, k, v, mask, 300, out=out, config=config)
+    q2, k2, v2, mask2 = attn_inputs(4000, 8, 32, 8, 128, "tree", 22)
+    out2 = torch.full((8, 32, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kernels.tree_attention(q2, k2, v2, mask2, 4000, out=out2, config=config)   # grows the workspace
+    assert kernels._TA3_WORKSPACES[dev][0].numel() > small_ws[0].numel()
+    q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(23)).to(torch.bfloat16))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, kernels.tree_attention_reference(q, k, v, mask, 300)) <= BF16_TOL
+    assert rel_err(out2, kernels.tree_attention_reference(q2, k2, v2, mask2, 4000)) <= BF16_TOL
+
+
 GEMM_SHAPES = [(4096, 4096), (4096, 14336), (64, 200), (2048, 8192)]
+
+
+def test_gemv_default_choice(monkeypatch):
+    """The default GEMV per shape (no GPU needed: 132 SMs as on an H200): the shared-memory kernel
+    only where it needs fewer waves of blocks and the register kernel needs at most 2 (the
+    Llama-3-8B QKV, 384 blocks, at M <= 8); "regs" / "smem" force one kind; bad modes refused."""
+    monkeypatch.setattr(kernels, "_sm_count", lambda: 132)
+    assert kernels.gemm_rowparallel_config(1, 6144, 4096) == ("smem", 2, 8, 2)
+    assert kernels._fused_gemv_variant(None, 8, 6144, 4096) == ("smem", 8, 2)       # 8B QKV
+    assert kernels._fused_gemv_variant(None, 16, 6144, 4096) is None                # m16: 2 per SM
+    assert kernels._fused_gemv_variant(None, 1, 3072, 2048) is None                 # 1B QKV: 1 wave
+    assert kernels._fused_gemv_variant(None, 1, 28672, 4096) is None                # gate|up: 7 waves
+    for N, T in ((4096, 2), (14336 * 2, 2), (2048, 1), (128256, 2)):
+        assert kernels.gemm_rowparallel_config(1, N, 4096) == (T, 4, 256, 1)
+    monkeypatch.setattr(kernels, "_gemv_stream", "regs")
+    assert kernels.gemm_rowparallel_config(1, 6144, 4096) == (2, 4, 256, 1)
+    assert kernels._fused_gemv_variant(None, 1, 6144, 4096) is None
+    monkeypatch.setattr(kernels, "_gemv_stream", "smem")
+    assert kernels.gemm_rowparallel_config(1, 4096, 4096) == ("smem", 2, 8, 2)
+    assert kernels._fused_gemv_variant(None, 1, 3072, 4096) == ("smem", 8, 2)
+    with pytest.raises(ValueError):
+        kernels.set_gemv_stream("fast")
+    with pytest.raises(ValueError):
+        kernels._fused_gemv_variant(("smem", 5, 2), 1, 4096, 4096)
+
+
+def _gemm_u(config) -> int:
+    """The summation order (U) of a gemm_rowparallel config; the smem kernels keep U = 4's."""
+    return 4 if config[0] == "smem" else config[1]
 
 
 @pytest.mark.gpu
@@ -267,20 +331,21 @@ def test_gemm_rowparallel_matches_float64(M, NK):
     w = (torch.randn(N, K, generator=gen) / math.sqrt(K)).to(torch.bfloat16).cuda()
     ref = x.double() @ w.double().T
     by_u = {}
-    for config in [None] + list(kernels.GEMM_VARIANTS):       # default, then every variant
+    smem = [("smem", t, nw, st) for t in (1, 2) for nw, st in kernels.GEMV_SMEM_VARIANTS]
+    for config in [None] + list(kernels.GEMM_VARIANTS) + smem:    # default, then every variant
         out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
         kernels.gemm_rowparallel(x, w, out=out, config=config)
         torch.cuda.synchronize()
         assert torch.isfinite(out).all(), f"config {config}: output not fully written"
         err = rel_err(out, ref)
         assert err <= BF16_TOL, f"M={M} N={N} K={K} config {config}: rel err {err:.3e}"
-        u = (config or kernels.gemm_rowparallel_config(M, N, K))[1]
+        u = _gemm_u(config or kernels.gemm_rowparallel_config(M, N, K))
         if u in by_u:      # the summation order depends on U only: same U, same bits
             assert torch.equal(out, by_u[u]), f"config {config}: bits differ from another U={u} variant"
         by_u[u] = out
     # programmatic dependent launch (default config): same bits, also right after the kernel
     # that writes x, and inside a CUDA graph
-    plain = by_u[kernels.gemm_rowparallel_config(M, N, K)[1]]
+    plain = by_u[_gemm_u(kernels.gemm_rowparallel_config(M, N, K))]
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
     x2 = torch.zeros_like(xbuf)
     torch.add(xbuf, 0.0, out=x2)                       # a kernel writes x just before the GEMM
