@@ -514,6 +514,9 @@ __device__ __forceinline__ const float* gemv_tiles_smem(const __nv_bfloat16* __r
           }
         }
       }
+      // Our generic-proxy reads of the stage before the producer's next bulk copy (async proxy)
+      // overwrites it: a proxy fence, then the release.
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       __syncwarp();
       if (lane == 0) mbar_arrive(empty0 + 8 * s);
     }
@@ -542,6 +545,14 @@ __device__ __forceinline__ const float* gemv_tiles_smem(const __nv_bfloat16* __r
   return res;
 }
 
+// End of a smem-GEMV block, after its last shared-memory access: order this thread's generic-proxy
+// accesses (the partials written into the ring, res) before the async-proxy bulk copies of the
+// next block that gets this shared memory. Without it, measured on the H200: a later block's
+// first W rows (where the partials were) intermittently read back as the old partials.
+__device__ __forceinline__ void smem_gemv_exit() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 template <int T, int NW, int STAGES, bool M16>
 __device__ __forceinline__ void gemm_rowparallel_smem_body(const __nv_bfloat16* __restrict__ x, long long ldx,
                                                            const __nv_bfloat16* __restrict__ w,
@@ -552,6 +563,7 @@ __device__ __forceinline__ void gemm_rowparallel_smem_body(const __nv_bfloat16* 
   const int n_tiles = N / 8, tile0 = blockIdx.x * T;
   const float* res = gemv_tiles_smem<T, NW, STAGES, M16>(x, ldx, w, M, K, n_tiles, tile0, 0, smem);
   store_tiles<T>(res, y, ldy, M, n_tiles, tile0, threadIdx.x, 32 * (NW + 1));
+  smem_gemv_exit();
 }
 
 template <int NW, int STAGES, bool M16>
@@ -564,6 +576,7 @@ __device__ __forceinline__ void gemm_swiglu_smem_body(const __nv_bfloat16* __res
   const int half = I / 8, tile0 = blockIdx.x;
   const float* res = gemv_tiles_smem<2, NW, STAGES, M16>(x, ldx, w, M, K, 2 * half, tile0, half, smem);
   swiglu_store(res, y, ldy, M, tile0, threadIdx.x, 32 * (NW + 1));
+  smem_gemv_exit();
 }
 
 template <int NW, int STAGES, bool M16>
@@ -582,6 +595,7 @@ __device__ __forceinline__ void gemm_qkv_rope_smem_body(
                                                          b < n_rot ? hp : 1, smem);
   qkv_rope_store(res, b, tile0, qkv, ldq, M, positions, slots, cos_t, sin_t, rope_len, k_cache, v_cache,
                  kv_stride, max_slots, nh, nkv, D, threadIdx.x, 32 * (NW + 1));
+  smem_gemv_exit();
 }
 
 }  // namespace rowpar
