@@ -4,7 +4,7 @@ alone as a CUDA graph of all its launches of one step (one per layer, each on th
 weights and KV, so weights stream from HBM as in the step; launched with PDL as in the step),
 next to the whole step captured the same way. Prints a Markdown table.
 
-    python benchmarks/bench_step_breakdown.py [--shape llama-3-8b] [--context 1024] [--n 1] [--gemv regs]
+    python benchmarks/bench_step_breakdown.py [--shape llama-3-8b] [--context 1024] [--n 1] [--gemv smem]
 
 Columns: launches per step, time per step (median of replays), time per launch, bytes each
 kind must read (weights, or K/V for attention) and the bandwidth that implies, as a share of the
@@ -42,8 +42,8 @@ def main():
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--n", type=int, default=1, help="tokens per step (tree size)")
-    ap.add_argument("--gemv", choices=("auto", "smem", "regs"), default="auto",
-                    help="GEMV kernels: the default choice (auto), all shared-memory or all register-pipelined")
+    ap.add_argument("--gemv", choices=("regs", "smem"), default="regs",
+                    help="GEMV kernels: register-pipelined (default) or shared-memory streamed")
     ap.add_argument("--json", help="also write the raw numbers here")
     a = ap.parse_args()
     from swiftspec_mpi import fused_ops, kernels

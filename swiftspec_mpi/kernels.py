@@ -302,7 +302,19 @@ def tree_attention_config(rows: int, max_len: int) -> tuple[int, ...]:
     [N, max_slots] mask gets the long-context choice). A 3-tuple (cluster, stages, row_tiles)
     is the version 1 kernel, a 4-tuple (cluster, stages, row_tiles, warps) version 2, a 5-tuple
     (tiles_per_split, stages, row_tiles, warps, combine) version 3.
+
+    From the sweep of 2026-12-01 on the H200 (header of cuda/tree_attention.cu,
+    docs/benchmarks.md), version 3 with its PDL combine kernel where it measured faster:
+    17..32 rows beyond 8k slots (N = 8 at 16k: 8/2/2/4/1 37.7 us vs 44.9 for version 1's 16/2/1)
+    and more than 128 rows beyond 2k slots (N = 64: 8/2/4/4/1 40.9 us vs 64.4 at 4k, 156.3 vs
+    165.9 at 16k). Elsewhere the cluster kernels (tree_attention_cluster_config): at N = 8 for 1k
+    and 4k and at N = 1 for 4k version 3 was slower or equal (best 10.6 / 17.1 / 12.4 us vs 8.1 /
+    17.2 / 12.4), and the other shapes were not measured with version 3.
     """
+    if 16 < rows <= 32 and max_len > 8192:
+        return 8, 2, 2, 4, 1
+    if rows > 128 and max_len > 2048:
+        return 8, 2, 4, 4, 1
     return tree_attention_cluster_config(rows, max_len)
 
 
@@ -496,13 +508,8 @@ def _gemm_checks(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None):
 def gemm_rowparallel_config(M: int, N: int, K: int) -> tuple:
     """Config used by default for an [M, K] x [N, K]^T product: the register-pipelined
     (T, U, PF, PIPE) of gemm_regs_config, or ("smem", T, NW, STAGES) of the shared-memory GEMV
-    where gemv_stream() asks for it ("auto", the default: where it needs fewer waves of blocks,
-    _smem_pays). Every default gives the same bits (U = 4 summation order)."""
-    mode = gemv_stream()
-    regs = gemm_regs_config(M, N, K)
-    if mode == "regs" or (mode == "auto" and not _smem_pays(M, -(-(N // 8) // regs[0]))):
-        return regs
-    return gemv_smem_config(M, N, K)
+    when set_gemv_stream("smem") asked for it. Both give the same bits (U = 4 summation order)."""
+    return gemv_smem_config(M, N, K) if gemv_stream() == "smem" else gemm_regs_config(M, N, K)
 
 
 def gemm_regs_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
@@ -524,41 +531,29 @@ def gemm_regs_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     return 2, 4, 256, 1
 
 
-def _smem_pays(M: int, blocks: int) -> bool:
-    """True where the shared-memory GEMV (3 blocks per SM for M <= 8: 82 registers, 68 KB) runs
-    `blocks` blocks in fewer waves than the register-pipelined one (2 per SM), which only pays
-    when the latter needs at most 2 waves: measured on the H200 in the PDL chain (2026-12-01,
-    benchmarks/bench_step_breakdown.py): the Llama-3-8B QKV GEMV, 384 blocks, 0.461 vs 0.519 ms
-    per step; with many waves (gate|up, 1792 blocks) the register kernel is faster (1.81 vs 1.89
-    ms), and at one wave too (o_proj 0.29 vs 0.31, down_proj 0.92 vs 0.94)."""
-    sm = _sm_count()
-    regs_waves = -(-blocks // (2 * sm))
-    smem_waves = -(-blocks // ((3 if M <= 8 else 2) * sm))
-    return smem_waves < regs_waves <= 2
-
-
-_gemv_stream = "auto"
+_gemv_stream = "regs"
 
 
 def gemv_stream() -> str:
-    """Which GEMV kernels the defaults use: "auto" (the register-pipelined ones, the shared-memory
-    ones where _smem_pays), "smem" or "regs" everywhere (benchmarks and tests)."""
+    """Which GEMV kernels the defaults use: "regs" (register-pipelined, the default) or "smem"
+    (W streamed through shared memory by a producer warp). In the PDL chain of the 8B step the
+    smem kernels are slower (docs/benchmarks.md, "Shared-memory GEMV"), so they are opt-in."""
     return _gemv_stream
 
 
 def set_gemv_stream(mode: str) -> None:
-    """Switch the default GEMV kind ("auto", "smem" or "regs"). A captured CUDA graph keeps the
-    kernels it was captured with."""
+    """Switch the default GEMV kind ("regs" or "smem"; benchmarks and tests). A captured CUDA graph
+    keeps the kernels it was captured with."""
     global _gemv_stream
-    if mode not in ("auto", "smem", "regs"):
-        raise ValueError(f"gemv stream must be 'auto', 'smem' or 'regs', not {mode!r}")
+    if mode not in ("regs", "smem"):
+        raise ValueError(f"gemv stream must be 'regs' or 'smem', not {mode!r}")
     _gemv_stream = mode
 
 
 def gemv_smem_config(M: int, N: int, K: int) -> tuple:
-    """("smem", T, NW, STAGES) used by default for the shared-memory GEMV of [M, K] x [N, K]^T:
-    T as in gemm_regs_config; 8 consumer warps and a 2-stage ring of 16 KiB * T per stage (the
-    fastest of GEMV_SMEM_VARIANTS on the Llama-3-8B QKV GEMV in the PDL chain, 2026-12-01)."""
+    """("smem", T, NW, STAGES) of the shared-memory GEMV for [M, K] x [N, K]^T in "smem" mode: T as
+    in gemm_regs_config; 8 consumer warps and a 2-stage ring of 16 KiB * T per stage (3 blocks per
+    SM at M <= 8; the fastest of GEMV_SMEM_VARIANTS on the Llama-3-8B QKV GEMV, 2026-12-01)."""
     return ("smem", gemm_regs_config(M, N, K)[0], 8, 2)
 
 
@@ -634,11 +629,8 @@ def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None 
 def _fused_gemv_variant(config, M: int, N: int, K: int) -> tuple | None:
     """gemm_swiglu / gemm_qkv_rope's config argument -> ("smem", NW, STAGES) or None (the
     register-pipelined kernel, T = 2, U = 4)."""
-    if config is None:                   # T = 2 either way: N / 16 blocks
-        mode = gemv_stream()
-        if mode == "smem" or (mode == "auto" and _smem_pays(M, N // 16)):
-            return ("smem",) + gemv_smem_config(M, N, K)[2:]
-        return None
+    if config is None:
+        return ("smem",) + gemv_smem_config(M, N, K)[2:] if gemv_stream() == "smem" else None
     if config == "regs":
         return None
     config = tuple(config)

@@ -467,3 +467,43 @@ def test_pdl_mode_is_as_accurate_as_cublas(shape, monkeypatch):
     err = {k: (v - ref).abs().max().item() / scale for k, v in got.items()}
     assert err["pdl"] <= 1.25 * err["cublas"] + 1e-3, err
     assert err["cublas"] <= 1.25 * err["pdl"] + 1e-3, err
+
+
+@pytest.mark.parametrize("shape,n", [("llama-3-8b", 1), ("llama-3-8b", 8), ("llama-3.2-1b", 8)])
+def test_smem_gemv_step_equals_regs(shape, n, monkeypatch):
+    """The whole PDL-chain step with the shared-memory GEMVs (kernels.set_gemv_stream("smem"))
+    gives the bits of the default register-pipelined GEMVs, eagerly and replayed from a CUDA graph
+    (replays back to back, so the blocks of one GEMV reuse the shared memory of the previous
+    one's: the case that raced before the async-proxy fences): 2-layer random model, 700-token
+    prefix, a chain of n new tokens."""
+    from swiftspec_mpi.comm import SingleComm
+    from swiftspec_mpi.cuda_graphs import GraphedModel
+    from swiftspec_mpi.dummy import SHAPES, RandomSource
+    from swiftspec_mpi.model import Transformer, chain_mask
+    monkeypatch.setattr(fused_ops, "_gemm_mode", "pdl")
+    cfg = SHAPES[shape].with_layers(2)
+    prefix = 700
+    model = Transformer(cfg, SingleComm(), max_slots=1024, dtype=BF, device="cuda")
+    model.load_weights(RandomSource(cfg, "cuda", BF, seed=5))
+    g = torch.Generator().manual_seed(9)
+    model.forward(torch.randint(0, 5000, (prefix,), generator=g), torch.arange(prefix), 0, chain_mask(0, prefix))
+    toks = torch.randint(0, 5000, (n,), generator=g)
+    pos = torch.arange(prefix, prefix + n)
+    mask = chain_mask(prefix, n)
+    dev = "cuda"
+    full = torch.zeros(n, 1024, dtype=torch.bool, device=dev)
+    full[:, :prefix + n] = mask.to(dev)
+    nv = torch.tensor([prefix + n], dtype=torch.int32, device=dev)
+    slots = torch.arange(prefix, prefix + n, device=dev)
+    out = {}
+    for mode in ("regs", "smem"):
+        monkeypatch.setattr(kernels, "_gemv_stream", mode)
+        eager = model.forward_graphable(toks.to(dev), pos.to(dev), slots, full, nv).float()
+        graphed = GraphedModel(model)
+        replays = [graphed.forward(toks, pos, prefix, mask).float().clone() for _ in range(5)]
+        out[mode] = [eager] + replays
+    ref = out["regs"][0]
+    assert torch.isfinite(ref).all()
+    for mode, results in out.items():
+        for i, r in enumerate(results):
+            assert torch.equal(r, ref), f"{mode}: {'eager' if i == 0 else f'replay {i}'} differs from regs eager"

@@ -62,6 +62,21 @@ def test_nccl_layout_probe(compiled_include):
     assert layout["devcomm_size"] >= 64
 
 
+def test_tree_attention_default_configs_are_listed():
+    """Every default config is one the GPU tests run explicitly (tree_attention_configs), and the
+    defaults of the benchmarked shapes are the ones docs/benchmarks.md gives (2026-12-01)."""
+    listed = set(kernels.tree_attention_configs())
+    for rows in (1, 4, 12, 16, 17, 24, 32, 33, 48, 64, 128, 129, 192, 256):
+        for max_len in (40, 1024, 2048, 2049, 4096, 8192, 8193, 16384, 65536):
+            cfg = kernels.tree_attention_config(rows, max_len)
+            assert cfg in listed, (rows, max_len, cfg)
+            assert kernels.tree_attention_cluster_config(rows, max_len) in listed
+    expect = {(32, 1024): (8, 4, 2, 4), (32, 4096): (16, 2, 2, 4), (32, 16384): (8, 2, 2, 4, 1),
+              (4, 4096): (8, 4, 1, 4), (256, 4096): (8, 2, 4, 4, 1), (256, 16384): (8, 2, 4, 4, 1)}
+    for (rows, max_len), cfg in expect.items():
+        assert kernels.tree_attention_config(rows, max_len) == cfg
+
+
 # ------------------------------------------------------------------------------- helpers
 def tree_parents(n: int, gen: torch.Generator) -> list[int]:
     """Random tree on n nodes in topological order: parent[0] = -1, parent[i] < i."""
@@ -291,23 +306,19 @@ GEMM_SHAPES = [(4096, 4096), (4096, 14336), (64, 200), (2048, 8192)]
 
 
 def test_gemv_default_choice(monkeypatch):
-    """The default GEMV per shape (no GPU needed: 132 SMs as on an H200): the shared-memory kernel
-    only where it needs fewer waves of blocks and the register kernel needs at most 2 (the
-    Llama-3-8B QKV, 384 blocks, at M <= 8); "regs" / "smem" force one kind; bad modes refused."""
+    """The default GEMV configs (no GPU needed: 132 SMs as on an H200): the register-pipelined
+    kernel, T = 1 where N / 16 blocks would fill under 3/4 of 2 x 132 slots; "smem" mode gives the
+    shared-memory kernel (8 warps, 2 stages, same T); bad modes and variants are refused."""
     monkeypatch.setattr(kernels, "_sm_count", lambda: 132)
-    assert kernels.gemm_rowparallel_config(1, 6144, 4096) == ("smem", 2, 8, 2)
-    assert kernels._fused_gemv_variant(None, 8, 6144, 4096) == ("smem", 8, 2)       # 8B QKV
-    assert kernels._fused_gemv_variant(None, 16, 6144, 4096) is None                # m16: 2 per SM
-    assert kernels._fused_gemv_variant(None, 1, 3072, 2048) is None                 # 1B QKV: 1 wave
-    assert kernels._fused_gemv_variant(None, 1, 28672, 4096) is None                # gate|up: 7 waves
-    for N, T in ((4096, 2), (14336 * 2, 2), (2048, 1), (128256, 2)):
+    for N, T in ((6144, 2), (4096, 2), (14336 * 2, 2), (2048, 1), (3072, 1), (128256, 2)):
         assert kernels.gemm_rowparallel_config(1, N, 4096) == (T, 4, 256, 1)
-    monkeypatch.setattr(kernels, "_gemv_stream", "regs")
-    assert kernels.gemm_rowparallel_config(1, 6144, 4096) == (2, 4, 256, 1)
-    assert kernels._fused_gemv_variant(None, 1, 6144, 4096) is None
+        assert kernels._fused_gemv_variant(None, 8, N, 4096) is None
+        assert kernels._fused_gemv_variant("regs", 8, N, 4096) is None
     monkeypatch.setattr(kernels, "_gemv_stream", "smem")
     assert kernels.gemm_rowparallel_config(1, 4096, 4096) == ("smem", 2, 8, 2)
-    assert kernels._fused_gemv_variant(None, 1, 3072, 4096) == ("smem", 8, 2)
+    assert kernels.gemm_rowparallel_config(8, 2048, 4096) == ("smem", 1, 8, 2)
+    assert kernels._fused_gemv_variant(None, 1, 6144, 4096) == ("smem", 8, 2)
+    assert kernels._fused_gemv_variant(("smem", 4, 3), 1, 6144, 4096) == ("smem", 4, 3)
     with pytest.raises(ValueError):
         kernels.set_gemv_stream("fast")
     with pytest.raises(ValueError):
