@@ -377,6 +377,11 @@ __device__ __forceinline__ void gemm_qkv_rope_body(
 // once fall 16 bytes apart modulo 128: 4 wavefronts per 512-byte warp read, no bank conflicts.
 // One tile group per block (grid = ceil(n_tiles / T)); blockDim = 32 (NW + 1); dynamic shared
 // memory SmemGemvLayout<T, STAGES>::TOTAL bytes.
+// Measured (H200, 2026-12-01, docs/benchmarks.md "Shared-memory GEMV"): alone, the 8B QKV GEMV
+// takes 0.47 ms per step instead of 0.53 (one wave instead of 1.45), but in steady state the
+// stream is 5-30 % slower than gemv_tiles' (gate|up 1.94 vs 1.85 ms per step), and in the whole
+// PDL step even the QKV-only use is slower (4.77 vs 4.54 ms at N = 1): opt-in
+// (kernels.set_gemv_stream("smem")), not the default.
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
