@@ -9,7 +9,7 @@ communicator (TP = 1) when NCCL gives one. Every timing is a CUDA graph holding 
 "layer", each layer on its own buffers (>= 256 MB in all, so the 60 MB L2 cannot serve repeats),
 replayed many times and timed with CUDA events; the figure is the median replay time divided by
 the calls per replay. Each kernel's first layer is checked against a float64 reference first.
-Every instantiated variant (kernels.tree_attention_configs(): both tree-attention kernel
+Every instantiated variant (kernels.tree_attention_configs(): the three tree-attention kernel
 versions, kernels.GEMM_VARIANTS; both also with programmatic dependent launch, back-to-back
 calls) is timed; with --baseline DIR, the previous
 GEMM kernel (cuda/gemm_allreduce.cu of git 2e8b252, copied to DIR) is timed in the same run.
@@ -141,7 +141,7 @@ def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int) -> d
     ref = kernels.tree_attention_reference(q[0], kc[0], vc[0], mask, L)
     R = N * H // Hkv
     default = tuple(kernels.tree_attention_config(R, L))
-    configs = kernels.tree_attention_configs(R)          # version 1 (3 values) and 2 (4 values)
+    configs = kernels.tree_attention_configs(R)          # version 1 (3 values), 2 (4), 3 (5)
     if default not in configs:
         configs.append(default)
     sweep, pdl_sweep, err, finite, pdl_equal = {}, {}, 0.0, True, True
@@ -171,12 +171,12 @@ def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int) -> d
         pdl_equal = pdl_equal and bool(torch.equal(op, out))
     best = min(sweep, key=sweep.get)
     best_pdl = min(pdl_sweep, key=pdl_sweep.get)
-    v1 = {k: t for k, t in sweep.items() if k.count("/") == 2}
-    v2 = {k: t for k, t in sweep.items() if k.count("/") == 3}
-    best_v1, best_v2 = min(v1, key=v1.get), min(v2, key=v2.get)
-    v1p = {k: t for k, t in pdl_sweep.items() if k.count("/") == 2}
-    v2p = {k: t for k, t in pdl_sweep.items() if k.count("/") == 3}
-    best_v1p, best_v2p = min(v1p, key=v1p.get), min(v2p, key=v2p.get)
+    def best_of(d, slashes):   # version 1: 2 slashes in the name, version 2: 3, version 3: 4
+        v = {k: t for k, t in d.items() if k.count("/") == slashes}
+        return (min(v, key=v.get), min(v.values())) if v else ("n/a", math.nan)
+
+    (best_v1, v1_us), (best_v2, v2_us), (best_v3, v3_us) = (best_of(sweep, n) for n in (2, 3, 4))
+    (best_v1p, v1p_us), (best_v2p, v2p_us), (best_v3p, v3p_us) = (best_of(pdl_sweep, n) for n in (2, 3, 4))
     t_ours = sweep[best]
     t_default = sweep[cfg_name(default)]
     del op
@@ -196,9 +196,25 @@ def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int) -> d
                 sdpa_err=sdpa_err, us=t_ours, best=best, default_us=t_default,
                 default=cfg_name(default), default_pdl_us=pdl_sweep[cfg_name(default)], pdl_equal=pdl_equal,
                 best_pdl=best_pdl, best_pdl_us=pdl_sweep[best_pdl],
-                best_v1=best_v1, best_v1_us=v1[best_v1], best_v2=best_v2, best_v2_us=v2[best_v2],
-                best_v1_pdl=best_v1p, best_v1_pdl_us=v1p[best_v1p], best_v2_pdl=best_v2p, best_v2_pdl_us=v2p[best_v2p],
+                best_v1=best_v1, best_v1_us=v1_us, best_v2=best_v2, best_v2_us=v2_us, best_v3=best_v3, best_v3_us=v3_us,
+                best_v1_pdl=best_v1p, best_v1_pdl_us=v1p_us, best_v2_pdl=best_v2p, best_v2_pdl_us=v2p_us,
+                best_v3_pdl=best_v3p, best_v3_pdl_us=v3p_us,
                 sdpa_us=t_sdpa, sweep=sweep, pdl_sweep=pdl_sweep)
+
+
+def launch_floor_us(replays: int) -> tuple[float, float]:
+    """Per-node time of a CUDA graph of 64 empty kernels (tree_attention_empty, 128 blocks of 128
+    threads, like a tree-attention grid), plain launches and PDL launches: the launch floor that
+    every tree-attention call pays in a graph."""
+    import ctypes
+    dev = torch.cuda.current_device()
+    f = kernels._function("tree_attention", "", "tree_attention_empty", dev)
+    res = []
+    for launch in (kernels._launch, kernels._launch_pdl):
+        calls = [lambda launch=launch: launch(f, (16, 8, 1), 128, 0, torch.cuda.current_stream().cuda_stream,
+                                               [ctypes.c_int32(0)]) for _ in range(64)]
+        res.append(graph_time_us(calls, replays))
+    return res[0], res[1]
 
 
 def bench_gemm(M: int, N: int, K: int, replays: int, ar=None, baseline=None) -> dict:
@@ -342,6 +358,10 @@ def main() -> int:
     print(f"# {info}", flush=True)
 
     attn = []
+    if args.only != "gemm":
+        info["launch_floor_us"], info["launch_floor_pdl_us"] = launch_floor_us(replays)
+        print(f"launch floor (graph of empty kernels, per node): {info['launch_floor_us']:.2f} us, "
+              f"PDL {info['launch_floor_pdl_us']:.2f} us", flush=True)
     for L, N in (() if args.only == "gemm" else ((1024, 8), (4096, 8), (16384, 8), (4096, 1), (4096, 64), (16384, 64))):
         r = bench_attention(L, N, 32, 8, 128, replays)
         attn.append(r)
@@ -387,18 +407,25 @@ def main() -> int:
              "Tree attention, one layer, Llama-3-8B heads (32 q / 8 KV heads, D 128), bf16, random "
              "tree mask over the last N slots; CUDA graph, median per call:", "",
              "| context L | tokens N | default config (µs) | default, PDL back-to-back (µs) "
-             "| best version 1: µs | best version 2: µs | best version 1, PDL | best version 2, PDL "
+             "| best version 1: µs | best version 2: µs | best version 3: µs "
+             "| best version 1, PDL | best version 2, PDL | best version 3, PDL "
              "| torch SDPA + bool mask (µs) | speed-up (default) | KV bytes floor (µs) | max rel. err vs float64 |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in attn:
         floor = r["kv_bytes"] / bw * 1e6
         lines.append(f"| {r['L']} | {r['N']} | {r['default_us']:.2f} ({r['default']}) | {r['default_pdl_us']:.2f} "
                      f"| {r['best_v1']}: {r['best_v1_us']:.2f} | {r['best_v2']}: {r['best_v2_us']:.2f} "
+                     f"| {r['best_v3']}: {r['best_v3_us']:.2f} "
                      f"| {r['best_v1_pdl']}: {r['best_v1_pdl_us']:.2f} | {r['best_v2_pdl']}: {r['best_v2_pdl_us']:.2f} "
+                     f"| {r['best_v3_pdl']}: {r['best_v3_pdl_us']:.2f} "
                      f"| {r['sdpa_us']:.1f} | {r['sdpa_us'] / r['default_us']:.1f}x | {floor:.2f} "
                      f"| {r['err']:.1e}{'' if r['finite'] else ' (NaN!)'}{'' if r['pdl_equal'] else ' (PDL bits differ!)'} |")
+    if "launch_floor_us" in info:
+        lines += ["", f"Launch floor: a CUDA graph of empty kernels (16 x 8 blocks) takes "
+                  f"{info['launch_floor_us']:.2f} µs per node, {info['launch_floor_pdl_us']:.2f} µs with PDL."]
     lines += ["", "All tree-attention configs timed (µs, plain / PDL back-to-back), "
-              "cluster/stages/row tiles (version 1) or cluster/stages/row tiles/warps (version 2):", ""]
+              "cluster/stages/row tiles (version 1), cluster/stages/row tiles/warps (version 2) or "
+              "tiles per split/stages/row tiles/warps/combine (version 3):", ""]
     for r in attn:
         lines.append(f"- L={r['L']} N={r['N']}: " + ", ".join(f"{k} {v:.2f} / {r['pdl_sweep'][k]:.2f}"
                                                               for k, v in r["sweep"].items()))
