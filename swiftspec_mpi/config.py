@@ -239,6 +239,17 @@ def check_environment() -> None:
     if ops is not None and ops.strip().lower() not in _SWITCH_WORDS:
         raise UserError(f"SWIFTSPEC_FUSED_OPS={ops!r} is not a switch; use 1 or 0, or unset it "
                         "for the default (1: fused kernels on)")
+    far = os.environ.get("SWIFTSPEC_FUSED_ALLREDUCE")
+    if far is not None and far.strip().lower() not in _SWITCH_WORDS:
+        raise UserError(f"SWIFTSPEC_FUSED_ALLREDUCE={far!r} is not a switch; use 1 or 0, or unset it "
+                        "for the default (0: NCCL's all-reduce after the GEMV)")
+
+
+def fused_allreduce_requested() -> bool:
+    """SWIFTSPEC_FUSED_ALLREDUCE=1: tensor-parallel GPU groups fuse the row-parallel GEMVs with
+    their all-reduce (NCCL device API, one NVLink domain). Off by default: it has not yet run
+    inside the engine on several GPUs (docs/benchmarks.md)."""
+    return os.environ.get("SWIFTSPEC_FUSED_ALLREDUCE", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def check_output_path_default(cfg: RunConfig) -> None:

@@ -679,6 +679,11 @@ def load_models(cfg, topo, device):
     if wants_draft:
         draft, dtok = load_one(cfg, cfg.draft, comm, dtype, device, cfg.draft_layers)
         tokenizer = tokenizer or dtok
+    if hasattr(comm, "enable_fused_allreduce") and C.fused_allreduce_requested():
+        max_n = max(m.cfg.hidden_size for m in (target, draft) if m is not None)
+        if not comm.enable_fused_allreduce(max_n) and comm.rank == 0:   # collective over the group
+            print(f"swiftspec run: SWIFTSPEC_FUSED_ALLREDUCE=1 but the fused all-reduce is unavailable "
+                  f"({comm.fused_allreduce_error}); using NCCL's all-reduce", file=sys.stderr, flush=True)
     return target, draft, tokenizer
 
 

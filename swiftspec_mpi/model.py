@@ -543,7 +543,8 @@ class Transformer(torch.nn.Module):
         """`forward_graphable` with the fused kernels (same arguments and result). Per layer:
         add_rmsnorm (the previous layer's down output + ln1; plain RMSNorm in layer 0), QKV GEMM,
         rope_kv_write, tree attention, O GEMM, all-reduce, add_rmsnorm (+ ln2), gate|up GEMM,
-        silu_mul, down GEMM, all-reduce; the last residual add is fused with the final norm. In
+        silu_mul, down GEMM, all-reduce (each GEMM + all-reduce one kernel, kernels.gemm_allreduce,
+        when the comm has a fused_allreduce); the last residual add is fused with the final norm. In
         "pdl" mode QKV GEMM + rope_kv_write is one kernel (kernels.gemm_qkv_rope), and so is
         gate|up GEMM + silu_mul (kernels.gemm_swiglu): 7 kernels per layer."""
         from swiftspec_mpi import fused_ops, kernels
@@ -563,6 +564,18 @@ class Transformer(torch.nn.Module):
         def lin(use_rp, inp, w, b=None):
             return gemm(inp, w, pdl=pdl) if use_rp else self._linear(inp, w, b)
 
+        far = getattr(comm, "fused_allreduce", None)      # nccl_shim.DeviceAllReduce or None
+
+        def lin_reduce(use_rp, inp, w, b=None):
+            """Row-parallel projection summed over the TP group: one fused GEMM + all-reduce
+            kernel when the group set one up (NcclGroupComm.enable_fused_allreduce), else the
+            GEMM then the group's all-reduce."""
+            if far is not None and use_rp and b is None and w.shape[0] <= far.max_n:
+                return kernels.gemm_allreduce(inp, w, far)
+            out = lin(use_rp, inp, w, b)
+            comm.all_reduce_(out)
+            return out
+
         torch.index_select(self.embed, 0, tokens, out=x)
         pending = None                      # the previous layer's MLP output, not yet added to x
         for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in self.layers:
@@ -577,15 +590,13 @@ class Transformer(torch.nn.Module):
                                         kc, vc, nh_l, pdl=pdl)
             kernels.tree_attention(qkv[:, :nh_l * hd].view(N, nh_l, hd), kc, vc, mask, n_valid, out=o,
                                    pdl=pdl)
-            a = lin(rp["o"], o.view(N, nh_l * hd), wo, bo)
-            comm.all_reduce_(a)
+            a = lin_reduce(rp["o"], o.view(N, nh_l * hd), wo, bo)
             fused_ops.add_rmsnorm(x, a, ln2, eps, out=h, pdl=pdl)
             if pdl and rp["gu"] and wgu.shape[0] % 16 == 0:
                 kernels.gemm_swiglu(h, wgu, out=m, pdl=True)               # gate|up GEMM + SwiGLU
             else:
                 fused_ops.silu_mul(lin(rp["gu"], h, wgu), out=m, pdl=pdl)
-            pending = lin(rp["down"], m, wd)
-            comm.all_reduce_(pending)
+            pending = lin_reduce(rp["down"], m, wd)
         fused_ops.add_rmsnorm(x, pending, self.norm, eps, out=h, pdl=pdl)
         logits = lin(rp["head"], h, self.head)                             # [N, v_chunk]
         if comm.size > 1:

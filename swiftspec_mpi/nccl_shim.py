@@ -334,9 +334,16 @@ class DeviceAllReduce:
     of times (the grid is always n_ctas). All ranks must be in one LSA team
     (one NVLink domain); n_ctas must not exceed what the GPU keeps resident at once (the
     kernel's blocks wait for each other across ranks). Call close() (collective) to free.
+
+    With connect=False the constructor does only this rank's part (checks, header probe, window
+    allocation: anything that can fail on one rank alone) and no collective call; connect()
+    (collective) then registers the window and creates the device communicator. A group agrees
+    between the two steps that every rank succeeded (nccl_comm.NcclGroupComm
+    .enable_fused_allreduce), so that no rank enters a collective that another will never join.
     """
 
-    def __init__(self, comm: int, *, max_n: int, n_ctas: int, device=None, nccl: Nccl | None = None):
+    def __init__(self, comm: int, *, max_n: int, n_ctas: int, device=None, nccl: Nccl | None = None,
+                 connect: bool = True):
         import torch
 
         self.nccl = nccl or get_nccl()
@@ -363,17 +370,33 @@ class DeviceAllReduce:
         self.max_n = max_n
         self.n_ctas = n_ctas
         self.window_bytes = 2 * max_n * 16 * 4
+        self.window = None
         self._ptr = self.nccl.mem_alloc(self.window_bytes)
-        self.window = self.nccl.window_register(comm, self._ptr, self.window_bytes)
-        self._host_dev_comm = self.nccl.dev_comm_create(comm, n_ctas, self.layout)
+        self.seq = torch.zeros(n_ctas, dtype=torch.int32, device=self.device)
+        if connect:
+            self.connect()
+
+    def connect(self) -> None:
+        """Collective: register the window (symmetric) and create the device communicator."""
+        import torch
+
+        self.window = self.nccl.window_register(self.comm, self._ptr, self.window_bytes)
+        self._host_dev_comm = self.nccl.dev_comm_create(self.comm, self.n_ctas, self.layout)
         host = torch.frombuffer(bytearray(bytes(self._host_dev_comm)), dtype=torch.uint8)
         self.dev_comm = host.to(self.device)
-        self.seq = torch.zeros(n_ctas, dtype=torch.int32, device=self.device)
         torch.cuda.synchronize(self.device)
+
+    def free_local(self) -> None:
+        """Free what the constructor allocated, for a DeviceAllReduce never connected (not
+        collective)."""
+        if self.window is None and self._ptr:
+            self.nccl.mem_free(self._ptr)
+            self._ptr = 0
 
     def close(self) -> None:
         """Collective: destroy the device communicator and free the window."""
         if self.window is None:
+            self.free_local()
             return
         import torch
 
@@ -381,4 +404,5 @@ class DeviceAllReduce:
         self.nccl.dev_comm_destroy(self.comm, self._host_dev_comm)
         self.nccl.window_deregister(self.comm, self.window)
         self.nccl.mem_free(self._ptr)
+        self._ptr = 0
         self.window = None

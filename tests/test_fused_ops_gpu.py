@@ -507,3 +507,76 @@ def test_smem_gemv_step_equals_regs(shape, n, monkeypatch):
     for mode, results in out.items():
         for i, r in enumerate(results):
             assert torch.equal(r, ref), f"{mode}: {'eager' if i == 0 else f'replay {i}'} differs from regs eager"
+
+
+class _SelfMpi:
+    """A one-rank MPI communicator (what NcclGroupComm needs of it), without MPI."""
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 1
+
+    def bcast(self, obj, root=0):
+        return obj
+
+    def allgather(self, obj):
+        return [obj]
+
+
+def test_model_with_fused_allreduce_equals_plain(monkeypatch):
+    """The model's fused GEMM + all-reduce wiring on one GPU: a 1-rank NcclGroupComm with the
+    device all-reduce enabled (o_proj and down_proj each one kernels.gemm_allreduce launch) gives
+    the bits of the same model on SingleComm (GEMV, no all-reduce), eagerly and replayed from a
+    CUDA graph, for 1 and 8 tokens. (The all-reduce of one partial is the identity; the sums
+    over ranks are tested by tests/test_kernels_gpu.py::test_gemm_allreduce_multi_gpu.)"""
+    from swiftspec_mpi import nccl_shim
+    from swiftspec_mpi.comm import SingleComm
+    from swiftspec_mpi.cuda_graphs import GraphedModel
+    from swiftspec_mpi.dummy import SHAPES, RandomSource
+    from swiftspec_mpi.model import Transformer, chain_mask
+    from swiftspec_mpi.nccl_comm import NcclGroupComm
+    if nccl_shim.nccl_include_dir() is None:
+        pytest.skip("no NCCL >= 2.28 headers")
+    monkeypatch.setattr(fused_ops, "_gemm_mode", "pdl")
+    cfg = SHAPES["llama-3.2-1b"].with_layers(2)
+    group = NcclGroupComm(_SelfMpi())
+    if not group.enable_fused_allreduce(cfg.hidden_size):
+        pytest.skip(f"this NCCL gives no device communicator on 1 rank: {group.fused_allreduce_error}")
+    calls = []
+    real = kernels.gemm_allreduce
+    monkeypatch.setattr(kernels, "gemm_allreduce", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prefix = 300
+    models = {}
+    for name, comm in (("plain", SingleComm()), ("fused", group)):
+        m = Transformer(cfg, comm, max_slots=512, dtype=BF, device="cuda")
+        m.load_weights(RandomSource(cfg, "cuda", BF, seed=13))
+        g = torch.Generator().manual_seed(2)
+        m.forward(torch.randint(0, 5000, (prefix,), generator=g), torch.arange(prefix), 0, chain_mask(0, prefix))
+        models[name] = m
+    try:
+        for n in (1, 8):
+            toks = torch.randint(0, 5000, (n,), generator=torch.Generator().manual_seed(n))
+            pos = torch.arange(prefix, prefix + n)
+            mask = chain_mask(prefix, n)
+            dev = "cuda"
+            full = torch.zeros(n, 512, dtype=torch.bool, device=dev)
+            full[:, :prefix + n] = mask.to(dev)
+            nv = torch.tensor([prefix + n], dtype=torch.int32, device=dev)
+            slots = torch.arange(prefix, prefix + n, device=dev)
+            out = {}
+            for name, m in models.items():
+                before = len(calls)
+                eager = m.forward_graphable(toks.to(dev), pos.to(dev), slots, full, nv).float()
+                if name == "fused":
+                    assert len(calls) - before == 2 * cfg.num_layers, "o_proj and down_proj fused per layer"
+                graphed = GraphedModel(m)
+                out[name] = [eager] + [graphed.forward(toks, pos, prefix, mask).float().clone() for _ in range(3)]
+            ref = out["plain"][0]
+            assert torch.isfinite(ref).all()
+            for name, results in out.items():
+                for i, r in enumerate(results):
+                    assert torch.equal(r, ref), f"n={n} {name}: {'eager' if i == 0 else f'replay {i}'}"
+    finally:
+        group.fused_allreduce.close()
