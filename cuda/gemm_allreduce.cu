@@ -104,11 +104,18 @@ struct Chunk {
 // before the MMAs of chunk i (register double buffering, PIPE), so each lane keeps up to
 // 2 * T * U 16-byte W loads in flight. The fp32 summation order of a tile depends on U only
 // (not on T, PIPE or PF), so every variant with the same U gives the same bits.
-template <int T, int U, int PF, bool PIPE, bool M16>
+// NW < WARPS (a block of NW warps, 32 NW threads): warp w plays the WARPS / NW warps w, w + NW,
+// ... of the 8-warp schedule (chunk w + NW i into accumulator set i % (WARPS / NW)), so the
+// partial tiles and their sum, hence the bits, are the 8-warp block's; with fewer threads per
+// block, more blocks fit per SM (the QKV GEMV's one-wave variant).
+template <int T, int U, int PF, bool PIPE, bool M16, int NW = WARPS>
 __device__ __forceinline__ void gemv_tiles(const __nv_bfloat16* __restrict__ x, long long ldx,
                                            const __nv_bfloat16* __restrict__ w, int M, int K, int n_tiles,
                                            int tile0, float* red, float* res, int pair_off = 0) {
   constexpr int KC = 32 * U;
+  constexpr int V = WARPS / NW;             // accumulator sets (8-warp schedule warps) per warp
+  static_assert(NW * V == WARPS && (V == 1 || V == 2), "NW = 8 or 4");
+  static_assert(!(V == 2) || PIPE, "NW = 4 needs the double-buffered loop (chunk parity = set)");
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, q = lane & 3;
   const __nv_bfloat16* wrow[T];
@@ -134,10 +141,12 @@ __device__ __forceinline__ void gemv_tiles(const __nv_bfloat16* __restrict__ x, 
         ch.w[t][u] = (ok && tv[t]) ? ld_stream<PF>(wrow[t] + k) : make_uint4(0, 0, 0, 0);
     }
   };
-  float c[T][4];
+  float cc[V][T][4];
 #pragma unroll
-  for (int t = 0; t < T; ++t) c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.f;
-  auto compute = [&](const Chunk<T, U>& ch, int k0) {
+  for (int j = 0; j < V; ++j)
+#pragma unroll
+    for (int t = 0; t < T; ++t) cc[j][t][0] = cc[j][t][1] = cc[j][t][2] = cc[j][t][3] = 0.f;
+  auto compute = [&](const Chunk<T, U>& ch, int k0, float (&c)[T][4]) {
     uint4 a[U], b[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -156,9 +165,10 @@ __device__ __forceinline__ void gemv_tiles(const __nv_bfloat16* __restrict__ x, 
     }
   };
 
-  constexpr int STEP = WARPS * KC;
+  constexpr int STEP = NW * KC;
   int k0 = warp * KC;
   if constexpr (PIPE) {
+    // even chunks of this warp (buffer c0) into set 0, odd ones (c1) into set V - 1
     Chunk<T, U> c0, c1;
     if (k0 < K) load(c0, k0);
     // Programmatic dependent launch: the first W chunk (a weight, not written by the previous
@@ -169,11 +179,11 @@ __device__ __forceinline__ void gemv_tiles(const __nv_bfloat16* __restrict__ x, 
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     while (k0 < K) {
       load(c1, k0 + STEP);                    // past K: predicated off, zeros
-      compute(c0, k0);
+      compute(c0, k0, cc[0]);
       k0 += STEP;
       if (k0 >= K) break;
       load(c0, k0 + STEP);
-      compute(c1, k0);
+      compute(c1, k0, cc[V - 1]);
       k0 += STEP;
     }
   } else {
@@ -181,20 +191,22 @@ __device__ __forceinline__ void gemv_tiles(const __nv_bfloat16* __restrict__ x, 
     for (; k0 < K; k0 += STEP) {
       Chunk<T, U> c0;
       load(c0, k0);
-      compute(c0, k0);
+      compute(c0, k0, cc[0]);
     }
   }
-  // c[t]: (row g, col 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1)
+  // cc[j][t]: (row g, col 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1) of 8-warp schedule warp w + NW j
 #pragma unroll
-  for (int t = 0; t < T; ++t) {
-    float* r = red + warp * (T * 128) + t * 128;
-    r[g * 8 + 2 * q] = c[t][0];
-    r[g * 8 + 2 * q + 1] = c[t][1];
-    r[(g + 8) * 8 + 2 * q] = c[t][2];
-    r[(g + 8) * 8 + 2 * q + 1] = c[t][3];
-  }
+  for (int j = 0; j < V; ++j)
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      float* r = red + (warp + NW * j) * (T * 128) + t * 128;
+      r[g * 8 + 2 * q] = cc[j][t][0];
+      r[g * 8 + 2 * q + 1] = cc[j][t][1];
+      r[(g + 8) * 8 + 2 * q] = cc[j][t][2];
+      r[(g + 8) * 8 + 2 * q + 1] = cc[j][t][3];
+    }
   __syncthreads();
-  for (int e = tid; e < T * 128; e += THREADS) {
+  for (int e = tid; e < T * 128; e += 32 * NW) {
     float s = 0.f;
 #pragma unroll
     for (int i = 0; i < WARPS; ++i) s += red[i * (T * 128) + e];
@@ -334,7 +346,7 @@ __device__ __forceinline__ void qkv_rope_store(
   }
 }
 
-template <int U, int PF, bool PIPE, bool M16>
+template <int U, int PF, bool PIPE, bool M16, int NW = WARPS>
 __device__ __forceinline__ void gemm_qkv_rope_body(
     const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,
     __nv_bfloat16* __restrict__ qkv, long long ldq, int M, int K,
@@ -351,9 +363,9 @@ __device__ __forceinline__ void gemm_qkv_rope_body(
   const int n_tiles = (nh + 2 * nkv) * tpd;
   for (int b = blockIdx.x; b < n_blocks; b += gridDim.x) {
     const int tile0 = qkv_rope_tile0(b, nh, nkv, D);
-    gemv_tiles<2, U, PF, PIPE, M16>(x, ldx, w, M, K, n_tiles, tile0, red, res, b < n_rot ? hp : 1);
+    gemv_tiles<2, U, PF, PIPE, M16, NW>(x, ldx, w, M, K, n_tiles, tile0, red, res, b < n_rot ? hp : 1);
     qkv_rope_store(res, b, tile0, qkv, ldq, M, positions, slots, cos_t, sin_t, rope_len, k_cache, v_cache,
-                   kv_stride, max_slots, nh, nkv, D, threadIdx.x, THREADS);
+                   kv_stride, max_slots, nh, nkv, D, threadIdx.x, 32 * NW);
   }
 }
 
@@ -656,6 +668,23 @@ SWIGLU_KERNEL(4, 256, 1, 2)
 #define QKV_ROPE_KERNEL(U, PF, PIPE, MINB) \
   QKV_ROPE_KERNEL1(m8, false, U, PF, PIPE, MINB) QKV_ROPE_KERNEL1(m16, true, U, PF, PIPE, MINB)
 QKV_ROPE_KERNEL(4, 256, 1, 2)
+
+// The same with 4 warps per block (3 blocks per SM: the Llama-3-8B QKV GEMV's 384 blocks in one
+// wave of 396 on 132 SMs instead of 1.45 waves of 264), same bits: gemm_qkv_rope_<m8|m16>_u4_p256_s1_w4.
+#define QKV_ROPE_W4_KERNEL1(MS, M16)                                                                   \
+  extern "C" __global__ void __launch_bounds__(128, 3)                                                \
+  gemm_qkv_rope_##MS##_u4_p256_s1_w4(                                                                \
+      const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,       \
+      __nv_bfloat16* __restrict__ qkv, long long ldq, int M, int K,                                  \
+      const long long* __restrict__ positions, const long long* __restrict__ slots,                  \
+      const __nv_bfloat16* __restrict__ cos_t, const __nv_bfloat16* __restrict__ sin_t, int rope_len, \
+      __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, long long kv_stride, \
+      int max_slots, int nh, int nkv, int D) {                                                       \
+    rowpar::gemm_qkv_rope_body<4, 256, true, M16, 4>(x, ldx, w, qkv, ldq, M, K, positions, slots, cos_t, \
+        sin_t, rope_len, k_cache, v_cache, kv_stride, max_slots, nh, nkv, D);                        \
+  }
+QKV_ROPE_W4_KERNEL1(m8, false)
+QKV_ROPE_W4_KERNEL1(m16, true)
 
 // Shared-memory-streamed variants: <name>_smem_m{8,16}_t<T>_w<NW>_st<STAGES> (rowparallel) and
 // <name>_smem_m{8,16}_w<NW>_st<STAGES> (swiglu, qkv_rope: T = 2), blockDim 32 (NW + 1), dynamic

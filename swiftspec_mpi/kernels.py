@@ -707,7 +707,9 @@ def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions
       k_cache, v_cache: [S, Hkv, D] bfloat16, head stride D, last stride 1, same strides.
       n_heads:     local q heads. D % 16 == 0.
       pdl:         programmatic dependent launch, as for gemm_rowparallel.
-      config:      None (the default kind), "regs" or ("smem", NW, STAGES), as for gemm_swiglu.
+      config:      None (the default: "regs-w4" where qkv_w4_pays, else "regs"; "smem" mode: the
+                   smem kernel), "regs" (8 warps per block), "regs-w4" (4 warps, 3 blocks per SM)
+                   or ("smem", NW, STAGES); all give the same bits.
     """
     _check_bf16("x", x, 2)
     _check_bf16("w", w, 2)
@@ -730,20 +732,36 @@ def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions
     for name, t in (("cos", cos), ("sin", sin)):
         if not (t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.shape[1] == D and t.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous [P, {D}] bfloat16 CUDA tensor")
-    variant = _fused_gemv_variant(config, M, cols, K)      # U = 4 either way: the same bits
+    grid = (n_heads + Hkv) * D // 16 + Hkv * D // 16
+    if config is None and gemv_stream() == "regs":
+        config = "regs-w4" if qkv_w4_pays(grid) else "regs"
+    w4 = config == "regs-w4"
+    variant = None if w4 else _fused_gemv_variant(config, M, cols, K)   # U = 4 either way: the same bits
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(qkv), ctypes.c_int64(qkv.stride(0)),
             ctypes.c_int32(M), ctypes.c_int32(K), _ptr(positions), _ptr(write_slots), _ptr(cos), _ptr(sin),
             ctypes.c_int32(cos.shape[0]), _ptr(k_cache), _ptr(v_cache), ctypes.c_int64(k_cache.stride(0)),
             ctypes.c_int32(S), ctypes.c_int32(n_heads), ctypes.c_int32(Hkv), ctypes.c_int32(D)]
-    grid = (n_heads + Hkv) * D // 16 + Hkv * D // 16
     if variant is not None:
         _, nw, st = variant
         _smem_launch(f"gemm_qkv_rope_smem_m{8 if M <= 8 else 16}_w{nw}_st{st}", x, nw, st, 2, grid, args, pdl)
         return
-    f = _function("gemm_allreduce", "", f"gemm_qkv_rope_m{8 if M <= 8 else 16}_u4_p256_s1", dev)
-    (_launch_pdl if pdl else _launch)(f, (grid, 1, 1), _GEMM_THREADS, 0,
+    f = _function("gemm_allreduce", "", f"gemm_qkv_rope_m{8 if M <= 8 else 16}_u4_p256_s1{'_w4' if w4 else ''}", dev)
+    (_launch_pdl if pdl else _launch)(f, (grid, 1, 1), 128 if w4 else _GEMM_THREADS, 0,
                                       torch.cuda.current_stream(dev).cuda_stream, args)
+
+
+QKV_W4_DEFAULT = True
+
+
+def qkv_w4_pays(blocks: int) -> bool:
+    """Whether gemm_qkv_rope's default takes the 4-warp kernel ("regs-w4": 3 blocks per SM, same
+    bits) for `blocks` blocks: where it needs fewer waves than the 8-warp kernel (2 per SM) and
+    the latter at most 2 (with many waves the last one's waste matters little) -- the Llama-3-8B
+    QKV, 384 blocks: one wave of 396 instead of 1.45 of 264 on an H200."""
+    sm = _sm_count()
+    regs_waves = -(-blocks // (2 * sm))
+    return QKV_W4_DEFAULT and -(-blocks // (3 * sm)) < regs_waves <= 2
 
 
 def gemm_allreduce(x: torch.Tensor, w: torch.Tensor, ar, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -248,7 +248,7 @@ def test_gemm_swiglu_equals_gemm_then_silu_mul(gen, M, I, K, config):
         kernels.gemm_swiglu(randn(17, K, gen=gen), w)                 # too many rows
 
 
-@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=str)
+@pytest.mark.parametrize("config", GEMV_CONFIGS + ["regs-w4"], ids=str)
 @pytest.mark.parametrize("M", [1, 8, 13])
 @pytest.mark.parametrize("nh,nkv,D,K", [(32, 8, 128, 1024), (8, 2, 64, 520), (4, 4, 64, 256), (4, 2, 128, 3080)])
 def test_gemm_qkv_rope_equals_gemm_then_rope_kv_write(gen, M, nh, nkv, D, K, config):

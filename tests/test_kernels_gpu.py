@@ -314,6 +314,7 @@ def test_gemv_default_choice(monkeypatch):
         assert kernels.gemm_rowparallel_config(1, N, 4096) == (T, 4, 256, 1)
         assert kernels._fused_gemv_variant(None, 8, N, 4096) is None
         assert kernels._fused_gemv_variant("regs", 8, N, 4096) is None
+    assert kernels.qkv_w4_pays(384) and not kernels.qkv_w4_pays(192) and not kernels.qkv_w4_pays(1792)
     monkeypatch.setattr(kernels, "_gemv_stream", "smem")
     assert kernels.gemm_rowparallel_config(1, 4096, 4096) == ("smem", 2, 8, 2)
     assert kernels.gemm_rowparallel_config(8, 2048, 4096) == ("smem", 1, 8, 2)
