@@ -93,6 +93,34 @@ struct Chunk {
   uint4 w[T][U];
 };
 
+// The end of a GEMV block: every warp's partial tiles into red [WARPS][T * 128] (shared), then
+// their sum in warp order into res [T * 128]. cc[j][t] of warp w holds (row g, col 2q),
+// (g, 2q+1), (g+8, 2q), (g+8, 2q+1) of tile t for warp w + NW j of the 8-warp schedule.
+template <int T, int V, int NW>
+__device__ __forceinline__ void store_partials(float* red, const float (&cc)[V][T][4], int warp, int lane) {
+  const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int j = 0; j < V; ++j)
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      float* r = red + (warp + NW * j) * (T * 128) + t * 128;
+      r[g * 8 + 2 * q] = cc[j][t][0];
+      r[g * 8 + 2 * q + 1] = cc[j][t][1];
+      r[(g + 8) * 8 + 2 * q] = cc[j][t][2];
+      r[(g + 8) * 8 + 2 * q + 1] = cc[j][t][3];
+    }
+}
+
+template <int T>
+__device__ __forceinline__ void sum_partials(const float* red, float* res, int tid, int nthreads) {
+  for (int e = tid; e < T * 128; e += nthreads) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < WARPS; ++i) s += red[i * (T * 128) + e];
+    res[e] = s;
+  }
+}
+
 // Partial Y tiles [16 x 8] (rows m < M valid) of the T n-tiles tile0 .. tile0 + T - 1 (those
 // < n_tiles) over all of K, summed over the block's warps, into res[t * 128 + m * 8 + n]
 // (shared). red: shared scratch [WARPS][T * 128]. Must be called by all THREADS threads; res is
@@ -194,24 +222,9 @@ __device__ __forceinline__ void gemv_tiles(const __nv_bfloat16* __restrict__ x, 
       compute(c0, k0, cc[0]);
     }
   }
-  // cc[j][t]: (row g, col 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1) of 8-warp schedule warp w + NW j
-#pragma unroll
-  for (int j = 0; j < V; ++j)
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      float* r = red + (warp + NW * j) * (T * 128) + t * 128;
-      r[g * 8 + 2 * q] = cc[j][t][0];
-      r[g * 8 + 2 * q + 1] = cc[j][t][1];
-      r[(g + 8) * 8 + 2 * q] = cc[j][t][2];
-      r[(g + 8) * 8 + 2 * q + 1] = cc[j][t][3];
-    }
+  store_partials<T, V, NW>(red, cc, warp, lane);
   __syncthreads();
-  for (int e = tid; e < T * 128; e += 32 * NW) {
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < WARPS; ++i) s += red[i * (T * 128) + e];
-    res[e] = s;
-  }
+  sum_partials<T>(red, res, tid, 32 * NW);
   __syncthreads();   // res complete; red free again
 }
 
@@ -539,25 +552,9 @@ __device__ __forceinline__ const float* gemv_tiles_smem(const __nv_bfloat16* __r
     }
   }
   __syncthreads();   // every stage consumed and every copy landed: the ring is free for red
-  if (warp < NW) {
-#pragma unroll
-    for (int j = 0; j < V; ++j)
-#pragma unroll
-      for (int t = 0; t < T; ++t) {
-        float* r = red + (warp + NW * j) * (T * 128) + t * 128;
-        r[g * 8 + 2 * q] = c[j][t][0];
-        r[g * 8 + 2 * q + 1] = c[j][t][1];
-        r[(g + 8) * 8 + 2 * q] = c[j][t][2];
-        r[(g + 8) * 8 + 2 * q + 1] = c[j][t][3];
-      }
-  }
+  if (warp < NW) store_partials<T, V, NW>(red, c, warp, lane);
   __syncthreads();
-  for (int e = tid; e < T * 128; e += 32 * (NW + 1)) {
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < WARPS; ++i) sum += red[i * (T * 128) + e];
-    res[e] = sum;
-  }
+  sum_partials<T>(red, res, tid, 32 * (NW + 1));
   __syncthreads();
   return res;
 }
