@@ -715,11 +715,11 @@ QKV_ROPE_W4_KERNEL1(m16, true)
   ROWPAR_SMEM_KERNEL1(m8, false, 2, NW, ST, MINB) ROWPAR_SMEM_KERNEL1(m16, true, 2, NW, ST, MINB)    \
   SWIGLU_SMEM_KERNEL1(m8, false, NW, ST, MINB) SWIGLU_SMEM_KERNEL1(m16, true, NW, ST, MINB)          \
   QKV_ROPE_SMEM_KERNEL1(m8, false, NW, ST, MINB) QKV_ROPE_SMEM_KERNEL1(m16, true, NW, ST, MINB)
-GEMV_SMEM_KERNELS(4, 2, 3)
-GEMV_SMEM_KERNELS(4, 3, 2)
+// Two of the five variants measured on 2026-12-01 (docs/benchmarks.md): 8 warps / 2 stages (the
+// fastest on the QKV shapes; "smem" mode's default) and 4 warps / 3 stages (the fastest on
+// down_proj). The others (4/2, 8/3, 4/4) were no better anywhere and cost compile time.
 GEMV_SMEM_KERNELS(8, 2, 2)
-GEMV_SMEM_KERNELS(8, 3, 2)
-GEMV_SMEM_KERNELS(4, 4, 1)
+GEMV_SMEM_KERNELS(4, 3, 2)
 
 #ifdef SWIFTSPEC_WITH_NCCL
 namespace rowpar {

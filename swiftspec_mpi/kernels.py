@@ -55,7 +55,7 @@ GEMM_VARIANTS = ((1, 4, 0, 0), (1, 4, 256, 1), (2, 4, 256, 1), (2, 4, 0, 1), (4,
 GEMM_ALLREDUCE_VARIANTS = ((1, 4, 0, 0), (2, 4, 256, 1), (1, 8, 256, 1))
 # Must match cuda/gemm_allreduce.cu's GEMV_SMEM_KERNELS: (consumer warps NW, ring stages) of the
 # GEMVs that stream W through shared memory (gemm_*_smem_*, same bits as the U = 4 variants).
-GEMV_SMEM_VARIANTS = ((4, 2), (4, 3), (8, 2), (8, 3), (4, 4))
+GEMV_SMEM_VARIANTS = ((8, 2), (4, 3))
 _SMEM_SK = 1024              # k's per ring stage (SmemGemvLayout::SK)
 _GEMM_THREADS = 256          # must match cuda/gemm_allreduce.cu
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
