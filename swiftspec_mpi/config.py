@@ -235,21 +235,34 @@ def check_environment() -> None:
     if mode is not None and mode.strip().lower() not in FUSED_GEMM_MODES:
         raise UserError(f"SWIFTSPEC_FUSED_GEMM={mode!r} is not a GEMM mode; use "
                         f"{', '.join(FUSED_GEMM_MODES)}, or unset it for the default (pdl)")
-    ops = os.environ.get("SWIFTSPEC_FUSED_OPS")
-    if ops is not None and ops.strip().lower() not in _SWITCH_WORDS:
-        raise UserError(f"SWIFTSPEC_FUSED_OPS={ops!r} is not a switch; use 1 or 0, or unset it "
-                        "for the default (1: fused kernels on)")
-    far = os.environ.get("SWIFTSPEC_FUSED_ALLREDUCE")
-    if far is not None and far.strip().lower() not in _SWITCH_WORDS:
-        raise UserError(f"SWIFTSPEC_FUSED_ALLREDUCE={far!r} is not a switch; use 1 or 0, or unset it "
-                        "for the default (0: NCCL's all-reduce after the GEMV)")
+    for name, (default, meaning) in ENV_SWITCHES.items():
+        v = os.environ.get(name)
+        if v is not None and v.strip().lower() not in _SWITCH_WORDS:
+            raise UserError(f"{name}={v!r} is not a switch; use 1 or 0, or unset it "
+                            f"for the default ({int(default)}: {meaning})")
+
+
+# The GPU path's on/off switches: name -> (default, what the default means).
+ENV_SWITCHES = {
+    "SWIFTSPEC_FUSED_OPS": (True, "fused kernels on"),
+    "SWIFTSPEC_FUSED_ALLREDUCE": (False, "NCCL's all-reduce after the GEMV"),
+    "SWIFTSPEC_FOLD_NORMS": (True, "RMSNorms folded into the GEMVs at TP = 1"),
+}
+
+
+def env_switch(name: str) -> bool:
+    """The value of one of ENV_SWITCHES (its default when unset; check_environment refuses words
+    that are not a switch before any rank reads one)."""
+    default = ENV_SWITCHES[name][0]
+    v = os.environ.get(name)
+    return default if v is None else v.strip().lower() in ("1", "true", "yes", "on")
 
 
 def fused_allreduce_requested() -> bool:
     """SWIFTSPEC_FUSED_ALLREDUCE=1: tensor-parallel GPU groups fuse the row-parallel GEMVs with
     their all-reduce (NCCL device API, one NVLink domain). Off by default: it has not yet run
     inside the engine on several GPUs (docs/benchmarks.md)."""
-    return os.environ.get("SWIFTSPEC_FUSED_ALLREDUCE", "0").strip().lower() in ("1", "true", "yes", "on")
+    return env_switch("SWIFTSPEC_FUSED_ALLREDUCE")
 
 
 def check_output_path_default(cfg: RunConfig) -> None:
