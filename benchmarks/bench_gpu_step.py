@@ -15,9 +15,7 @@ GEMMs" lists which); "PDL chain" = the default, SWIFTSPEC_FUSED_GEMM=pdl: every 
 kernels.gemm_rowparallel and every kernel launched with programmatic dependent launch
 ("PDL speed-up" = fused ops / PDL chain); "PDL chain, smem GEMV" = the same with the
 shared-memory GEMVs (kernels.set_gemv_stream("smem")) instead of the default register-pipelined
-ones; "PDL chain, separate norms" = the PDL chain with the RMSNorms as their own add_rmsnorm
-kernels (SWIFTSPEC_FOLD_NORMS=0) instead of folded into the GEMVs (the default at TP = 1).
-All graphs are captured on the same model and timed in alternating blocks
+ones. All graphs are captured on the same model and timed in alternating blocks
 in the same run; speed-up = torch ops / fused ops; rel. diff = max |logits - torch-ops logits| /
 max |torch-ops logits| of the fused path, then of the GEMM choice.
 """
@@ -113,9 +111,7 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
     g_auto = GraphedModel(model) if fused else None           # fused ops, GEMMs as timed ("auto")
     g_pdl = GraphedModel(model) if fused else None            # fused ops, all GEMMs ours, PDL chain
     g_smem = GraphedModel(model) if fused else None           # the same with the shared-memory GEMVs
-    g_sep = GraphedModel(model) if fused else None            # PDL chain, RMSNorms not folded
     was, was_mode, was_stream = fused_ops._enabled, fused_ops.gemm_mode(), kernels.gemv_stream()
-    was_fold = fused_ops.fold_norms()
     for n in sizes:
         toks = torch.randint(0, 1000, (n,))
         pos = torch.arange(context, context + n)
@@ -123,35 +119,28 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
         res[f"eager_{n}"] = cuda_time(lambda: model.forward(toks, pos, context, mask).argmax(-1).cpu())
         if g_plain is None:
             continue
-        fns, gots = {}, {}
+        fns = {}
         try:           # a graph keeps the path active when it was captured (at its first call)
             fused_ops.set_enabled(False)
             ref = g_plain.forward(toks, pos, context, mask).float().clone()
             fns[f"graph_nofuse_{n}"] = lambda: g_plain.forward(toks, pos, context, mask).argmax(-1).cpu()
             if g_fused is not None:
                 fused_ops.set_enabled(True)
-                for key, g, mode, stream, fold in (
-                        ("graph", g_fused, "cublas", "regs", True), ("graph_auto", g_auto, "auto", "regs", True),
-                        ("graph_pdl", g_pdl, "pdl", "regs", was_fold), ("graph_smem", g_smem, "pdl", "smem", True),
-                        ("graph_sep", g_sep, "pdl", "regs", False)):
+                for key, g, mode, stream in (("graph", g_fused, "cublas", "regs"), ("graph_auto", g_auto, "auto", "regs"),
+                                             ("graph_pdl", g_pdl, "pdl", "regs"), ("graph_smem", g_smem, "pdl", "smem")):
                     fused_ops.set_gemm_mode(mode)
                     kernels.set_gemv_stream(stream)
-                    fused_ops.set_fold_norms(fold)
                     got = g.forward(toks, pos, context, mask).float()
                     res[f"{key}_rel_diff_{n}"] = ((got - ref).abs().max() / ref.abs().max()).item()
-                    gots[key] = got.clone()
                     fns[f"{key}_{n}"] = (lambda g=g: g.forward(toks, pos, context, mask).argmax(-1).cpu())
-                # folding the norms must not change a bit
-                res[f"fold_same_bits_{n}"] = bool(torch.equal(gots["graph_pdl"], gots["graph_sep"]))
                 choice = model._fused_ws[n].get(("gemm", "auto"), {})
                 res[f"rowparallel_{n}"] = ",".join(k for k, v in choice.items() if v) or "none"
         finally:
             fused_ops.set_enabled(was)
             fused_ops.set_gemm_mode(was_mode)
             kernels.set_gemv_stream(was_stream)
-            fused_ops.set_fold_norms(was_fold)
         res.update(cuda_time_alternating(fns))
-    del model, g_plain, g_fused, g_auto, g_pdl, g_smem, g_sep
+    del model, g_plain, g_fused, g_auto, g_pdl, g_smem
     torch.cuda.empty_cache()
     return res
 
@@ -203,11 +192,10 @@ def main():
     rows = {"copy_TBps": bw, "gpu": torch.cuda.get_device_name(), "context": a.context, "torch": torch.__version__}
     print(f"device copy bandwidth: {bw:.2f} TB/s  ({rows['gpu']}, torch {torch.__version__})", flush=True)
     print("| shape | weights GB | floor ms | N | eager ms | graph, torch ops ms | graph + fused ops ms "
-          "| speed-up | + GEMM choice ms | PDL chain ms | PDL speed-up | PDL chain, separate norms ms "
-          "| PDL chain, smem GEMV ms "
+          "| speed-up | + GEMM choice ms | PDL chain ms | PDL speed-up | PDL chain, smem GEMV ms "
           "| logits rel. diff (fused / choice / PDL) "
           "| rowparallel GEMMs | HF eager ms (N=1) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
     nan = float("nan")
     for shape in a.shapes.split(","):
         r = ours(shape, a.context, [1, 8], fused=fused)
@@ -219,14 +207,11 @@ def main():
             print(f"| {shape} | {r['weight_gb']:.2f} | {floor:.2f} | {n} | {r[f'eager_{n}']:.2f} | "
                   f"{base:.2f} | {fast:.2f} | {base / fast:.2f}x | {r.get(f'graph_auto_{n}', nan):.2f} | "
                   f"{r.get(f'graph_pdl_{n}', nan):.2f} | {fast / r.get(f'graph_pdl_{n}', nan):.2f}x | "
-                  f"{r.get(f'graph_sep_{n}', nan):.2f} | {r.get(f'graph_smem_{n}', nan):.2f} | "
+                  f"{r.get(f'graph_smem_{n}', nan):.2f} | "
                   f"{r.get(f'graph_rel_diff_{n}', nan):.1e} / {r.get(f'graph_auto_rel_diff_{n}', nan):.1e} / "
                   f"{r.get(f'graph_pdl_rel_diff_{n}', nan):.1e} | "
                   f"{r.get(f'rowparallel_{n}', '-')} | {(r['hf_1'] if n == 1 and r['hf_1'] else nan):.2f} |",
                   flush=True)
-    for shape in a.shapes.split(","):
-        print(f"{shape}: PDL chain logits with folded norms == with separate norms (N = 1, 8): "
-              f"{rows[shape].get('fold_same_bits_1')}, {rows[shape].get('fold_same_bits_8')}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

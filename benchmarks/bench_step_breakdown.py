@@ -5,13 +5,6 @@ weights and KV, so weights stream from HBM as in the step; launched with PDL as 
 next to the whole step captured the same way. Prints a Markdown table.
 
     python benchmarks/bench_step_breakdown.py [--shape llama-3-8b] [--context 1024] [--n 1] [--gemv smem]
-                                              [--separate-norms]
-
-With the RMSNorms folded into the GEMVs (the default at TP = 1: o_proj / down_proj add into the
-residual stream in their epilogue, QKV / gate|up / LM head normalize it in their prologue) the
-kinds are timed as those kernels, and the one add_rmsnorm left is layer 0's; --separate-norms
-times the chain with the add_rmsnorm kernels instead (SWIFTSPEC_FOLD_NORMS=0). The whole step
-is timed both ways either way.
 
 Columns: launches per step, time per step (median of replays), time per launch, bytes each
 kind must read (weights, or K/V for attention) and the bandwidth that implies, as a share of the
@@ -51,8 +44,6 @@ def main():
     ap.add_argument("--n", type=int, default=1, help="tokens per step (tree size)")
     ap.add_argument("--gemv", choices=("regs", "smem"), default="regs",
                     help="GEMV kernels: register-pipelined (default) or shared-memory streamed")
-    ap.add_argument("--separate-norms", action="store_true",
-                    help="time the kinds of the chain with separate add_rmsnorm kernels")
     ap.add_argument("--json", help="also write the raw numbers here")
     a = ap.parse_args()
     from swiftspec_mpi import fused_ops, kernels
@@ -87,18 +78,10 @@ def main():
     dn = torch.empty(N, H, dtype=torch.bfloat16, device=dev)
     lays = model.layers
     nl = len(lays)
-    eps = cfg.rms_norm_eps
-    fold = not a.separate_norms and a.gemv == "regs"
-    fused_ops.set_fold_norms(fold)
-    xr = x.clone()                                      # the residual stream the epilogues add into
-    ss = (x.float() ** 2).view(N, H // 8, 8).sum(-1).expand(2, N, H // 8).contiguous()
-    norm_in = lambda w, i: kernels.RmsNormIn(w, ss[i], eps) if fold else None   # noqa: E731
-    res_ss = lambda i: ss[i] if fold else None                                   # noqa: E731
 
     def qkv_rope():
-        for (ln1, wqkv, _, _, _, _, _, _, kc, vc) in lays:
-            kernels.gemm_qkv_rope(x, wqkv, qkv, pos, slots, model.rope_cos, model.rope_sin, kc, vc, nh, pdl=True,
-                                  norm=norm_in(ln1, 1))
+        for (_, wqkv, _, _, _, _, _, _, kc, vc) in lays:
+            kernels.gemm_qkv_rope(x, wqkv, qkv, pos, slots, model.rope_cos, model.rope_sin, kc, vc, nh, pdl=True)
 
     def attention():
         for (_, _, _, _, _, _, _, _, kc, vc) in lays:
@@ -106,51 +89,39 @@ def main():
 
     def o_proj():
         for lay in lays:
-            kernels.gemm_rowparallel(o.view(N, nh * hd), lay[3], out=xr if fold else ao, pdl=True,
-                                     residual_ss=res_ss(0))
+            kernels.gemm_rowparallel(o.view(N, nh * hd), lay[3], out=ao, pdl=True)
 
     def norms():
-        if fold:                                        # layer 0's, the only one left
-            fused_ops.add_rmsnorm(x, None, lays[0][0], eps, out=h, pdl=True)
-            return
         for lay in lays:
-            fused_ops.add_rmsnorm(x, r, lay[0], eps, out=h, pdl=True)
-            fused_ops.add_rmsnorm(x, r, lay[5], eps, out=h, pdl=True)
+            fused_ops.add_rmsnorm(x, r, lay[0], cfg.rms_norm_eps, out=h, pdl=True)
+            fused_ops.add_rmsnorm(x, r, lay[5], cfg.rms_norm_eps, out=h, pdl=True)
 
     def gate_up():
         for lay in lays:
-            kernels.gemm_swiglu(x if fold else h, lay[6], out=m, pdl=True, norm=norm_in(lay[5], 0))
+            kernels.gemm_swiglu(h, lay[6], out=m, pdl=True)
 
     def down():
         for lay in lays:
-            kernels.gemm_rowparallel(m, lay[7], out=xr if fold else dn, pdl=True, residual_ss=res_ss(1))
+            kernels.gemm_rowparallel(m, lay[7], out=dn, pdl=True)
 
     def head():
-        kernels.gemm_rowparallel(x if fold else h, model.head, pdl=True, norm=norm_in(model.norm, 1))
+        kernels.gemm_rowparallel(h, model.head, pdl=True)
 
     def step():
         model.forward_graphable(tok, pos, slots, mask, nv)
-
-    def step_separate_norms():
-        fused_ops.set_fold_norms(False)
-        try:
-            model.forward_graphable(tok, pos, slots, mask, nv)
-        finally:
-            fused_ops.set_fold_norms(fold)
 
     wb = lambda i: sum(lay[i].numel() * 2 for lay in lays)       # noqa: E731
     kv_bytes = nl * (L + N) * nkv * hd * 2 * 2
     kinds = [("QKV GEMM + RoPE + KV write", nl, qkv_rope, wb(1)),
              ("tree attention", nl, attention, kv_bytes),
              ("O GEMM", nl, o_proj, wb(3)),
-             ("add + RMSNorm", 1 if fold else 2 * nl, norms, 0),
+             ("add + RMSNorm", 2 * nl, norms, 0),
              ("gate|up GEMM + SwiGLU", nl, gate_up, wb(6)),
              ("down GEMM", nl, down, wb(7)),
              ("LM head GEMM", 1, head, model.head.numel() * 2)]
-    res = {"shape": a.shape, "context": L, "n": N, "gemv": a.gemv, "folded_norms": fold,
-           "copy_TBps": copy_bw, "read_TBps": read_bw,
+    res = {"shape": a.shape, "context": L, "n": N, "gemv": a.gemv, "copy_TBps": copy_bw, "read_TBps": read_bw,
            "gpu": torch.cuda.get_device_name(), "kinds": {}}
-    print(f"{a.shape}, N = {N}, context {L}, {a.gemv} GEMVs, norms {'folded' if fold else 'separate'}: copy {copy_bw:.2f} TB/s, read (torch.sum) {read_bw:.2f} TB/s")
+    print(f"{a.shape}, N = {N}, context {L}, {a.gemv} GEMVs: copy {copy_bw:.2f} TB/s, read (torch.sum) {read_bw:.2f} TB/s")
     print("| kernel kind | launches | ms per step | us per launch | GB read | TB/s | % of copy BW | % of read BW |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     total = 0.0
@@ -162,14 +133,12 @@ def main():
         print(f"| {name} | {count} | {ms:.3f} | {1e3 * ms / count:.2f} | {nbytes / 1e9:.2f} | {tbps:.2f} | "
               f"{100 * tbps / copy_bw:.0f} % | {100 * tbps / read_bw:.0f} % |", flush=True)
     whole = graph_ms(step)
-    whole_sep = graph_ms(step_separate_norms)
     wbytes = model.weight_bytes()
-    res.update(sum_ms=total, step_ms=whole, step_separate_norms_ms=whole_sep, weight_bytes=wbytes)
+    res.update(sum_ms=total, step_ms=whole, weight_bytes=wbytes)
     print(f"| sum of kinds | | {total:.3f} | | | | | |")
     print(f"| whole step (forward_graphable, embedding and logits included) | | {whole:.3f} | | "
           f"{wbytes / 1e9:.2f} | {wbytes / (whole / 1e3) / 1e12:.2f} | "
           f"{100 * wbytes / (whole / 1e3) / 1e12 / copy_bw:.0f} % | {100 * wbytes / (whole / 1e3) / 1e12 / read_bw:.0f} % |")
-    print(f"whole step with separate add_rmsnorm kernels: {whole_sep:.3f} ms ({whole_sep / whole:.3f}x)")
     print(f"floors: weights / copy BW {wbytes / copy_bw / 1e9:.2f} ms, weights / read BW {wbytes / read_bw / 1e9:.2f} ms")
     if a.json:
         with open(a.json, "w") as f:

@@ -11,9 +11,7 @@
 // 1. add_rmsnorm (residual add + RMSNorm):  x[r] += a[r] (rounded to bf16, as torch's x.add_(a));
 //    out[r] = bf16(x[r] * rsqrt(mean(x[r]^2) + eps) * w).  a may be null (plain RMSNorm).
 //    Grid N blocks (one row each), 32..512 threads. The second pass re-reads the row this thread
-//    just wrote (L1/L2), so any hidden size works without a register array. The sum of squares
-//    is taken in "chunk order" (rms_chunk_total), which the GEMVs with the norm folded into their
-//    prologue repeat, so folding a norm into the next GEMV does not change a bit.
+//    just wrote (L1/L2), so any hidden size works without a register array.
 //    Floor: 3 * N * H * 2 B (+ H * 2 B of weights): 25 KB for Llama-3-8B at N = 1, < 0.01 us of
 //    HBM time; it is latency bound (2 dependent global round trips + one block reduction).
 //    Replaces add + rms_norm (2 launches).
@@ -99,30 +97,12 @@ __device__ __forceinline__ float block_sum(float v) {
   return v;
 }
 
-// The sum of squares of a row in "chunk order", which the GEMVs with the RMSNorm folded into
-// their prologue (cuda/gemm_allreduce.cu, NormIn) repeat bit for bit: chunk c = elements
-// [8c, 8c + 8) is summed on its own (fmaf from 0, in element order); lane l of one warp adds the
-// chunk sums l, l + 32, l + 64, ... in that order (from 0); an xor butterfly over the 32 lanes
-// gives every lane the total. `s` holds the `chunks` chunk sums.
-__device__ __forceinline__ float rms_chunk_total(const float* s, int chunks, int lane) {
-  float v = 0.f;
-  for (int c = lane; c < chunks; c += 32) v += s[c];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-constexpr int RMS_MAX_CHUNKS = 2048;   // V = 8: H <= 16384 (fused_ops.add_rmsnorm checks)
-
 // x [N, H] (row stride x_stride), a [N, H] (a_stride) or null, w [H], out [N, H] (out_stride).
-// V = 8 sums the squares in chunk order (rms_chunk_total, H <= 8 RMS_MAX_CHUNKS), V = 1 (rows
-// not 16-byte aligned) per thread then over the block.
 template <int V>
 __device__ __forceinline__ void add_rmsnorm_body(bf16* __restrict__ x, int64_t x_stride,
                                                  const bf16* __restrict__ a, int64_t a_stride,
                                                  const bf16* __restrict__ w, bf16* __restrict__ out,
                                                  int64_t out_stride, int H, float eps) {
-  __shared__ float chunk_ss[V == 8 ? RMS_MAX_CHUNKS : 1];
   const int row = blockIdx.x;
   bf16* xr = x + row * x_stride;
   bf16* orow = out + row * out_stride;
@@ -138,29 +118,10 @@ __device__ __forceinline__ void add_rmsnorm_body(bf16* __restrict__ x, int64_t x
       for (int i = 0; i < V; ++i) xv[i] = round_bf16(xv[i] + av[i]);
       store<V>(xr + c * V, xv);
     }
-    if constexpr (V == 8) {
-      float s = 0.f;                       // the chunk's own sum (rms_chunk_order)
 #pragma unroll
-      for (int i = 0; i < V; ++i) s = fmaf(xv[i], xv[i], s);
-      chunk_ss[c] = s;
-    } else {
-#pragma unroll
-      for (int i = 0; i < V; ++i) ss = fmaf(xv[i], xv[i], ss);
-    }
+    for (int i = 0; i < V; ++i) ss = fmaf(xv[i], xv[i], ss);
   }
-  float r;
-  if constexpr (V == 8) {
-    __shared__ float r_s;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      const float t = rms_chunk_total(chunk_ss, chunks, threadIdx.x);
-      if (threadIdx.x == 0) r_s = rsqrtf(t / (float)H + eps);
-    }
-    __syncthreads();
-    r = r_s;
-  } else {
-    r = rsqrtf(block_sum(ss) / (float)H + eps);
-  }
+  const float r = rsqrtf(block_sum(ss) / (float)H + eps);
   for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
     float xv[V], wv[V];
     load<V>(xr + c * V, xv);   // this thread's own write above (or the input): program order

@@ -121,49 +121,6 @@ __device__ __forceinline__ void sum_partials(const float* red, float* res, int t
   }
 }
 
-// RMSNorm folded into a GEMV's prologue (the NORM kernels: *_norm_*). X is then the raw residual
-// stream x [M, K], and the GEMV multiplies W with bf16(x * r[m] * w[k]) instead, the value
-// fused_ops.cu's add_rmsnorm would have written (same expression, same rounding), where
-// r[m] = rsqrt(sum_k x[m, k]^2 / K + eps) is summed in add_rmsnorm's "chunk order" from the
-// per-chunk sums of squares ss [M, K / 8] that the previous GEMV's residual epilogue
-// (residual_store) wrote: the result is bit for bit add_rmsnorm followed by the plain GEMV, one
-// launch and one [M, K] round trip fewer.
-struct NormIn {
-  const __nv_bfloat16* w;   // [K] the norm's weight
-  const float* ss;          // [M, K / 8] chunk sums of squares of x's rows
-  float eps;
-};
-
-// r[m] for m < M into rn[m] (shared), warps stepping over the rows (chunk order: see
-// fused_ops.cu rms_chunk_total, repeated here). Call after the previous grid completed.
-template <int NW>
-__device__ __forceinline__ void norm_scales(const NormIn& nrm, int M, int K, float* rn, int warp, int lane) {
-  const int chunks = K / 8;
-  for (int m = warp; m < M; m += NW) {
-    const float* s = nrm.ss + (long long)m * chunks;
-    float v = 0.f;
-    for (int c = lane; c < chunks; c += 32) v += s[c];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if (lane == 0) rn[m] = rsqrtf(v / (float)K + nrm.eps);
-  }
-}
-
-// 8 consecutive k's of a normalized X row: bf16(x * r * w), as add_rmsnorm computes and rounds
-// (zeros in, zeros out: a row or k past the end stays 0).
-__device__ __forceinline__ uint4 norm_x8(const uint4 xv, const uint4 wv, float r) {
-  const __nv_bfloat162* xh = reinterpret_cast<const __nv_bfloat162*>(&xv);
-  const __nv_bfloat162* wh = reinterpret_cast<const __nv_bfloat162*>(&wv);
-  uint4 out;
-  __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 a = __bfloat1622float2(xh[i]), b = __bfloat1622float2(wh[i]);
-    oh[i] = __floats2bfloat162_rn(a.x * r * b.x, a.y * r * b.y);
-  }
-  return out;
-}
-
 // Partial Y tiles [16 x 8] (rows m < M valid) of the T n-tiles tile0 .. tile0 + T - 1 (those
 // < n_tiles) over all of K, summed over the block's warps, into res[t * 128 + m * 8 + n]
 // (shared). red: shared scratch [WARPS][T * 128]. Must be called by all THREADS threads; res is
@@ -179,13 +136,10 @@ __device__ __forceinline__ uint4 norm_x8(const uint4 xv, const uint4 wv, float r
 // ... of the 8-warp schedule (chunk w + NW i into accumulator set i % (WARPS / NW)), so the
 // partial tiles and their sum, hence the bits, are the 8-warp block's; with fewer threads per
 // block, more blocks fit per SM (the QKV GEMV's one-wave variant).
-// NORM: x is the raw residual, normalized on the fly (NormIn above, nrm); res[0 .. M) serves as
-// the per-row scales until the sum at the end.
-template <int T, int U, int PF, bool PIPE, bool M16, int NW = WARPS, bool NORM = false>
+template <int T, int U, int PF, bool PIPE, bool M16, int NW = WARPS>
 __device__ __forceinline__ void gemv_tiles(const __nv_bfloat16* __restrict__ x, long long ldx,
                                            const __nv_bfloat16* __restrict__ w, int M, int K, int n_tiles,
-                                           int tile0, float* red, float* res, int pair_off = 0,
-                                           NormIn nrm = NormIn{nullptr, nullptr, 0.f}) {
+                                           int tile0, float* red, float* res, int pair_off = 0) {
   constexpr int KC = 32 * U;
   constexpr int V = WARPS / NW;             // accumulator sets (8-warp schedule warps) per warp
   static_assert(NW * V == WARPS && (V == 1 || V == 2), "NW = 8 or 4");
@@ -204,19 +158,6 @@ __device__ __forceinline__ void gemv_tiles(const __nv_bfloat16* __restrict__ x, 
   const bool hasB = M16 && (g + 8 < M);     // X row g + 8
   const __nv_bfloat16* xa = x + (long long)g * ldx + 8 * q;
   const __nv_bfloat16* xb = x + (long long)(g + 8) * ldx + 8 * q;
-  const __nv_bfloat16* wn = nrm.w + 8 * q;  // NORM: the norm weight at this lane's k's
-  float ra = 0.f, rb = 0.f;                 // NORM: the scales of rows g, g + 8
-  // NORM, after the previous grid completed: the rows' scales into res (free until the sum; the
-  // barrier in front keeps a previous tile group's epilogue reading res from being overwritten)
-  auto scales = [&]() {
-    if constexpr (NORM) {
-      __syncthreads();
-      norm_scales<NW>(nrm, M, K, res, warp, lane);
-      __syncthreads();
-      ra = hasA ? res[g] : 0.f;
-      rb = hasB ? res[g + 8] : 0.f;
-    }
-  };
 
   auto load = [&](Chunk<T, U>& ch, int k0) {
 #pragma unroll
@@ -234,44 +175,20 @@ __device__ __forceinline__ void gemv_tiles(const __nv_bfloat16* __restrict__ x, 
 #pragma unroll
     for (int t = 0; t < T; ++t) cc[j][t][0] = cc[j][t][1] = cc[j][t][2] = cc[j][t][3] = 0.f;
   auto compute = [&](const Chunk<T, U>& ch, int k0, float (&c)[T][4]) {
-    if constexpr (NORM) {
-      // all U raw X and norm-weight vectors loaded first (one load latency per chunk, as the
-      // plain kernel), then normalized and multiplied one u at a time
-      uint4 xv[U], xw[U], xvb[U];
+    uint4 a[U], b[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int k = k0 + 32 * u;
-        const bool ok = k + 8 * q < K;
-        xv[u] = (ok && hasA) ? __ldg(reinterpret_cast<const uint4*>(xa + k)) : make_uint4(0, 0, 0, 0);
-        xvb[u] = (M16 && ok && hasB) ? __ldg(reinterpret_cast<const uint4*>(xb + k)) : make_uint4(0, 0, 0, 0);
-        xw[u] = (ok && (hasA || hasB)) ? __ldg(reinterpret_cast<const uint4*>(wn + k)) : make_uint4(0, 0, 0, 0);
-      }
+    for (int u = 0; u < U; ++u) {
+      const int k = k0 + 32 * u;
+      const bool ok = k + 8 * q < K;
+      a[u] = (ok && hasA) ? __ldg(reinterpret_cast<const uint4*>(xa + k)) : make_uint4(0, 0, 0, 0);
+      b[u] = (M16 && ok && hasB) ? __ldg(reinterpret_cast<const uint4*>(xb + k)) : make_uint4(0, 0, 0, 0);
+    }
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const uint4 a = norm_x8(xv[u], xw[u], ra);
-        const uint4 b = M16 ? norm_x8(xvb[u], xw[u], rb) : make_uint4(0, 0, 0, 0);
+    for (int u = 0; u < U; ++u) {
 #pragma unroll
-        for (int t = 0; t < T; ++t) {
-          mma_bf16(c[t], a.x, b.x, a.y, b.y, ch.w[t][u].x, ch.w[t][u].y);
-          mma_bf16(c[t], a.z, b.z, a.w, b.w, ch.w[t][u].z, ch.w[t][u].w);
-        }
-      }
-    } else {
-      uint4 a[U], b[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int k = k0 + 32 * u;
-        const bool ok = k + 8 * q < K;
-        a[u] = (ok && hasA) ? __ldg(reinterpret_cast<const uint4*>(xa + k)) : make_uint4(0, 0, 0, 0);
-        b[u] = (M16 && ok && hasB) ? __ldg(reinterpret_cast<const uint4*>(xb + k)) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-#pragma unroll
-        for (int t = 0; t < T; ++t) {
-          mma_bf16(c[t], a[u].x, b[u].x, a[u].y, b[u].y, ch.w[t][u].x, ch.w[t][u].y);
-          mma_bf16(c[t], a[u].z, b[u].z, a[u].w, b[u].w, ch.w[t][u].z, ch.w[t][u].w);
-        }
+      for (int t = 0; t < T; ++t) {
+        mma_bf16(c[t], a[u].x, b[u].x, a[u].y, b[u].y, ch.w[t][u].x, ch.w[t][u].y);
+        mma_bf16(c[t], a[u].z, b[u].z, a[u].w, b[u].w, ch.w[t][u].z, ch.w[t][u].w);
       }
     }
   };
@@ -288,7 +205,6 @@ __device__ __forceinline__ void gemv_tiles(const __nv_bfloat16* __restrict__ x, 
     // reordered to keep the same summation order, measured 5-25 % slower on every shape in the
     // PDL chain, benchmarks/bench_step_breakdown.py, 2026-11-29.)
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    scales();
     while (k0 < K) {
       load(c1, k0 + STEP);                    // past K: predicated off, zeros
       compute(c0, k0, cc[0]);
@@ -300,7 +216,6 @@ __device__ __forceinline__ void gemv_tiles(const __nv_bfloat16* __restrict__ x, 
     }
   } else {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    scales();
     for (; k0 < K; k0 += STEP) {
       Chunk<T, U> c0;
       load(c0, k0);
@@ -324,49 +239,11 @@ __device__ __forceinline__ void store_tiles(const float* res, __nv_bfloat16* __r
   }
 }
 
-// The residual epilogue (the RES kernels: gemm_rowparallel_res_*): instead of Y, the residual
-// stream y [M, N] gets y += bf16(tile) (rounded to bf16, as add_rmsnorm's x += a), and each
-// n-tile's new values give the chunk sums of squares ss[m * n_tiles + tile] (an n-tile's 8
-// columns are one chunk of add_rmsnorm's chunk order: fmaf from 0, column order) that the next
-// GEMV's folded norm (NormIn) reads. sq: shared scratch [T * 128] (gemv_tiles' red, free here).
-template <int T>
-__device__ __forceinline__ void residual_store(const float* res, float* sq, __nv_bfloat16* __restrict__ y,
-                                               long long ldy, float* __restrict__ ss, int M, int n_tiles,
-                                               int tile0, int tid, int nthreads) {
-  for (int e = tid; e < T * 128; e += nthreads) {
-    const int t = e / 128, m = (e % 128) >> 3, n = e & 7;
-    float h = 0.f;
-    if (m < M && tile0 + t < n_tiles) {
-      __nv_bfloat16* p = y + (long long)m * ldy + (tile0 + t) * 8 + n;
-      const float a = __bfloat162float(__float2bfloat16_rn(res[e]));
-      h = __bfloat162float(__float2bfloat16_rn(__bfloat162float(*p) + a));
-      *p = __float2bfloat16_rn(h);
-    }
-    sq[e] = h;
-  }
-  __syncthreads();
-  for (int e = tid; e < T * 16; e += nthreads) {          // (tile t, row m)
-    const int t = e >> 4, m = e & 15;
-    if (m < M && tile0 + t < n_tiles) {
-      const float* h = sq + t * 128 + m * 8;
-      float v = 0.f;
-#pragma unroll
-      for (int n = 0; n < 8; ++n) v = fmaf(h[n], h[n], v);
-      ss[(long long)m * n_tiles + tile0 + t] = v;
-    }
-  }
-  __syncthreads();   // sq (red) free again
-}
-
-// NORM: x is the raw residual, normalized on the fly (nrm, see NormIn); RES: y is the residual
-// stream, updated in place, and ss gets its chunk sums of squares (residual_store).
-template <int T, int U, int PF, bool PIPE, bool M16, bool NORM = false, bool RES = false>
+template <int T, int U, int PF, bool PIPE, bool M16>
 __device__ __forceinline__ void gemm_rowparallel_body(const __nv_bfloat16* __restrict__ x, long long ldx,
                                                       const __nv_bfloat16* __restrict__ w,
                                                       __nv_bfloat16* __restrict__ y, long long ldy,
-                                                      int M, int N, int K,
-                                                      NormIn nrm = NormIn{nullptr, nullptr, 0.f},
-                                                      float* __restrict__ ss = nullptr) {
+                                                      int M, int N, int K) {
   __shared__ float red[WARPS * T * 128];
   __shared__ float res[T * 128];
   // PDL: the next kernel in the stream may start launching now (its blocks take SM slots as
@@ -374,11 +251,8 @@ __device__ __forceinline__ void gemm_rowparallel_body(const __nv_bfloat16* __res
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int n_tiles = N / 8;
   for (int tile0 = blockIdx.x * T; tile0 < n_tiles; tile0 += gridDim.x * T) {
-    gemv_tiles<T, U, PF, PIPE, M16, WARPS, NORM>(x, ldx, w, M, K, n_tiles, tile0, red, res, 0, nrm);
-    if constexpr (RES)
-      residual_store<T>(res, red, y, ldy, ss, M, n_tiles, tile0, threadIdx.x, THREADS);
-    else
-      store_tiles<T>(res, y, ldy, M, n_tiles, tile0, threadIdx.x, THREADS);
+    gemv_tiles<T, U, PF, PIPE, M16>(x, ldx, w, M, K, n_tiles, tile0, red, res);
+    store_tiles<T>(res, y, ldy, M, n_tiles, tile0, threadIdx.x, THREADS);
   }
 }
 
@@ -403,19 +277,18 @@ __device__ __forceinline__ void swiglu_store(const float* res, __nv_bfloat16* __
 // gemv_tiles, so G and U are bit for bit the plain kernel's outputs (same U), and the epilogue
 // repeats fused_ops.cu's silu_mul roundings: the result equals silu_mul(gemm_rowparallel(X, W)).
 // Saves the silu_mul launch and the [M, 2I] round trip. T must be 2 (one gate + one up tile).
-template <int T, int U, int PF, bool PIPE, bool M16, bool NORM = false>
+template <int T, int U, int PF, bool PIPE, bool M16>
 __device__ __forceinline__ void gemm_swiglu_body(const __nv_bfloat16* __restrict__ x, long long ldx,
                                                  const __nv_bfloat16* __restrict__ w,
                                                  __nv_bfloat16* __restrict__ y, long long ldy,
-                                                 int M, int I, int K,
-                                                 NormIn nrm = NormIn{nullptr, nullptr, 0.f}) {
+                                                 int M, int I, int K) {
   static_assert(T == 2, "one gate tile and one up tile per block");
   __shared__ float red[WARPS * T * 128];
   __shared__ float res[T * 128];
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");   // PDL, as above
   const int half = I / 8;
   for (int tile0 = blockIdx.x; tile0 < half; tile0 += gridDim.x) {
-    gemv_tiles<T, U, PF, PIPE, M16, WARPS, NORM>(x, ldx, w, M, K, 2 * half, tile0, red, res, half, nrm);
+    gemv_tiles<T, U, PF, PIPE, M16>(x, ldx, w, M, K, 2 * half, tile0, red, res, half);
     swiglu_store(res, y, ldy, M, tile0, threadIdx.x, THREADS);
   }
 }
@@ -486,14 +359,14 @@ __device__ __forceinline__ void qkv_rope_store(
   }
 }
 
-template <int U, int PF, bool PIPE, bool M16, int NW = WARPS, bool NORM = false>
+template <int U, int PF, bool PIPE, bool M16, int NW = WARPS>
 __device__ __forceinline__ void gemm_qkv_rope_body(
     const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,
     __nv_bfloat16* __restrict__ qkv, long long ldq, int M, int K,
     const long long* __restrict__ positions, const long long* __restrict__ slots,
     const __nv_bfloat16* __restrict__ cos_t, const __nv_bfloat16* __restrict__ sin_t, int rope_len,
     __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, long long kv_stride,
-    int max_slots, int nh, int nkv, int D, NormIn nrm = NormIn{nullptr, nullptr, 0.f}) {
+    int max_slots, int nh, int nkv, int D) {
   __shared__ float red[WARPS * 2 * 128];
   __shared__ float res[2 * 128];
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");   // PDL, as above
@@ -503,7 +376,7 @@ __device__ __forceinline__ void gemm_qkv_rope_body(
   const int n_tiles = (nh + 2 * nkv) * tpd;
   for (int b = blockIdx.x; b < n_blocks; b += gridDim.x) {
     const int tile0 = qkv_rope_tile0(b, nh, nkv, D);
-    gemv_tiles<2, U, PF, PIPE, M16, NW, NORM>(x, ldx, w, M, K, n_tiles, tile0, red, res, b < n_rot ? hp : 1, nrm);
+    gemv_tiles<2, U, PF, PIPE, M16, NW>(x, ldx, w, M, K, n_tiles, tile0, red, res, b < n_rot ? hp : 1);
     qkv_rope_store(res, b, tile0, qkv, ldq, M, positions, slots, cos_t, sin_t, rope_len, k_cache, v_cache,
                    kv_stride, max_slots, nh, nkv, D, threadIdx.x, 32 * NW);
   }
@@ -809,63 +682,6 @@ QKV_ROPE_KERNEL(4, 256, 1, 2)
   }
 QKV_ROPE_W4_KERNEL1(m8, false)
 QKV_ROPE_W4_KERNEL1(m16, true)
-
-// The RMSNorm folded into the GEMV's prologue (NORM: x is the raw residual; nw [K] the norm
-// weight, nss [M, K / 8] the chunk sums of squares, eps) and the residual epilogue (RES: y is the
-// residual stream, updated in place; ss [M, N / 8] gets its chunk sums of squares), U = 4, PF =
-// 256, PIPE (the default register config: the same bits as add_rmsnorm + the plain kernel, and
-// the plain kernel + add_rmsnorm's residual add):
-//   gemm_rowparallel_res_<m8|m16>_t<1|2>_u4_p256_s1   (o_proj, down_proj at TP = 1)
-//   gemm_rowparallel_norm_<m8|m16>_t<1|2>_u4_p256_s1  (the LM head after the final norm)
-//   gemm_swiglu_norm_<m8|m16>_t2_u4_p256_s1, gemm_qkv_rope_norm_<m8|m16>_u4_p256_s1[_w4]
-#define GEMV_NORM_ARGS const __nv_bfloat16* __restrict__ nw, const float* __restrict__ nss, float eps
-#define ROWPAR_FOLD_KERNEL1(MS, M16, T)                                                                \
-  extern "C" __global__ void __launch_bounds__(rowpar::THREADS, 2)                                    \
-  gemm_rowparallel_res_##MS##_t##T##_u4_p256_s1(const __nv_bfloat16* __restrict__ x, long long ldx,   \
-      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K, \
-      float* __restrict__ ss) {                                                                      \
-    rowpar::gemm_rowparallel_body<T, 4, 256, true, M16, false, true>(x, ldx, w, y, ldy, M, N, K,     \
-        rowpar::NormIn{nullptr, nullptr, 0.f}, ss);                                                  \
-  }                                                                                                   \
-  extern "C" __global__ void __launch_bounds__(rowpar::THREADS, 2)                                    \
-  gemm_rowparallel_norm_##MS##_t##T##_u4_p256_s1(const __nv_bfloat16* __restrict__ x, long long ldx,  \
-      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K, \
-      GEMV_NORM_ARGS) {                                                                              \
-    rowpar::gemm_rowparallel_body<T, 4, 256, true, M16, true, false>(x, ldx, w, y, ldy, M, N, K,     \
-        rowpar::NormIn{nw, nss, eps});                                                               \
-  }
-ROWPAR_FOLD_KERNEL1(m8, false, 1)
-ROWPAR_FOLD_KERNEL1(m16, true, 1)
-ROWPAR_FOLD_KERNEL1(m8, false, 2)
-ROWPAR_FOLD_KERNEL1(m16, true, 2)
-
-#define SWIGLU_NORM_KERNEL1(MS, M16)                                                                   \
-  extern "C" __global__ void __launch_bounds__(rowpar::THREADS, 2)                                    \
-  gemm_swiglu_norm_##MS##_t2_u4_p256_s1(const __nv_bfloat16* __restrict__ x, long long ldx,           \
-      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int I, int K, \
-      GEMV_NORM_ARGS) {                                                                              \
-    rowpar::gemm_swiglu_body<2, 4, 256, true, M16, true>(x, ldx, w, y, ldy, M, I, K, rowpar::NormIn{nw, nss, eps}); \
-  }
-SWIGLU_NORM_KERNEL1(m8, false)
-SWIGLU_NORM_KERNEL1(m16, true)
-
-#define QKV_ROPE_NORM_KERNEL1(MS, M16, SUFFIX, NW, BLOCK, MINB)                                        \
-  extern "C" __global__ void __launch_bounds__(BLOCK, MINB)                                           \
-  gemm_qkv_rope_norm_##MS##_u4_p256_s1##SUFFIX(                                                      \
-      const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,       \
-      __nv_bfloat16* __restrict__ qkv, long long ldq, int M, int K,                                  \
-      const long long* __restrict__ positions, const long long* __restrict__ slots,                  \
-      const __nv_bfloat16* __restrict__ cos_t, const __nv_bfloat16* __restrict__ sin_t, int rope_len, \
-      __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, long long kv_stride, \
-      int max_slots, int nh, int nkv, int D, GEMV_NORM_ARGS) {                                       \
-    rowpar::gemm_qkv_rope_body<4, 256, true, M16, NW, true>(x, ldx, w, qkv, ldq, M, K, positions, slots, \
-        cos_t, sin_t, rope_len, k_cache, v_cache, kv_stride, max_slots, nh, nkv, D,                  \
-        rowpar::NormIn{nw, nss, eps});                                                               \
-  }
-QKV_ROPE_NORM_KERNEL1(m8, false, , 8, rowpar::THREADS, 2)
-QKV_ROPE_NORM_KERNEL1(m16, true, , 8, rowpar::THREADS, 2)
-QKV_ROPE_NORM_KERNEL1(m8, false, _w4, 4, 128, 3)
-QKV_ROPE_NORM_KERNEL1(m16, true, _w4, 4, 128, 3)
 
 // Shared-memory-streamed variants: <name>_smem_m{8,16}_t<T>_w<NW>_st<STAGES> (rowparallel) and
 // <name>_smem_m{8,16}_w<NW>_st<STAGES> (swiglu, qkv_rope: T = 2), blockDim 32 (NW + 1), dynamic

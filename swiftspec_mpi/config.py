@@ -246,7 +246,6 @@ def check_environment() -> None:
 ENV_SWITCHES = {
     "SWIFTSPEC_FUSED_OPS": (True, "fused kernels on"),
     "SWIFTSPEC_FUSED_ALLREDUCE": (False, "NCCL's all-reduce after the GEMV"),
-    "SWIFTSPEC_FOLD_NORMS": (True, "RMSNorms folded into the GEMVs at TP = 1"),
 }
 
 

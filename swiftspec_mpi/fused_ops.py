@@ -42,11 +42,9 @@ from swiftspec_mpi.kernels import _function, _launch, _launch_pdl, _ptr, availab
 
 _SOURCE = "fused_ops"
 _RMS_MAX_THREADS = 512      # must not exceed __launch_bounds__ of add_rmsnorm_v* in fused_ops.cu
-_RMS_MAX_CHUNKS = 2048      # RMS_MAX_CHUNKS in fused_ops.cu: the chunk-order sum (V = 8) up to H = 16384
 _EW_THREADS = 256           # rope_kv_write_v*, silu_mul_v* (__launch_bounds__(256))
 _EW_MAX_BLOCKS = 4096       # grid-stride loops: more work than this just loops
 _enabled = env_switch("SWIFTSPEC_FUSED_OPS")
-_fold_norms = env_switch("SWIFTSPEC_FOLD_NORMS")
 
 
 _gemm_mode = os.environ.get("SWIFTSPEC_FUSED_GEMM", "pdl").strip().lower()
@@ -144,22 +142,6 @@ def set_enabled(flag: bool) -> None:
     _enabled = bool(flag)
 
 
-def set_fold_norms(flag: bool) -> None:
-    """Switch the RMSNorm folding of the "pdl" mode on or off (SWIFTSPEC_FOLD_NORMS; benchmarks
-    and tests). A captured CUDA graph keeps the path it was captured with."""
-    global _fold_norms
-    _fold_norms = bool(flag)
-
-
-def fold_norms() -> bool:
-    """Whether the "pdl" mode folds the RMSNorms into the GEMVs (Transformer._graphable_fused, at
-    TP = 1): the o_proj / down_proj GEMVs add their output to the residual stream in their
-    epilogue, and the QKV, gate|up and LM-head GEMVs normalize it in their prologue
-    (kernels.RmsNormIn), the same bits as the separate add_rmsnorm kernels, 2 launches fewer
-    per layer. Default on."""
-    return _fold_norms
-
-
 def enabled() -> bool:
     """True when forward_graphable should use these kernels: not switched off and available."""
     return _enabled and available()
@@ -228,7 +210,7 @@ def add_rmsnorm(x: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor, e
     if N == 0:
         return out
     ts = [x, weight, out] + ([a] if a is not None else [])
-    V = 8 if H % 8 == 0 and H <= 8 * _RMS_MAX_CHUNKS and _aligned(*ts) else 1
+    V = 8 if H % 8 == 0 and _aligned(*ts) else 1
     chunks = H // V
     threads = min(_RMS_MAX_THREADS, max(32, -(-chunks // 32) * 32))
     dev = _dev(x)

@@ -20,7 +20,6 @@ import shutil
 import sys
 import threading
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -506,48 +505,6 @@ def _gemm_checks(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None):
     return M, N, K, out
 
 
-class RmsNormIn(NamedTuple):
-    """An RMSNorm folded into a GEMV's prologue (the `norm=` argument of gemm_rowparallel,
-    gemm_swiglu, gemm_qkv_rope): the GEMV's x [M, K] is then the raw residual stream, and it
-    multiplies w with bf16(x * rsqrt(mean(x^2) + eps) * weight) instead, bit for bit what
-    fused_ops.add_rmsnorm(x, None, weight, eps) would have written (the same sum of squares, in
-    its "chunk order", from `ss`).
-
-      weight: [K] bfloat16 contiguous, the norm's weight.
-      ss:     [>= M, K / 8] float32 contiguous: row m's per-8-column sums of squares of x, as the
-              residual epilogue of the GEMV that last wrote x left them
-              (gemm_rowparallel(..., residual_ss=ss)).
-      eps:    the norm's epsilon.
-    """
-    weight: torch.Tensor
-    ss: torch.Tensor
-    eps: float
-
-
-def _check_ss(name: str, ss: torch.Tensor, M: int, cols: int) -> None:
-    if not (ss.is_cuda and ss.dtype == torch.float32 and ss.dim() == 2 and ss.shape[0] >= M
-            and ss.shape[1] == cols // 8 and ss.is_contiguous()):
-        raise ValueError(f"{name} must be a contiguous [>= {M}, {cols // 8}] float32 CUDA tensor, "
-                         f"got {ss.dtype} {tuple(ss.shape)}")
-
-
-def _norm_args(norm: RmsNormIn, M: int, K: int) -> list:
-    """The kernels' (nw, nss, eps) arguments of a folded norm, checked."""
-    w = norm.weight
-    if not (w.is_cuda and w.dtype == torch.bfloat16 and tuple(w.shape) == (K,) and w.is_contiguous()
-            and w.data_ptr() % 16 == 0):
-        raise ValueError(f"norm.weight must be a contiguous 16-byte aligned [{K}] bfloat16 CUDA tensor")
-    _check_ss("norm.ss", norm.ss, M, K)
-    return [_ptr(w), _ptr(norm.ss), ctypes.c_float(norm.eps)]
-
-
-def _fold_config(config, name: str) -> None:
-    """The folded kernels (norm= / residual_ss=) exist for the default register config only."""
-    if config not in (None, "regs", "regs-w4", (1, 4, 256, 1), (2, 4, 256, 1)):
-        raise ValueError(f"{name}: norm / residual_ss need the register kernel with U = 4, PF = 256, "
-                         f"PIPE (config None, 'regs' or (T, 4, 256, 1) with T = 1 or 2), not {config}")
-
-
 def gemm_rowparallel_config(M: int, N: int, K: int) -> tuple:
     """Config used by default for an [M, K] x [N, K]^T product: the register-pipelined
     (T, U, PF, PIPE) of gemm_regs_config, or ("smem", T, NW, STAGES) of the shared-memory GEMV
@@ -629,8 +586,7 @@ def _sm_count() -> int:
 
 
 def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                     config: tuple | None = None, pdl: bool = False, norm: RmsNormIn | None = None,
-                     residual_ss: torch.Tensor | None = None) -> torch.Tensor:
+                     config: tuple | None = None, pdl: bool = False) -> torch.Tensor:
     """out = x @ w.T for decode-sized x (the local part of a row-parallel projection), no all-reduce.
 
     Args:
@@ -645,37 +601,14 @@ def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None 
       pdl:    launch with programmatic dependent launch: the kernel starts streaming w while the
               previous kernel in the stream finishes (x is read, out written only after it
               completed). Only for a w that the previous kernel does not write (a weight).
-      norm:   RmsNormIn: x is the raw residual stream, normalized in the prologue (see there).
-      residual_ss: [>= M, N / 8] float32: the residual epilogue. `out` (required) is then the
-              residual stream: out += bf16(x @ w.T) in place (rounded as add_rmsnorm's x += a),
-              and residual_ss gets out's new per-8-column sums of squares for the next GEMV's
-              `norm`. Not with `norm`. Both need the register config with U = 4 (the default's).
 
     Returns:
       out: [M, N] bfloat16, fp32 accumulation.
     """
-    if residual_ss is not None and out is None:
-        raise ValueError("gemm_rowparallel: residual_ss needs out (the residual stream)")
     M, N, K, out = _gemm_checks(x, w, out)
     config = gemm_rowparallel_config(M, N, K) if config is None else tuple(config)
     args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(out), ctypes.c_int64(out.stride(0)),
             ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
-    if norm is not None or residual_ss is not None:
-        if norm is not None and residual_ss is not None:
-            raise ValueError("gemm_rowparallel: norm and residual_ss together are not supported")
-        if config[0] == "smem":
-            config = gemm_regs_config(M, N, K)
-        _fold_config(config, "gemm_rowparallel")
-        if norm is not None:
-            kind, extra = "norm", _norm_args(norm, M, K)
-        else:
-            _check_ss("residual_ss", residual_ss, M, N)
-            kind, extra = "res", [_ptr(residual_ss)]
-        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        f = _function("gemm_allreduce", "", f"gemm_rowparallel_{kind}_m{8 if M <= 8 else 16}_t{config[0]}_u4_p256_s1", dev)
-        (_launch_pdl if pdl else _launch)(f, (-(-(N // 8) // config[0]), 1, 1), _GEMM_THREADS, 0,
-                                          torch.cuda.current_stream(dev).cuda_stream, args + extra)
-        return out
     if config[0] == "smem":
         _, t, nw, st = config
         if t not in (1, 2):
@@ -708,7 +641,7 @@ def _fused_gemv_variant(config, M: int, N: int, K: int) -> tuple | None:
 
 
 def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                pdl: bool = False, config=None, norm: RmsNormIn | None = None) -> torch.Tensor:
+                pdl: bool = False, config=None) -> torch.Tensor:
     """The gate|up projection with the SwiGLU fused into its epilogue, for decode-sized x:
     out = bf16(bf16(silu(g)) * u) with [g | u] = gemm_rowparallel(x, w), bit for bit what
     fused_ops.silu_mul(gemm_rowparallel(x, w)) gives, in one launch and without the [M, 2I]
@@ -721,8 +654,6 @@ def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
       pdl: programmatic dependent launch, as for gemm_rowparallel.
       config: None (the default kind, gemv_stream()), "regs" (register-pipelined kernel) or
               ("smem", NW, STAGES) (W through shared memory); all give the same bits.
-      norm: RmsNormIn: x is the raw residual stream, normalized in the prologue (register
-              kernel only; None or "regs" config).
 
     Returns:
       out: [M, I] bfloat16.
@@ -743,20 +674,15 @@ def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
             raise ValueError(f"out must be [M, I] = {(M, I)}")
     # T = 2 (a gate and an up tile per block) and U = 4, the plain kernel's summation order, or
     # the bits would differ from silu_mul(gemm_rowparallel(x, w)); the smem kernels keep it.
+    variant = _fused_gemv_variant(config, M, I2, K)
     args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(out), ctypes.c_int64(out.stride(0)),
             ctypes.c_int32(M), ctypes.c_int32(I), ctypes.c_int32(K)]
-    if norm is not None:
-        _fold_config(config, "gemm_swiglu")
-        variant, kname = None, "gemm_swiglu_norm"
-        args += _norm_args(norm, M, K)
-    else:
-        variant, kname = _fused_gemv_variant(config, M, I2, K), "gemm_swiglu"
     if variant is not None:
         _, nw, st = variant
         _smem_launch(f"gemm_swiglu_smem_m{8 if M <= 8 else 16}_w{nw}_st{st}", x, nw, st, 2, I // 8, args, pdl)
         return out
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    f = _function("gemm_allreduce", "", f"{kname}_m{8 if M <= 8 else 16}_t2_u4_p256_s1", dev)
+    f = _function("gemm_allreduce", "", f"gemm_swiglu_m{8 if M <= 8 else 16}_t2_u4_p256_s1", dev)
     (_launch_pdl if pdl else _launch)(f, (I // 8, 1, 1), _GEMM_THREADS, 0,
                                       torch.cuda.current_stream(dev).cuda_stream, args)
     return out
@@ -765,7 +691,7 @@ def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
 def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor,
                   write_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, pdl: bool = False,
-                  config=None, norm: RmsNormIn | None = None) -> None:
+                  config=None) -> None:
     """The QKV projection with RoPE and the KV-cache write fused into its epilogue, in one launch:
     bit for bit `qkv = gemm_rowparallel(x, w)` followed by
     `fused_ops.rope_kv_write(qkv, positions, write_slots, cos, sin, k_cache, v_cache, n_heads)`,
@@ -784,8 +710,6 @@ def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions
       config:      None (the default: "regs-w4" where qkv_w4_pays, else "regs"; "smem" mode: the
                    smem kernel), "regs" (8 warps per block), "regs-w4" (4 warps, 3 blocks per SM)
                    or ("smem", NW, STAGES); all give the same bits.
-      norm:        RmsNormIn: x is the raw residual stream, normalized in the prologue (register
-                   kernels only: config None, "regs" or "regs-w4").
     """
     _check_bf16("x", x, 2)
     _check_bf16("w", w, 2)
@@ -809,25 +733,20 @@ def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions
         if not (t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.shape[1] == D and t.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous [P, {D}] bfloat16 CUDA tensor")
     grid = (n_heads + Hkv) * D // 16 + Hkv * D // 16
-    if config is None and (gemv_stream() == "regs" or norm is not None):
+    if config is None and gemv_stream() == "regs":
         config = "regs-w4" if qkv_w4_pays(grid) else "regs"
     w4 = config == "regs-w4"
+    variant = None if w4 else _fused_gemv_variant(config, M, cols, K)   # U = 4 either way: the same bits
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(qkv), ctypes.c_int64(qkv.stride(0)),
             ctypes.c_int32(M), ctypes.c_int32(K), _ptr(positions), _ptr(write_slots), _ptr(cos), _ptr(sin),
             ctypes.c_int32(cos.shape[0]), _ptr(k_cache), _ptr(v_cache), ctypes.c_int64(k_cache.stride(0)),
             ctypes.c_int32(S), ctypes.c_int32(n_heads), ctypes.c_int32(Hkv), ctypes.c_int32(D)]
-    if norm is not None:
-        _fold_config(config, "gemm_qkv_rope")
-        variant, kname = None, "gemm_qkv_rope_norm"
-        args += _norm_args(norm, M, K)
-    else:                                    # U = 4 for every kind: the same bits
-        variant, kname = (None if w4 else _fused_gemv_variant(config, M, cols, K)), "gemm_qkv_rope"
     if variant is not None:
         _, nw, st = variant
         _smem_launch(f"gemm_qkv_rope_smem_m{8 if M <= 8 else 16}_w{nw}_st{st}", x, nw, st, 2, grid, args, pdl)
         return
-    f = _function("gemm_allreduce", "", f"{kname}_m{8 if M <= 8 else 16}_u4_p256_s1{'_w4' if w4 else ''}", dev)
+    f = _function("gemm_allreduce", "", f"gemm_qkv_rope_m{8 if M <= 8 else 16}_u4_p256_s1{'_w4' if w4 else ''}", dev)
     (_launch_pdl if pdl else _launch)(f, (grid, 1, 1), 128 if w4 else _GEMM_THREADS, 0,
                                       torch.cuda.current_stream(dev).cuda_stream, args)
 

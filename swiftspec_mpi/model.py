@@ -577,10 +577,6 @@ class Transformer(torch.nn.Module):
             return out
 
         torch.index_select(self.embed, 0, tokens, out=x)
-        if (pdl and fused_ops.fold_norms() and comm.size == 1 and far is None and kernels.gemv_stream() == "regs"
-                and all(rp[k] for k in ("qkv", "o", "gu", "down", "head")) and hd % 16 == 0
-                and cfg.hidden_size % 8 == 0 and self.layers[0][6].shape[0] % 16 == 0):
-            return self._graphable_folded(tokens, positions, write_slots, mask, n_valid, ws)
         pending = None                      # the previous layer's MLP output, not yet added to x
         for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in self.layers:
             fused_ops.add_rmsnorm(x, pending, ln1, eps, out=h, pdl=pdl)
@@ -607,38 +603,6 @@ class Transformer(torch.nn.Module):
             logits = comm.all_gather_lastdim(logits)
             if logits.shape[1] != cfg.vocab_size:
                 logits = logits[:, :cfg.vocab_size]
-        return logits.float()
-
-    def _graphable_folded(self, tokens, positions, write_slots, mask, n_valid, ws) -> torch.Tensor:
-        """The "pdl" chain with the RMSNorms folded into the GEMVs (TP = 1, fused_ops.fold_norms()):
-        o_proj and down_proj add their output to the residual stream x in their epilogue and leave
-        its per-8-column sums of squares in ss_attn / ss_mlp [N, H / 8] (float32); the QKV,
-        gate|up and LM-head GEMVs normalize x in their prologue from those
-        (kernels.RmsNormIn). 5 kernels per layer instead of 7, plus layer 0's RMSNorm; the same
-        bits as `_graphable_fused`'s chain. x holds the embeddings (index_select done)."""
-        from swiftspec_mpi import fused_ops, kernels
-
-        cfg, sh = self.cfg, self.shard
-        N, H, eps = tokens.shape[0], cfg.hidden_size, cfg.rms_norm_eps
-        hd, nh_l = cfg.head_dim, sh.nh_l
-        x, h, o, m, qkv = ws["x"], ws["h"], ws["o"], ws["m"], ws["qkv"]
-        ss = ws.get("ss")
-        if ss is None:
-            ss = ws["ss"] = torch.empty(2, N, H // 8, dtype=torch.float32, device=self.device)
-        ss_attn, ss_mlp = ss[0], ss[1]
-        for i, (ln1, wqkv, _, wo, _, ln2, wgu, wd, kc, vc) in enumerate(self.layers):
-            if i == 0:
-                fused_ops.add_rmsnorm(x, None, ln1, eps, out=h, pdl=True)
-                kernels.gemm_qkv_rope(h, wqkv, qkv, positions, write_slots, self.rope_cos, self.rope_sin,
-                                      kc, vc, nh_l, pdl=True)
-            else:
-                kernels.gemm_qkv_rope(x, wqkv, qkv, positions, write_slots, self.rope_cos, self.rope_sin,
-                                      kc, vc, nh_l, pdl=True, norm=kernels.RmsNormIn(ln1, ss_mlp, eps))
-            kernels.tree_attention(qkv[:, :nh_l * hd].view(N, nh_l, hd), kc, vc, mask, n_valid, out=o, pdl=True)
-            kernels.gemm_rowparallel(o.view(N, nh_l * hd), wo, out=x, pdl=True, residual_ss=ss_attn)
-            kernels.gemm_swiglu(x, wgu, out=m, pdl=True, norm=kernels.RmsNormIn(ln2, ss_attn, eps))
-            kernels.gemm_rowparallel(m, wd, out=x, pdl=True, residual_ss=ss_mlp)
-        logits = kernels.gemm_rowparallel(x, self.head, pdl=True, norm=kernels.RmsNormIn(self.norm, ss_mlp, eps))
         return logits.float()
 
     # ------------------------------------------------------------------------------ KV plan

@@ -278,65 +278,6 @@ def test_gemm_qkv_rope_equals_gemm_then_rope_kv_write(gen, M, nh, nkv, D, K, con
         kernels.gemm_qkv_rope(x, w[:-8], qkv, positions, slots, cos, sin, kbuf[1], vbuf[1], nh)
 
 
-# -------------------------------------------------------------------------- RMSNorm folded into the GEMVs
-@pytest.mark.parametrize("M", [1, 8, 13])
-@pytest.mark.parametrize("H,K1", [(4096, 1024), (2048, 520), (896, 256)])
-def test_folded_norm_gemvs_equal_add_rmsnorm_then_gemv(gen, M, H, K1):
-    """The residual epilogue (gemm_rowparallel(..., residual_ss=)) updates the residual stream with
-    the bits of add_rmsnorm's x += a and leaves the per-8-column sums of squares; the GEMVs with
-    the norm folded into their prologue (norm=RmsNormIn: gemm_rowparallel, gemm_swiglu,
-    gemm_qkv_rope on 8 and 4 warps) then give the bits of add_rmsnorm followed by the plain GEMV.
-    H = 896: 112 chunks, lanes of the last chunk group without a chunk."""
-    eps = 1e-5
-    x0 = randn(M, H, gen=gen)
-    inp, wo = randn(M, K1, gen=gen), randn(H, K1, gen=gen, scale=0.05)
-    ln = randn(H, gen=gen)
-    # unfused: a = GEMV, then add_rmsnorm (x += a, h = norm(x))
-    xa = x0.clone()
-    h = fused_ops.add_rmsnorm(xa, kernels.gemm_rowparallel(inp, wo), ln, eps)
-    # folded: the GEMV adds into x itself and leaves the chunk sums of squares
-    xb = x0.clone()
-    ss = torch.full((M, H // 8), float("nan"), device="cuda")
-    kernels.gemm_rowparallel(inp, wo, out=xb, residual_ss=ss)
-    torch.cuda.synchronize()
-    assert torch.equal(xb, xa), "residual epilogue: x += a differs from add_rmsnorm's"
-    want = (xa.double() ** 2).view(M, H // 8, 8).sum(-1)
-    assert torch.allclose(ss.double(), want, rtol=1e-5, atol=1e-30), "chunk sums of squares"
-    norm = kernels.RmsNormIn(ln, ss, eps)
-    # LM-head-like GEMV
-    w = randn(1000, H, gen=gen, scale=0.05)
-    y = torch.full((M, 1000), float("nan"), dtype=BF, device="cuda")
-    kernels.gemm_rowparallel(xb, w, out=y, norm=norm)
-    assert torch.equal(y, kernels.gemm_rowparallel(h, w)), "gemm_rowparallel with the norm folded in"
-    # gate|up + SwiGLU
-    wgu = randn(2 * 520, H, gen=gen, scale=0.05)
-    m = torch.full((M, 520), float("nan"), dtype=BF, device="cuda")
-    kernels.gemm_swiglu(xb, wgu, out=m, norm=norm)
-    assert torch.equal(m, kernels.gemm_swiglu(h, wgu)), "gemm_swiglu with the norm folded in"
-    # QKV + RoPE + KV write, 8 and 4 warps
-    nh, nkv, D = 8, 2, 64
-    cols = (nh + 2 * nkv) * D
-    wqkv = randn(cols, H, gen=gen, scale=0.05)
-    _, cos, sin, _, _, kbuf, vbuf = _rope_case(gen, M, nh, nkv, D, S=64, P=128)
-    positions = torch.randint(0, 128, (M,), generator=gen, device="cuda")
-    slots = torch.randperm(64, generator=gen, device="cuda")[:M].contiguous()
-    kref, vref = kbuf.clone(), vbuf.clone()
-    qkv_ref = torch.full((M, cols), float("nan"), dtype=BF, device="cuda")
-    kernels.gemm_qkv_rope(h, wqkv, qkv_ref, positions, slots, cos, sin, kref[1], vref[1], nh, config="regs")
-    for config in ("regs", "regs-w4"):
-        kb, vb = kbuf.clone(), vbuf.clone()
-        qkv = torch.full((M, cols), float("nan"), dtype=BF, device="cuda")
-        kernels.gemm_qkv_rope(xb, wqkv, qkv, positions, slots, cos, sin, kb[1], vb[1], nh, config=config, norm=norm)
-        same = lambda a, b: torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))   # noqa: E731
-        assert same(qkv, qkv_ref) and same(kb, kref) and same(vb, vref), f"gemm_qkv_rope {config} with the norm"
-    with pytest.raises(ValueError):
-        kernels.gemm_rowparallel(xb, w, norm=kernels.RmsNormIn(ln, ss[:, :-1], eps))     # ss too narrow
-    with pytest.raises(ValueError):
-        kernels.gemm_rowparallel(inp, wo, residual_ss=ss)                                  # no out
-    with pytest.raises(ValueError):
-        kernels.gemm_swiglu(xb, wgu, norm=norm, config=("smem",) + kernels.GEMV_SMEM_VARIANTS[0])
-
-
 # -------------------------------------------------------------------------- whole model
 class _ShardComm:
     """Rank `rank` of a TP group of `size` whose collectives are local stand-ins (identity
@@ -526,64 +467,6 @@ def test_pdl_mode_is_as_accurate_as_cublas(shape, monkeypatch):
     err = {k: (v - ref).abs().max().item() / scale for k, v in got.items()}
     assert err["pdl"] <= 1.25 * err["cublas"] + 1e-3, err
     assert err["cublas"] <= 1.25 * err["pdl"] + 1e-3, err
-
-
-def _step_inputs(prefix: int, n: int, max_slots: int, seed: int = 9):
-    """A chain of n new tokens after a prefix, as forward_graphable takes them on the device:
-    (tokens, positions, mask [n, prefix + n] on the host, full mask [n, max_slots], n_valid,
-    write slots) -- the last four on the GPU."""
-    from swiftspec_mpi.model import chain_mask
-    g = torch.Generator().manual_seed(seed)
-    toks = torch.randint(0, 5000, (n,), generator=g)
-    pos = torch.arange(prefix, prefix + n)
-    mask = chain_mask(prefix, n)
-    full = torch.zeros(n, max_slots, dtype=torch.bool, device="cuda")
-    full[:, :prefix + n] = mask.to("cuda")
-    nv = torch.tensor([prefix + n], dtype=torch.int32, device="cuda")
-    slots = torch.arange(prefix, prefix + n, device="cuda")
-    return toks, pos, mask, full, nv, slots
-
-
-def _random_model(shape: str, layers: int, max_slots: int, prefix: int, seed: int, comm=None):
-    """A bf16 random model of `shape` cut to `layers` layers, with a prefix already in its cache."""
-    from swiftspec_mpi.comm import SingleComm
-    from swiftspec_mpi.dummy import SHAPES, RandomSource
-    from swiftspec_mpi.model import Transformer, chain_mask
-    cfg = SHAPES[shape].with_layers(layers)
-    model = Transformer(cfg, comm or SingleComm(), max_slots=max_slots, dtype=BF, device="cuda")
-    model.load_weights(RandomSource(cfg, "cuda", BF, seed=seed))
-    g = torch.Generator().manual_seed(2)
-    model.forward(torch.randint(0, 5000, (prefix,), generator=g), torch.arange(prefix), 0, chain_mask(0, prefix))
-    return model
-
-
-@pytest.mark.parametrize("shape,n", [("llama-3-8b", 1), ("llama-3-8b", 8), ("llama-3.2-1b", 8),
-                                     ("llama-3.2-1b", 13)])
-def test_folded_norm_step_equals_separate_norms(shape, n, monkeypatch):
-    """The PDL-chain step with the RMSNorms folded into the GEMVs (the default at TP = 1) gives
-    the bits of the chain with the separate add_rmsnorm kernels, eagerly and from CUDA-graph
-    replays, and launches add_rmsnorm only once (layer 0): 3-layer random model, 700-token prefix."""
-    from swiftspec_mpi.cuda_graphs import GraphedModel
-    monkeypatch.setattr(fused_ops, "_gemm_mode", "pdl")
-    prefix, S = 700, 1024
-    model = _random_model(shape, 3, S, prefix, seed=5)
-    toks, pos, mask, full, nv, slots = _step_inputs(prefix, n, S)
-    calls = []
-    real = fused_ops.add_rmsnorm
-    monkeypatch.setattr(fused_ops, "add_rmsnorm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    out = {}
-    for fold in (False, True):
-        monkeypatch.setattr(fused_ops, "_fold_norms", fold)
-        del calls[:]
-        eager = model.forward_graphable(toks.cuda(), pos.cuda(), slots, full, nv).float()
-        assert len(calls) == (1 if fold else 2 * 3 + 1), f"fold={fold}: {len(calls)} add_rmsnorm launches"
-        graphed = GraphedModel(model)
-        out[fold] = [eager] + [graphed.forward(toks, pos, prefix, mask).float().clone() for _ in range(4)]
-    ref = out[False][0]
-    assert torch.isfinite(ref).all()
-    for fold, results in out.items():
-        for i, r in enumerate(results):
-            assert torch.equal(r, ref), f"fold={fold}: {'eager' if i == 0 else f'replay {i}'} differs"
 
 
 @pytest.mark.parametrize("shape,n", [("llama-3-8b", 1), ("llama-3-8b", 8), ("llama-3.2-1b", 8)])
