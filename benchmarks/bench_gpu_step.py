@@ -28,6 +28,9 @@ import time
 import torch
 
 
+TOPK = 8     # the draft's children per expanded leaf (RunConfig.tree_topk's default)
+
+
 def cuda_time(fn, iters=50, warmup=5) -> float:
     """Median wall ms per call, each call followed by a device sync (as the engine does)."""
     for _ in range(warmup):
@@ -95,7 +98,7 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
     ("graph_auto_N"); plus each one's max relative logit difference to the torch-ops graph."""
     from swiftspec_mpi import fused_ops, kernels
     from swiftspec_mpi.comm import SingleComm
-    from swiftspec_mpi.cuda_graphs import GraphedModel, graphs_supported
+    from swiftspec_mpi.cuda_graphs import GraphedModel, graphs_supported, logits_topk_logprobs
     from swiftspec_mpi.dummy import dummy_model
     from swiftspec_mpi.model import chain_mask
     model, _ = dummy_model(shape, SingleComm(), context + 128, torch.bfloat16, "cuda")
@@ -133,6 +136,15 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
                     got = g.forward(toks, pos, context, mask).float()
                     res[f"{key}_rel_diff_{n}"] = ((got - ref).abs().max() / ref.abs().max()).item()
                     fns[f"{key}_{n}"] = (lambda g=g: g.forward(toks, pos, context, mask).argmax(-1).cpu())
+                    if key == "graph_pdl":      # the engine's reads, reduced inside the graph
+                        ids = g.forward_argmax(toks, pos, context, mask)
+                        ids2, _ = g.forward_topk_logprobs(toks, pos, context, mask, TOPK)
+                        res[f"read_same_{n}"] = bool((ids == got.argmax(-1).cpu().numpy()).all()
+                                                     and (ids2[:, 0] == ids).all())
+                        fns[f"graph_pdl_argmax_{n}"] = lambda g=g: g.forward_argmax(toks, pos, context, mask)
+                        fns[f"graph_pdl_topk_host_{n}"] = lambda g=g: logits_topk_logprobs(
+                            g.forward(toks, pos, context, mask), TOPK)
+                        fns[f"graph_pdl_topk_{n}"] = lambda g=g: g.forward_topk_logprobs(toks, pos, context, mask, TOPK)
                 choice = model._fused_ws[n].get(("gemm", "auto"), {})
                 res[f"rowparallel_{n}"] = ",".join(k for k, v in choice.items() if v) or "none"
         finally:
@@ -197,8 +209,10 @@ def main():
           "| rowparallel GEMMs | HF eager ms (N=1) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
     nan = float("nan")
+    reads = {}
     for shape in a.shapes.split(","):
         r = ours(shape, a.context, [1, 8], fused=fused)
+        reads[shape] = r
         r["hf_1"] = None if a.no_hf else hf(shape, a.context)
         rows[shape] = r
         floor = r["weight_gb"] / bw          # ms: every weight byte read once at HBM speed
@@ -212,6 +226,17 @@ def main():
                   f"{r.get(f'graph_pdl_rel_diff_{n}', nan):.1e} | "
                   f"{r.get(f'rowparallel_{n}', '-')} | {(r['hf_1'] if n == 1 and r['hf_1'] else nan):.2f} |",
                   flush=True)
+    print("\nWhat the engine reads back per step (PDL chain; wall ms incl. the sync): the argmax "
+          "(verify) and the top-8 log-probs (draft expansion), read from the logits on the host side vs "
+          "reduced inside the graph (GraphedModel.forward_argmax / forward_topk_logprobs)")
+    print("| shape | N | logits, then argmax + read | argmax in the graph | logits, then log_softmax + top-k + reads "
+          "| top-k in the graph | same tokens |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for shape, r in reads.items():
+        for n in (1, 8):
+            print(f"| {shape} | {n} | {r.get(f'graph_pdl_{n}', nan):.3f} | {r.get(f'graph_pdl_argmax_{n}', nan):.3f} | "
+                  f"{r.get(f'graph_pdl_topk_host_{n}', nan):.3f} | {r.get(f'graph_pdl_topk_{n}', nan):.3f} | "
+                  f"{r.get(f'read_same_{n}')} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from swiftspec_mpi import _tree
+from swiftspec_mpi.cuda_graphs import logits_argmax, logits_topk_logprobs
 from swiftspec_mpi.model import chain_mask
 
 
@@ -42,13 +43,19 @@ class TargetSide:
     def prefill(self, prompt_ids: list[int]) -> None:
         self.P = _prefill(self.model, prompt_ids)
 
-    def forward_tree(self, tokens: np.ndarray, parents: np.ndarray) -> torch.Tensor:
+    def forward_tree(self, tokens: np.ndarray, parents: np.ndarray, greedy: bool = False):
         """tokens int64[n] (tokens[0] = root), parents int32[n] (-1 for the root, parents before
-        children) -> target logits float32[n, vocab]. KV of the n nodes goes to [P, P+n)."""
+        children) -> target logits float32[n, vocab], or with `greedy` only their argmax int64[n]
+        (computed inside the CUDA graph when the model has one: GraphedModel.forward_argmax).
+        KV of the n nodes goes to [P, P+n)."""
         positions, mask = _tree.subtree_masks(np.ascontiguousarray(parents, dtype=np.int32), self.P)
         # host tensors: the model (or its CUDA-graph wrapper) moves them in one go
-        return self.model.forward(torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)),
-                                  torch.from_numpy(positions), self.P, torch.from_numpy(mask))
+        args = (torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)), torch.from_numpy(positions),
+                self.P, torch.from_numpy(mask))
+        if not greedy:
+            return self.model.forward(*args)
+        fast = getattr(self.model, "forward_argmax", None)
+        return fast(*args) if fast is not None else logits_argmax(self.model.forward(*args))
 
     def commit(self, path: np.ndarray) -> None:
         """Keep the KV of the accepted path (local node indices, root first) contiguous at
@@ -99,11 +106,8 @@ class DraftSide:
         self.tree.assign_slots(leaves, self.kv_used)
         positions, mask = self.tree.masks(leaves, self.kv_used + n)
         tokens = torch.from_numpy(self.tree.tokens_of(leaves))
-        logits = self.model.forward(tokens, torch.from_numpy(positions), self.kv_used,
-                                    torch.from_numpy(mask))
-        top = torch.topk(torch.log_softmax(logits.float(), dim=-1), self.topk, dim=-1)
-        ids = top.indices.cpu().numpy().astype(np.int64)
-        lps = top.values.cpu().numpy().astype(np.float32)
+        ids, lps = _topk_logprobs(self.model, self.topk, tokens, torch.from_numpy(positions), self.kv_used,
+                                  torch.from_numpy(mask))
         if share is not None:
             ids, lps = share(ids, lps)
         self.tree.expand(leaves, ids, lps)
@@ -134,17 +138,27 @@ class DraftSide:
             raise RuntimeError("draft KV hole without an accepted draft token (scheduler bug)")
         tokens = torch.tensor([last_committed, int(self.tree.token[0])], dtype=torch.long)
         positions = torch.tensor([P - 1, P], dtype=torch.long)
-        logits = self.model.forward(tokens, positions, P - 1, chain_mask(P - 1, 2),
-                                    logits_rows=torch.tensor([1]))
-        top = torch.topk(torch.log_softmax(logits.float(), dim=-1), self.topk, dim=-1)
-        ids = top.indices.cpu().numpy().astype(np.int64)
-        lps = top.values.cpu().numpy().astype(np.float32)
+        ids, lps = _topk_logprobs(self.model, self.topk, tokens, positions, P - 1, chain_mask(P - 1, 2),
+                                  logits_row=1)      # the root's row
         if share is not None:
             ids, lps = share(ids, lps)
         root = np.zeros(1, dtype=np.int32)
         self.tree.assign_slots(root, P)
         self.tree.expand(root, ids, lps)
         self.kv_used = P + 1
+
+
+def _topk_logprobs(model, k: int, tokens, positions, start: int, mask,
+                   logits_row: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int64[n, k], log-probs float32[n, k]): the top-k of log_softmax of each row's logits
+    (only row `logits_row`'s, [1, k], if given), inside the CUDA graph when the model has one
+    (GraphedModel.forward_topk_logprobs)."""
+    fast = getattr(model, "forward_topk_logprobs", None)
+    if fast is not None:
+        ids, lps = fast(tokens, positions, start, mask, k)
+        return (ids, lps) if logits_row is None else (ids[logits_row:logits_row + 1], lps[logits_row:logits_row + 1])
+    rows = None if logits_row is None else torch.tensor([logits_row])
+    return logits_topk_logprobs(model.forward(tokens, positions, start, mask, logits_rows=rows), k)
 
 
 class Acceptor:
@@ -162,6 +176,11 @@ class Acceptor:
     def __init__(self, temperature: float, rule: str, seed: int):
         self.temperature, self.rule, self.seed = temperature, rule, seed
 
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: `accept` needs only the target's argmax per node, not its logits."""
+        return self.temperature == 0.0
+
     def start_request(self, request_index: int, max_new_tokens: int, verify_size: int) -> None:
         rng = np.random.default_rng([self.seed, request_index])
         self.uniforms = rng.random(max_new_tokens + verify_size + 2)
@@ -169,9 +188,10 @@ class Acceptor:
 
     def accept(self, tokens: np.ndarray, parents: np.ndarray, logits: torch.Tensor,
                out_len: int) -> tuple[np.ndarray, np.ndarray]:
-        """-> (path int32[a] local indices from the root, accepted int64[a]: draft tokens + bonus)."""
-        if self.temperature == 0.0:
-            choice = torch.argmax(logits, dim=-1).cpu().numpy().astype(np.int64)
+        """-> (path int32[a] local indices from the root, accepted int64[a]: draft tokens + bonus).
+        `logits`: the target's float32[n, vocab], or when greedy its argmax int64[n]."""
+        if self.greedy:
+            choice = logits if isinstance(logits, np.ndarray) else logits_argmax(logits)
             return _tree.verify_greedy(tokens, parents, choice)
         probs = torch.softmax(logits.float() / self.temperature, dim=-1)
         if self.rule == "residual":

@@ -126,7 +126,7 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
         tv = clock.now()
         rec.record(KIND["wait"], request, step, tw, tv)
         cv = comm_seconds(ctx.target)
-        logits = target.forward_tree(tokens, parents)
+        logits = target.forward_tree(tokens, parents, greedy=acceptor.greedy)
         done, taken, path, accepted = decide(ctx, tokens, parents, logits, acceptor, tracker, result,
                                              decision, bs)
         a = len(path)

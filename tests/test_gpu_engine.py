@@ -102,6 +102,42 @@ def test_graphed_kernel_path_matches_torch_path():
         assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear]), f"prefix {prefix}"
 
 
+def test_graphed_argmax_and_topk_equal_reads_of_the_logits():
+    """GraphedModel.forward_argmax / forward_topk_logprobs (the reduction inside the CUDA graph)
+    give exactly what argmax / top-k of log_softmax of GraphedModel.forward's logits give, step
+    after step with new inputs and growing contexts, for 1, 2 and 8 tokens; and beyond
+    max_graph_tokens (eager) the same as the eager logits."""
+    import numpy as np
+
+    from swiftspec_mpi import kernels
+    from swiftspec_mpi.comm import SingleComm
+    from swiftspec_mpi.cuda_graphs import GraphedModel, logits_argmax, logits_topk_logprobs
+    from swiftspec_mpi.dummy import RandomSource, SHAPES
+    from swiftspec_mpi.model import Transformer, chain_mask
+    if not kernels.available():
+        pytest.skip("fused kernels unavailable (CuPy / nvcc)")
+    cfg = SHAPES["llama-3.2-1b"].with_layers(2)
+    model = Transformer(cfg, SingleComm(), max_slots=1024, dtype=torch.bfloat16, device="cuda")
+    model.load_weights(RandomSource(cfg, "cuda", torch.bfloat16, seed=3))
+    graphed = GraphedModel(model, max_graph_tokens=8)
+    gen = torch.Generator().manual_seed(4)
+    start = 200
+    model.forward(torch.randint(0, 5000, (start,), generator=gen), torch.arange(start), 0, chain_mask(0, start))
+    for step in range(6):
+        for n in (1, 2, 8, 12):                    # 12 > max_graph_tokens: the eager path
+            toks = torch.randint(0, 5000, (n,), generator=gen)
+            pos = torch.arange(start, start + n)
+            mask = chain_mask(start, n)
+            logits = graphed.forward(toks, pos, start, mask).float().clone()
+            ids = graphed.forward_argmax(toks, pos, start, mask)
+            assert ids.dtype == np.int64 and np.array_equal(ids, logits_argmax(logits)), (step, n)
+            tid, tlp = graphed.forward_topk_logprobs(toks, pos, start, mask, 4)
+            rid, rlp = logits_topk_logprobs(logits, 4)
+            assert tid.shape == (n, 4) and tlp.dtype == np.float32
+            assert np.array_equal(tid, rid) and np.array_equal(tlp, rlp), (step, n)
+        start += 3                                 # the next step attends to a longer context
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2+ GPUs")
 def test_gpu_tp2_fused_allreduce(tmp_path, monkeypatch):
     """`ar` with tensor parallelism over 2 GPUs, with SWIFTSPEC_FUSED_ALLREDUCE=1 (each layer's
