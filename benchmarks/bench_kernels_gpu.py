@@ -9,7 +9,7 @@ communicator (TP = 1) when NCCL gives one. Every timing is a CUDA graph holding 
 "layer", each layer on its own buffers (>= 256 MB in all, so the 60 MB L2 cannot serve repeats),
 replayed many times and timed with CUDA events; the figure is the median replay time divided by
 the calls per replay. Each kernel's first layer is checked against a float64 reference first.
-Every instantiated variant (kernels.tree_attention_configs(): the three tree-attention kernel
+Every instantiated variant (kernels.tree_attention_configs(): the four tree-attention kernel
 versions, kernels.GEMM_VARIANTS; both also with programmatic dependent launch, back-to-back
 calls) is timed; with --baseline DIR, the previous
 GEMM kernel (cuda/gemm_allreduce.cu of git 2e8b252, copied to DIR) is timed in the same run.
@@ -34,6 +34,7 @@ from swiftspec_mpi import kernels, nccl_shim  # noqa: E402
 
 BF16 = torch.bfloat16
 ROTATE_BYTES = 256 << 20
+MIN_LAYERS = 4               # attention layers per graph at least (--rotate-mb: 1)
 
 
 def graph_time_us(calls, replays: int) -> float:
@@ -128,9 +129,12 @@ def tree_mask(N: int, L: int, gen: torch.Generator) -> torch.Tensor:
     return m
 
 
-def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int) -> dict:
+def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int, versions=None, parts=False) -> dict:
+    """Every listed config of `versions` (None: all; version = tuple length - 2) plus the default,
+    plain and PDL; with `parts`, version 4's main kernel alone and its combine kernel alone too
+    (plain graphs; the combine re-reads whatever the workspace holds)."""
     kv_layer = L * Hkv * D * 2 * 2
-    n_layers = max(4, min(64, math.ceil(ROTATE_BYTES / kv_layer)))
+    n_layers = max(MIN_LAYERS, min(64, math.ceil(ROTATE_BYTES / kv_layer)))
     gen = torch.Generator().manual_seed(L * 131 + N)
     gg = torch.Generator(device="cuda").manual_seed(L * 131 + N)
     kc = torch.randn(n_layers, L, Hkv, D, generator=gg, device="cuda").to(BF16)
@@ -141,10 +145,12 @@ def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int) -> d
     ref = kernels.tree_attention_reference(q[0], kc[0], vc[0], mask, L)
     R = N * H // Hkv
     default = tuple(kernels.tree_attention_config(R, L))
-    configs = kernels.tree_attention_configs(R)          # version 1 (3 values), 2 (4), 3 (5)
+    configs = kernels.tree_attention_configs(R)          # version 1 (3 values), 2 (4), 3 (5), 4 (6)
+    if versions is not None:
+        configs = [c for c in configs if len(c) - 2 in versions]
     if default not in configs:
         configs.append(default)
-    sweep, pdl_sweep, err, finite, pdl_equal = {}, {}, 0.0, True, True
+    sweep, pdl_sweep, part_us, err, finite, pdl_equal = {}, {}, {}, 0.0, True, True
     op = torch.full_like(out, float("nan"))
     for cfg in list(configs):
         out.fill_(float("nan"))
@@ -169,14 +175,22 @@ def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int) -> d
                   for i in range(n_layers)]
         pdl_sweep[cfg_name(cfg)] = graph_time_us(pcalls, replays)
         pdl_equal = pdl_equal and bool(torch.equal(op, out))
+        if parts and len(cfg) == 6:
+            for what in ("main", "combine"):
+                kernels._TA4_PARTS = what
+                try:
+                    part_us[f"{cfg_name(cfg)} {what}"] = graph_time_us(calls, replays)
+                finally:
+                    kernels._TA4_PARTS = "all"
     best = min(sweep, key=sweep.get)
     best_pdl = min(pdl_sweep, key=pdl_sweep.get)
-    def best_of(d, slashes):   # version 1: 2 slashes in the name, version 2: 3, version 3: 4
+    def best_of(d, slashes):   # version 1: 2 slashes in the name, version 2: 3, version 3: 4, version 4: 5
         v = {k: t for k, t in d.items() if k.count("/") == slashes}
         return (min(v, key=v.get), min(v.values())) if v else ("n/a", math.nan)
 
-    (best_v1, v1_us), (best_v2, v2_us), (best_v3, v3_us) = (best_of(sweep, n) for n in (2, 3, 4))
-    (best_v1p, v1p_us), (best_v2p, v2p_us), (best_v3p, v3p_us) = (best_of(pdl_sweep, n) for n in (2, 3, 4))
+    (best_v1, v1_us), (best_v2, v2_us), (best_v3, v3_us), (best_v4, v4_us) = (best_of(sweep, n) for n in (2, 3, 4, 5))
+    (best_v1p, v1p_us), (best_v2p, v2p_us), (best_v3p, v3p_us), (best_v4p, v4p_us) = (
+        best_of(pdl_sweep, n) for n in (2, 3, 4, 5))
     t_ours = sweep[best]
     t_default = sweep[cfg_name(default)]
     del op
@@ -198,8 +212,9 @@ def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int) -> d
                 best_pdl=best_pdl, best_pdl_us=pdl_sweep[best_pdl],
                 best_v1=best_v1, best_v1_us=v1_us, best_v2=best_v2, best_v2_us=v2_us, best_v3=best_v3, best_v3_us=v3_us,
                 best_v1_pdl=best_v1p, best_v1_pdl_us=v1p_us, best_v2_pdl=best_v2p, best_v2_pdl_us=v2p_us,
-                best_v3_pdl=best_v3p, best_v3_pdl_us=v3p_us,
-                sdpa_us=t_sdpa, sweep=sweep, pdl_sweep=pdl_sweep)
+                best_v3_pdl=best_v3p, best_v3_pdl_us=v3p_us, best_v4=best_v4, best_v4_us=v4_us,
+                best_v4_pdl=best_v4p, best_v4_pdl_us=v4p_us,
+                sdpa_us=t_sdpa, sweep=sweep, pdl_sweep=pdl_sweep, part_us=part_us)
 
 
 def launch_floor_us(replays: int) -> tuple[float, float]:
@@ -291,7 +306,7 @@ def sanitize_run() -> int:
     return 0
 
 
-PROFILE_CONFIGS = ((16, 2, 1), (16, 2, 2, 4))
+PROFILE_CONFIGS = ((16, 2, 1), (16, 2, 2, 4), (4, 4, 2, 8, 32, 0))
 
 
 def profile_run(what: str) -> int:
@@ -327,7 +342,19 @@ def main() -> int:
     ap.add_argument("--baseline", type=Path, default=None,
                     help="folder with the previous gemm_allreduce.cu to time as well")
     ap.add_argument("--only", choices=("attention", "gemm"), default=None, help="run one half only")
+    ap.add_argument("--rows", default=None,
+                    help="attention shapes to run, e.g. 4096x8,1024x8 (L x N; default: the six of the table)")
+    ap.add_argument("--versions", default=None,
+                    help="tree-attention kernel versions to sweep, e.g. 2,3,4 (the default config always runs)")
+    ap.add_argument("--rotate-mb", type=int, default=None,
+                    help="attention: rotate the calls over this many MB of K/V (default 256, at least 4 "
+                         "layers; given: at least 1 layer, e.g. 32 keeps 4k's K/V in the 60 MB L2)")
+    ap.add_argument("--parts", action="store_true",
+                    help="also time version 4's main kernel alone and its combine kernel alone")
     args = ap.parse_args()
+    if args.rotate_mb is not None:
+        global ROTATE_BYTES, MIN_LAYERS
+        ROTATE_BYTES, MIN_LAYERS = args.rotate_mb << 20, 1
     if args.sanitize:
         return sanitize_run()
     if args.profile:
@@ -362,13 +389,20 @@ def main() -> int:
         info["launch_floor_us"], info["launch_floor_pdl_us"] = launch_floor_us(replays)
         print(f"launch floor (graph of empty kernels, per node): {info['launch_floor_us']:.2f} us, "
               f"PDL {info['launch_floor_pdl_us']:.2f} us", flush=True)
-    for L, N in (() if args.only == "gemm" else ((1024, 8), (4096, 8), (16384, 8), (4096, 1), (4096, 64), (16384, 64))):
-        r = bench_attention(L, N, 32, 8, 128, replays)
+    shapes = ((1024, 8), (4096, 8), (16384, 8), (4096, 1), (4096, 64), (16384, 64))
+    if args.rows:
+        shapes = tuple(tuple(int(x) for x in item.split("x")) for item in args.rows.split(","))
+    versions = None if not args.versions else {int(v) for v in args.versions.split(",")}
+    for L, N in (() if args.only == "gemm" else shapes):
+        r = bench_attention(L, N, 32, 8, 128, replays, versions, args.parts)
         attn.append(r)
         print(f"attn L={L} N={N} (plain / PDL): " + ", ".join(f"{k} {v:.2f}/{r['pdl_sweep'][k]:.2f}"
                                                               for k, v in r["sweep"].items())
               + f" us (SDPA {r['sdpa_us']:.1f}), err {r['err']:.2e}"
               + ("" if r["pdl_equal"] else " (PDL bits differ!)"), flush=True)
+        if r["part_us"]:
+            print(f"attn L={L} N={N} version 4 kernels alone (plain graphs): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in r["part_us"].items()) + " us", flush=True)
 
     ar = None
     nccl = comm = None
@@ -407,25 +441,26 @@ def main() -> int:
              "Tree attention, one layer, Llama-3-8B heads (32 q / 8 KV heads, D 128), bf16, random "
              "tree mask over the last N slots; CUDA graph, median per call:", "",
              "| context L | tokens N | default config (µs) | default, PDL back-to-back (µs) "
-             "| best version 1: µs | best version 2: µs | best version 3: µs "
-             "| best version 1, PDL | best version 2, PDL | best version 3, PDL "
+             "| best version 1: µs | best version 2: µs | best version 3: µs | best version 4: µs "
+             "| best version 1, PDL | best version 2, PDL | best version 3, PDL | best version 4, PDL "
              "| torch SDPA + bool mask (µs) | speed-up (default) | KV bytes floor (µs) | max rel. err vs float64 |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in attn:
         floor = r["kv_bytes"] / bw * 1e6
         lines.append(f"| {r['L']} | {r['N']} | {r['default_us']:.2f} ({r['default']}) | {r['default_pdl_us']:.2f} "
                      f"| {r['best_v1']}: {r['best_v1_us']:.2f} | {r['best_v2']}: {r['best_v2_us']:.2f} "
-                     f"| {r['best_v3']}: {r['best_v3_us']:.2f} "
+                     f"| {r['best_v3']}: {r['best_v3_us']:.2f} | {r['best_v4']}: {r['best_v4_us']:.2f} "
                      f"| {r['best_v1_pdl']}: {r['best_v1_pdl_us']:.2f} | {r['best_v2_pdl']}: {r['best_v2_pdl_us']:.2f} "
-                     f"| {r['best_v3_pdl']}: {r['best_v3_pdl_us']:.2f} "
+                     f"| {r['best_v3_pdl']}: {r['best_v3_pdl_us']:.2f} | {r['best_v4_pdl']}: {r['best_v4_pdl_us']:.2f} "
                      f"| {r['sdpa_us']:.1f} | {r['sdpa_us'] / r['default_us']:.1f}x | {floor:.2f} "
                      f"| {r['err']:.1e}{'' if r['finite'] else ' (NaN!)'}{'' if r['pdl_equal'] else ' (PDL bits differ!)'} |")
     if "launch_floor_us" in info:
         lines += ["", f"Launch floor: a CUDA graph of empty kernels (16 x 8 blocks) takes "
                   f"{info['launch_floor_us']:.2f} µs per node, {info['launch_floor_pdl_us']:.2f} µs with PDL."]
     lines += ["", "All tree-attention configs timed (µs, plain / PDL back-to-back), "
-              "cluster/stages/row tiles (version 1), cluster/stages/row tiles/warps (version 2) or "
-              "tiles per split/stages/row tiles/warps/combine (version 3):", ""]
+              "cluster/stages/row tiles (version 1), cluster/stages/row tiles/warps (version 2), "
+              "tiles per split/stages/row tiles/warps/combine (version 3) or "
+              "tiles per split/stages/row tiles/warps/piece/prefetch (version 4):", ""]
     for r in attn:
         lines.append(f"- L={r['L']} N={r['N']}: " + ", ".join(f"{k} {v:.2f} / {r['pdl_sweep'][k]:.2f}"
                                                               for k, v in r["sweep"].items()))

@@ -16,6 +16,9 @@ python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy._
 if part step; then
   echo "== step benchmark"
   python3 benchmarks/bench_gpu_step.py --context 1024 ${STEP_ARGS:-} --json "$OUT/step.json" 2>&1 | tee "$OUT/step.md"
+  echo "== host share of a step (benchmarks/bench_host_overhead.py)"
+  python3 benchmarks/bench_host_overhead.py --shape llama-3-8b --n 1 2>&1 | tee "$OUT/host.md"
+  python3 benchmarks/bench_host_overhead.py --shape llama-3.2-1b --n 8 2>&1 | tail -1 | tee -a "$OUT/host.md"
 fi
 
 if part breakdown; then

@@ -32,15 +32,41 @@
 // 16 us at the 4.18 TB/s copy bandwidth measured on the H200. FLOPs are 4*N*H*L*D = 0.13 / 0.54 /
 // 2.1 GFLOP: nothing for the tensor cores (mma.sync), which is why the CUDA-core version is no
 // option at N = 64.
-// Three versions live in this file; kernels.tree_attention_config picks one per shape. Version 1
+// Four versions live in this file; kernels.tree_attention_config picks one per shape. Version 1
 // (tree_attention_*, below first) as described above; version 2 (tree_attention2_*, after it)
 // keeps its decomposition and math and changes the loading, the mask and the combine; version 3
-// (tree_attention3_*, last) keeps version 2's per-tile work but drops the cluster: many small
+// (tree_attention3_*) keeps version 2's per-tile work but drops the cluster: many small
 // blocks, fp32 partials in a global workspace, combined in fixed split order by the last block
-// (ticket counter, reset by that block) or by a second kernel launched with PDL (their own
-// headers say how).
+// (ticket counter, reset by that block) or by a second kernel launched with PDL; version 4
+// (tree_attention4_*, last) is version 3 with the per-block fixed work cut (all tiles in flight,
+// no runtime divisions, Q through shared memory), 4-16 warps per block, one block partial and a
+// wider combine kernel (their own headers say how).
 //
-// Measured 2026-12-01 (H200, CUDA graph of one call per layer on >= 256 MB of buffers, median
+// Measured 2026-12-01, second session (H200, copy bandwidth 4.15 TB/s, launch floor 0.88 us per
+// graph node, 0.79 with PDL; `python3 benchmarks/bench_kernels_gpu.py --only attention --parts
+// --versions 2,3,4`; old default and version 4 in the same run), us plain (PDL):
+//   L    N   old default                   best version 4                     default now
+//   1k   8   v2 8/4/2/4      8.18 (7.76)   2/2/1/4/32/0   7.55 (6.74)         v4 2/2/1/4/32/0
+//   4k   8   v2 16/2/2/4    17.21 (16.51)  4/4/2/8/32/0  11.72 (10.85)        v4 4/4/2/8/32/0
+//   16k  8   v3 8/2/2/4/1   37.57 (37.06)  4/4/2/8/32/1  38.68 (38.12)        v3 (unchanged)
+//   4k   1   v2 8/4/1/4     12.53 (12.56)  4/4/1/4/32/0   9.97 (8.97)         v4 4/4/1/4/32/0
+//   4k  64   v3 8/2/4/4/1   41.12 (40.59)  4/4/2/8/32/0  61.66 (60.67)        v3 (unchanged)
+//   16k 64   v3 8/2/4/4/1  156.32 (155.74) 4/4/2/8/64/0 227.51 (226.69)       v3 (unchanged)
+// (version 4 config: tiles per split / stages / row tiles / warps / piece slots / early.) Goals,
+// N = 8: <= 8 us at 1k met (7.55, PDL 6.74), <= 12 us at 4k met (11.72, PDL 10.85). A first call
+// the same session gave 4k 11.79 (10.99) vs 17.43 (16.67) for the old default.
+// Where version 4's time goes at 4k, N = 8 (4/4/2/8/32/0; graphs of one kernel alone): main
+// kernel 9.47 us, combine kernel 2.21 us (each including its ~0.9 us graph node). ncu on the main
+// kernel: 10.05 us alone, DRAM 35 % of peak, 8 warps per SM (occupancy 12.5 %, limited by both
+// 142 registers and 150 KB of shared memory), 0.33 eligible warps per scheduler, an instruction
+// every 3.8 cycles per scheduler. With the K/V resident in L2 (--rotate-mb 32: 2 layers of 16 MB)
+// the call takes about as long (11.50 / 11.23 us), so the main kernel is latency bound, not
+// bandwidth bound: per block the chain copy issue -> first tile -> mask ballots -> 2 pieces of
+// math per warp -> 2 barriers -> block combine -> partial stores, and at 1k the main kernel alone
+// still takes 5.6 us for 1 us of bytes. Next: drop the second kernel where the splits fit a
+// cluster (S <= 8: 1k) with a DSMEM combine, TMA tensor copies to cut the issue work.
+//
+// Measured 2026-12-01, first session (H200, CUDA graph of one call per layer on >= 256 MB of buffers, median
 // of 100 replays, `python3 benchmarks/bench_kernels_gpu.py --only attention`, copy bandwidth
 // 4.07 TB/s; PDL = the same graph of back-to-back pdl=True launches; the best config of each
 // version, config in brackets), us:
@@ -995,7 +1021,7 @@ TREE_ATTN2_W4(64, 8, 4)
 // Deterministic (no float atomics, fixed combine order) and CUDA-graph safe (the only state is
 // the counter, which the combining block resets). Calls on different streams must not run at
 // the same time on one device: they share the workspace (as the model's layers do, in order).
-// Measured: see the table in the file header (combine 1 is the faster one except at N = 1;
+// Measured: see the tables in the file header (combine 1 is the faster one except at N = 1;
 // defaults: 8 tiles per split, 2 stages, combine 1, for N = 8 beyond 8k slots and N = 64 beyond 2k).
 // Tested 2026-12-01 on the H200: every listed config in tests/test_kernels_gpu.py (float64
 // references, NaN-poisoned outputs, graph replays at new lengths with empty splits, PDL graph =
@@ -1421,6 +1447,493 @@ extern "C" __global__ void __launch_bounds__(128) tree_attention3_combine(
   tree_attn3::combine_items(ws_o, ws_ml, S, RB, D, blockIdx.y, rg, RG, G, rows,
                             blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x,
                             out, out_tok_stride);
+}
+
+// ============================================================================================
+// Version 4 (issue #11, 2026-12-01, second session): version 3's split-K without clusters, with
+// the per-block fixed work cut down and the work of a block spread over more warps.
+//  - grid (S, Hkv, RG), NW warps (4, 8 or 16). Block `split` owns the FIXED tile range
+//    [split * T, split * T + T) of 64-slot tiles (T = tiles per split <= STAGES, S = ceil(tiles of
+//    the longest context / T), chosen by the host; tiles at or past L are skipped, so a graph
+//    captured at the longest context serves every shorter one). Every tile of a block gets its
+//    own ring stage: all K/V loads are issued up front, no stage is ever refilled, no barrier in
+//    the loop.
+//  - issue order: Q rows (cp.async into shared memory, zero rows past R), the mask bytes (2
+//    coalesced byte loads per lane and tile into registers), then the K/V tiles (each thread
+//    computes its two source pointers once and steps them; zero-fill past L), each tile completing
+//    on its own mbarrier; then the mask bytes are packed with ballots into one 64-bit word per
+//    (tile, token) in shared memory (no runtime divisions).
+//  - work unit = a piece of PW slots (32 or 64) of one tile x one m16 row tile: warp w takes row
+//    tile w % MT and pieces w / MT, w / MT + NW / MT, ... in tile order (online softmax across its
+//    pieces), with the Q fragments loaded once by ldmatrix from shared memory. Same per-piece
+//    math as versions 2 and 3 (mma.sync m16n8k16 bf16 -> fp32, exp2 online softmax).
+//  - block combine: warps publish their row maxima, each warp rescales its (l, O) to the block's
+//    row maximum and stores O to shared memory (rows padded to D + 4 floats: conflict-free), and
+//    the block sums the NW / MT warps of each row tile in a fixed order into ONE fp32 partial
+//    (m, l, O) in the workspace (slot ((h * RG + rg) * S + split), the layout of version 3).
+//  - final combine: tree_attention4_combine, launched with PDL right after: 128 threads = 32
+//    float4 outputs x 4 split groups; each thread loads its group's (m, l, O) of up to 8 splits
+//    at once (one L2 round trip for S <= 32), rescales online, and warp 0 merges the 4 groups in
+//    order 0..3. Deterministic (fixed orders, no atomics) and CUDA-graph safe (no state at all).
+//  - option `early` (config flag, pdl=True only): the combine kernel lets the next kernel of the
+//    stream launch BEFORE its own griddepcontrol.wait (every block of this call is resident by
+//    then, so nothing can starve), so the next kernel's launch overlaps this call's tail. Safe for
+//    a next kernel that waits (griddepcontrol.wait) before reading: the combine completes only
+//    after the main kernel, so that wait covers both.
+// Bytes floor, Llama-3-8B heads, N = 8: the K/V bytes (4 MiB at 1k, 16 MiB at 4k, 64 MiB at 16k:
+// 1.0 / 4.1 / 16.5 us at 4.07 TB/s) plus the partials (S x 8 x 32 x 128 x 4 B, written and read
+// once: 2 MiB at 4k with T = 4, from L2). Measured (file header): 4k N = 8 11.72 us, PDL 10.85
+// (4/4/2/8/32/0), 1k 7.55 / 6.74 (2/2/1/4/32/0); limited by latency, not bytes: 8 warps per SM
+// (registers and shared memory), the main kernel ~9.5 us at 4k whether K/V come from HBM or L2,
+// and the combine kernel ~2.2 us as its own graph node.
+// Tried and not kept: an L2 prefetch of the block's K/V before griddepcontrol.wait (prefetch.
+// global.L2, bounded by a relaxed read of n_valid): 4k PDL 11.81 vs 10.99 us without, neutral at
+// 1k. Kept as a config flag but not a default: `early` (no gain: 4k 10.77 vs 10.85 us PDL). Slower:
+// 16 warps per block (4k 13.46 us), 2 tiles per split (256 blocks, 14.11), 64-slot pieces (12.18).
+// ============================================================================================
+namespace tree_attn4 {
+
+using tree_attn::TILE;
+using tree_attn::smem_u32;
+using tree_attn::cp_async_16;
+using tree_attn::ldmatrix_x4;
+using tree_attn::ldmatrix_x4_trans;
+using tree_attn::mma_bf16;
+using tree_attn::pack_bf16;
+using tree_attn2::mbar_init;
+using tree_attn2::mbar_wait;
+using tree_attn2::cp_async_mbar_arrive;
+
+// Shared memory layout (bytes), mirrored by kernels.tree_attention_smem_bytes (version 4).
+template <int D, int MT, int NW, int ST>
+struct Layout {
+  static constexpr int LDS = D + 8;                       // bf16 row pitch of K, V and Q tiles
+  static constexpr int RB = MT * 16;                      // rows per block
+  static constexpr int RLD = D + 4;                       // fp32 row pitch of the block combine
+  static constexpr int RING = ST * 2 * TILE * LDS * 2;    // [ST][K, V][TILE][LDS] bf16
+  static constexpr int RED = NW * 16 * RLD * 4;           // [NW][16][RLD] fp32 (aliases the ring)
+  static constexpr int MAIN = RING > RED ? RING : RED;
+  static constexpr int Q = MAIN;                          // [RB][LDS] bf16
+  static constexpr int BITS = Q + RB * LDS * 2;           // [ST][RB] uint64
+  static constexpr int PM = BITS + ST * RB * 8;           // [NW][16] fp32 warp row maxima
+  static constexpr int PL = PM + NW * 16 * 4;             // [NW][16] fp32 rescaled warp row sums
+  static constexpr int MBAR = PL + NW * 16 * 4;           // [ST] uint64
+  static constexpr int TOTAL = MBAR + ST * 8;
+};
+
+template <int D, int MT, int NW, int PW, int ST>
+__device__ __forceinline__ void body(
+    const __nv_bfloat16* __restrict__ q, long long q_tok_stride,
+    const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc, long long kv_slot_stride,
+    const uint8_t* __restrict__ mask, long long mask_stride,
+    const int* __restrict__ n_valid_ptr, int n_valid,
+    int N, int H, int Hkv, float scale_log2, int T,
+    float* __restrict__ ws_o, float2* __restrict__ ws_ml) {
+  using LY = Layout<D, MT, NW, ST>;
+  constexpr int THREADS = NW * 32;
+  constexpr int WPM = NW / MT;                // warps per row tile
+  constexpr int NT = PW / 8;                  // S n-tiles per piece
+  constexpr int PPT = TILE / PW;              // pieces per tile
+  constexpr int DK = D / 16;
+  constexpr int DN = D / 8;
+  constexpr int D4 = D / 4;
+  constexpr int LDS = LY::LDS;
+  constexpr int RLD = LY::RLD;
+  constexpr int RB = LY::RB;
+  constexpr int CHUNKS = D / 8;               // 16-byte chunks per K/V/Q row
+  constexpr int RPP = THREADS / CHUNKS;       // K/V rows per copy pass
+  constexpr int PASSES = TILE / RPP;
+  constexpr int STAGE_ELEMS = 2 * TILE * LDS;
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  static_assert(NW % MT == 0 && (PW == 32 || PW == 64), "warps per row tile, piece width");
+  static_assert(THREADS % CHUNKS == 0 && TILE % RPP == 0, "copy passes");
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __nv_bfloat16* smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem_raw + LY::Q);
+  unsigned long long* bits = reinterpret_cast<unsigned long long*>(smem_raw + LY::BITS);
+  float* pm = reinterpret_cast<float*>(smem_raw + LY::PM);
+  float* pl = reinterpret_cast<float*>(smem_raw + LY::PL);
+  const uint32_t mbar0 = smem_u32(smem_raw + LY::MBAR);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int split = blockIdx.x, h = blockIdx.y, rg = blockIdx.z;
+  const int S = gridDim.x, RG = gridDim.z;
+  const int t0 = split * T;                   // first tile of this block
+  const __nv_bfloat16* kh = kc + (long long)h * D;
+  const __nv_bfloat16* vh = vc + (long long)h * D;
+
+  if (tid == 0) {
+    for (int s = 0; s < ST; ++s) mbar_init(mbar0 + 8 * s, THREADS);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  // PDL: wait for the previous grid before reading or writing any global memory (the workspace
+  // too: the previous call's combine may still read it), then let the next grid launch.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
+  const int L = n_valid_ptr ? __ldg(n_valid_ptr) : n_valid;
+  const int n_tiles = (L + TILE - 1) / TILE;
+  const int my_tiles = max(0, min(T, n_tiles - t0));
+  const int G = H / Hkv;
+  const int R = N * G;
+  const int row_lo = rg * RB;
+  const int rows = min(R - row_lo, RB);
+  const int tok_lo = row_lo / G;
+  const int ntok = (row_lo + rows - 1) / G - tok_lo + 1;
+
+  // 1. Q rows of the block -> shared memory (rows past R zero-filled). They land first. (An empty
+  //    split issues no copy at all: every copy is waited on through a stage's mbarrier.)
+  for (int i = tid; i < (my_tiles > 0 ? RB * CHUNKS : 0); i += THREADS) {
+    const int rl = i / CHUNKS, c = i % CHUNKS;
+    const bool ok = rl < rows;
+    const int row = row_lo + (ok ? rl : 0);
+    const __nv_bfloat16* src = q + (long long)(row / G) * q_tok_stride + (long long)(h * G + row % G) * D + c * 8;
+    cp_async_16(smem_u32(qs + rl * LDS + c * 8), src, ok);
+  }
+
+  // 2. Mask bytes of the block's tiles, warp w: tokens w, w + NW, ... (2 coalesced bytes per lane
+  //    and tile), loaded now and packed into bits after the K/V copies are issued.
+  uint8_t mb[ST][2];
+  const int tk = warp;                        // first pass: token `warp` (most shapes need one)
+  {
+    const bool tok_ok = tk < ntok;
+    const uint8_t* mr = mask + (long long)(tok_lo + (tok_ok ? tk : 0)) * mask_stride;
+#pragma unroll
+    for (int ti = 0; ti < ST; ++ti) {
+      const int s0 = (t0 + ti) * TILE + lane;
+      const bool ok = tok_ok && ti < my_tiles;
+      mb[ti][0] = (ok && s0 < L) ? __ldg(mr + s0) : (uint8_t)0;
+      mb[ti][1] = (ok && s0 + 32 < L) ? __ldg(mr + s0 + 32) : (uint8_t)0;
+    }
+  }
+
+  // 3. K/V tiles t0 .. t0 + my_tiles - 1 -> stages 0 .. my_tiles - 1. Thread: rows r0 + k * RPP,
+  //    chunk c of every tile; one pointer per tensor, stepped. Each stage completes on its mbarrier
+  //    (its arrivals also cover this thread's Q chunks, issued before).
+  {
+    const int r0 = tid / CHUNKS, c = tid % CHUNKS;
+    int slot = t0 * TILE + r0;
+    const long long step = (long long)RPP * kv_slot_stride;
+    const __nv_bfloat16* kp = kh + (long long)slot * kv_slot_stride + c * 8;
+    const __nv_bfloat16* vp = vh + (long long)slot * kv_slot_stride + c * 8;
+    const uint32_t dst0 = smem_u32(smem + r0 * LDS + c * 8);
+    for (int t = 0; t < my_tiles; ++t) {
+#pragma unroll
+      for (int p = 0; p < PASSES; ++p) {
+        const bool ok = slot < L;
+        const uint32_t dst = dst0 + (t * STAGE_ELEMS + p * RPP * LDS) * 2;
+        cp_async_16(dst, ok ? kp : kh, ok);
+        cp_async_16(dst + TILE * LDS * 2, ok ? vp : vh, ok);
+        kp += step;
+        vp += step;
+        slot += RPP;
+      }
+      cp_async_mbar_arrive(mbar0 + 8 * t);
+    }
+  }
+
+  // 4. Pack the mask bits: bits[ti * RB + token - tok_lo] (tiles past my_tiles get zeros).
+#pragma unroll
+  for (int ti = 0; ti < ST; ++ti) {
+    const unsigned lo = __ballot_sync(0xffffffffu, mb[ti][0] != 0);
+    const unsigned hi = __ballot_sync(0xffffffffu, mb[ti][1] != 0);
+    if (tk < ntok && lane == 0) bits[ti * RB + tk] = (unsigned long long)lo | ((unsigned long long)hi << 32);
+  }
+  for (int tk2 = warp + NW; tk2 < ntok; tk2 += NW) {   // more tokens than warps (G = 1, ...)
+    const uint8_t* mr = mask + (long long)(tok_lo + tk2) * mask_stride;
+    for (int ti = 0; ti < my_tiles; ++ti) {
+      const int s0 = (t0 + ti) * TILE + lane;
+      const uint8_t b0 = s0 < L ? __ldg(mr + s0) : (uint8_t)0;
+      const uint8_t b1 = s0 + 32 < L ? __ldg(mr + s0 + 32) : (uint8_t)0;
+      const unsigned lo = __ballot_sync(0xffffffffu, b0 != 0);
+      const unsigned hi = __ballot_sync(0xffffffffu, b1 != 0);
+      if (lane == 0) bits[ti * RB + tk2] = (unsigned long long)lo | ((unsigned long long)hi << 32);
+    }
+  }
+  __syncthreads();   // mask bits visible
+
+  // 5. This warp's pieces: row tile mt, pieces p = sl, sl + WPM, ... < my_tiles * PPT.
+  const int g = lane >> 2, qd = lane & 3;
+  const int mt = warp % MT, sl = warp / MT;
+  const int rlA = mt * 16 + g, rlB = rlA + 8;
+  const int lA = rlA < rows ? (row_lo + rlA) / G - tok_lo : -1;
+  const int lB = rlB < rows ? (row_lo + rlB) / G - tok_lo : -1;
+  const int n_pieces = my_tiles * PPT;
+
+  float o[DN][4];
+#pragma unroll
+  for (int i = 0; i < DN; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+
+  // A operand (Q, m16 x k16 row-major) of k-step s: ldmatrix x4 at qrow + 16 s. Q stays in
+  // shared memory (loaded per k-step: 24 fewer registers than holding all DK fragments).
+  const uint32_t qrow = smem_u32(qs + (mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * LDS + 8 * (lane >> 4));
+
+  for (int p = sl; p < n_pieces; p += WPM) {
+    const int ti = p / PPT, off = (p % PPT) * PW;
+    mbar_wait(mbar0 + 8 * ti, 0u);   // tile ti landed (the arrivals also cover every Q chunk)
+    const __nv_bfloat16* ks = smem + ti * STAGE_ELEMS;
+    const __nv_bfloat16* vs = ks + TILE * LDS;
+    const unsigned long long wA = lA >= 0 ? bits[ti * RB + lA] >> (off + 2 * qd) : 0ull;
+    const unsigned long long wB = lB >= 0 ? bits[ti * RB + lB] >> (off + 2 * qd) : 0ull;
+
+    // S = Q K^T over the piece's PW slots: k-steps outer (2 Q fragments), n-tiles inner (NT
+    // independent accumulator chains).
+    float sacc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.f;
+    const __nv_bfloat16* krow = ks + (off + (lane & 7)) * LDS + 8 * (lane >> 3);
+#pragma unroll
+    for (int s2 = 0; s2 < DK / 2; ++s2) {
+      uint32_t a[2][4];
+      ldmatrix_x4(a[0][0], a[0][1], a[0][2], a[0][3], qrow + 64 * s2);
+      ldmatrix_x4(a[1][0], a[1][1], a[1][2], a[1][3], qrow + 64 * s2 + 32);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        uint32_t b0, b1, b2, b3;
+        ldmatrix_x4(b0, b1, b2, b3, smem_u32(krow + 8 * j * LDS + 32 * s2));
+        mma_bf16(sacc[j], a[0][0], a[0][1], a[0][2], a[0][3], b0, b1);
+        mma_bf16(sacc[j], a[1][0], a[1][1], a[1][2], a[1][3], b2, b3);
+      }
+    }
+
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const unsigned long long w = (e >> 1) ? wB : wA;
+        const bool vis = (w >> (8 * j + (e & 1))) & 1ull;
+        const float s = vis ? sacc[j][e] * scale_log2 : -INFINITY;
+        sacc[j][e] = s;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s);
+      }
+    }
+    float alpha[2], msub[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      const float m_new = fmaxf(m_run[r], mx[r]);
+      msub[r] = (m_new == -INFINITY) ? 0.f : m_new;
+      alpha[r] = exp2f(m_run[r] - msub[r]);
+      m_run[r] = m_new;
+      l_run[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int i = 0; i < DN; ++i) {
+      o[i][0] *= alpha[0]; o[i][1] *= alpha[0];
+      o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
+    }
+    uint32_t pf[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const float p0 = exp2f(sacc[j][0] - msub[0]), p1 = exp2f(sacc[j][1] - msub[0]);
+      const float p2 = exp2f(sacc[j][2] - msub[1]), p3 = exp2f(sacc[j][3] - msub[1]);
+      l_run[0] += p0 + p1;
+      l_run[1] += p2 + p3;
+      pf[j][0] = pack_bf16(p0, p1);
+      pf[j][1] = pack_bf16(p2, p3);
+    }
+    // O += P V: k = the piece's slots (16 per step), n = head dim (2 n-tiles per ldmatrix).
+#pragma unroll
+    for (int ks16 = 0; ks16 < PW / 16; ++ks16) {
+      const uint32_t a0 = pf[2 * ks16][0], a1 = pf[2 * ks16][1];
+      const uint32_t a2 = pf[2 * ks16 + 1][0], a3 = pf[2 * ks16 + 1][1];
+      const __nv_bfloat16* vrow =
+          vs + (off + 16 * ks16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * LDS + 8 * (lane >> 4);
+#pragma unroll
+      for (int dn2 = 0; dn2 < DN / 2; ++dn2) {
+        uint32_t b0, b1, b2, b3;
+        ldmatrix_x4_trans(b0, b1, b2, b3, smem_u32(vrow + 16 * dn2));
+        mma_bf16(o[2 * dn2], a0, a1, a2, a3, b0, b1);
+        mma_bf16(o[2 * dn2 + 1], a0, a1, a2, a3, b2, b3);
+      }
+    }
+  }
+
+  // 6. Block combine. Warp row maxima first; the barrier also ends every use of the K/V ring.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
+  if (qd == 0) {
+    pm[warp * 16 + g] = m_run[0];
+    pm[warp * 16 + g + 8] = m_run[1];
+  }
+  __syncthreads();
+  float f[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mrow = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < WPM; ++j) mrow = fmaxf(mrow, pm[(mt + MT * j) * 16 + g + 8 * r]);
+    f[r] = mrow == -INFINITY ? 0.f : exp2f(m_run[r] - mrow);   // this warp's share, rescaled
+  }
+  float* red = reinterpret_cast<float*>(smem_raw);   // [NW][16][RLD]
+#pragma unroll
+  for (int i = 0; i < DN; ++i) {
+    const int c = 8 * i + 2 * qd;
+    *reinterpret_cast<float2*>(&red[(warp * 16 + g) * RLD + c]) = make_float2(o[i][0] * f[0], o[i][1] * f[0]);
+    *reinterpret_cast<float2*>(&red[(warp * 16 + g + 8) * RLD + c]) = make_float2(o[i][2] * f[1], o[i][3] * f[1]);
+  }
+  if (qd == 0) {
+    pl[warp * 16 + g] = l_run[0] * f[0];
+    pl[warp * 16 + g + 8] = l_run[1] * f[1];
+  }
+  __syncthreads();
+
+  // This split's partial, rows [0, rows) of the row group: sum of the WPM warps of each row tile
+  // in warp order (an empty split stores m = -inf, l = 0, O = 0).
+  const long long pslot = ((long long)h * RG + rg) * S + split;
+  float4* wo = reinterpret_cast<float4*>(ws_o + pslot * RB * D);
+  for (int item = tid; item < rows * D4; item += THREADS) {
+    const int rl = item / D4, d4 = item % D4;
+    const int m0 = rl / 16, rr = rl % 16;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < WPM; ++j) {
+      const float4 v = *reinterpret_cast<const float4*>(&red[((m0 + MT * j) * 16 + rr) * RLD + 4 * d4]);
+      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+    }
+    wo[item] = acc;
+  }
+  for (int rl = tid; rl < rows; rl += THREADS) {
+    const int m0 = rl / 16, rr = rl % 16;
+    float mrow = -INFINITY, lsum = 0.f;
+#pragma unroll
+    for (int j = 0; j < WPM; ++j) {
+      mrow = fmaxf(mrow, pm[(m0 + MT * j) * 16 + rr]);
+      lsum += pl[(m0 + MT * j) * 16 + rr];
+    }
+    ws_ml[pslot * RB + rl] = make_float2(mrow, lsum);
+  }
+}
+
+}  // namespace tree_attn4
+
+#define TREE_ATTN4_KERNEL(D, MT, NW, PW, ST, MINB)                                                     \
+  extern "C" __global__ void __launch_bounds__(NW * 32, MINB)                                         \
+  tree_attention4_d##D##_mt##MT##_w##NW##_pw##PW##_st##ST(                                            \
+      const __nv_bfloat16* __restrict__ q, long long q_tok_stride,                                    \
+      const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v, long long kv_slot_stride, \
+      const uint8_t* __restrict__ mask, long long mask_stride,                                        \
+      const int* __restrict__ n_valid_ptr, int n_valid,                                               \
+      int N, int H, int Hkv, float scale_log2, int T,                                                 \
+      float* __restrict__ ws_o, float2* __restrict__ ws_ml) {                                         \
+    tree_attn4::body<D, MT, NW, PW, ST>(q, q_tok_stride, k, v, kv_slot_stride, mask, mask_stride,     \
+                                        n_valid_ptr, n_valid, N, H, Hkv, scale_log2, T,               \
+                                        ws_o, ws_ml);                                                 \
+  }
+// Keep in sync with kernels.TREE_ATTENTION_V4_VARIANTS (stages, row tiles, warps, piece width).
+// Blocks per SM: 4 stages ~150 KB -> 1; 2 stages ~80 KB -> 2; 1 stage ~45 KB -> up to 4.
+#define TREE_ATTN4_D(D)                      \
+  TREE_ATTN4_KERNEL(D, 2, 8, 32, 4, 1)       \
+  TREE_ATTN4_KERNEL(D, 2, 16, 32, 4, 1)      \
+  TREE_ATTN4_KERNEL(D, 2, 8, 64, 4, 1)       \
+  TREE_ATTN4_KERNEL(D, 2, 8, 32, 2, 2)       \
+  TREE_ATTN4_KERNEL(D, 2, 4, 32, 1, 4)       \
+  TREE_ATTN4_KERNEL(D, 1, 4, 32, 4, 1)       \
+  TREE_ATTN4_KERNEL(D, 1, 4, 32, 2, 2)       \
+  TREE_ATTN4_KERNEL(D, 4, 16, 32, 2, 1)
+TREE_ATTN4_D(128)
+TREE_ATTN4_D(64)
+
+// Final combine of version 4: grid (ceil(RB * D/4 / 32), Hkv, RG), 128 threads = 32 float4
+// outputs x 4 split groups (warp j: splits j, j + 4, ...; up to 8 of them loaded at once, then
+// rescaled online), the groups merged by warp 0 in order 0..3. Launched with PDL right after the
+// main kernel: waits for it (griddepcontrol.wait) before reading the workspace; `early` lets the
+// next kernel launch before that wait (see the version 4 header).
+extern "C" __global__ void __launch_bounds__(128) tree_attention4_combine(
+    const float* __restrict__ ws_o, const float2* __restrict__ ws_ml, int S, int RB, int D,
+    int N, int H, int Hkv, __nv_bfloat16* __restrict__ out, long long out_tok_stride, int early) {
+  __shared__ float4 s_acc[3][32];
+  __shared__ float2 s_ml[3][32];
+  if (early) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if (!early) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  const int G = H / Hkv, R = N * G;
+  const int h = blockIdx.y, rg = blockIdx.z, RG = gridDim.z;
+  const int rows = min(R - rg * RB, RB);
+  const int D4 = D / 4;
+  const int fi = threadIdx.x & 31, grp = threadIdx.x >> 5;
+  const int item = blockIdx.x * 32 + fi;
+  const bool active = item < rows * D4;
+  const int rl = active ? item / D4 : 0;
+  const long long p0 = ((long long)h * RG + rg) * S;
+  const float2* mlp = ws_ml + p0 * RB + rl;
+  const float4* op = reinterpret_cast<const float4*>(ws_o + p0 * RB * D) + (active ? item : 0);
+  const long long ostride = (long long)RB * D4;   // float4s per partial
+  float m = -INFINITY, l = 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  constexpr int B = 8;
+  for (int s0 = grp; s0 < S; s0 += 4 * B) {
+    float2 mlv[B];
+    float4 ov[B];
+#pragma unroll
+    for (int k = 0; k < B; ++k) {
+      const int s = s0 + 4 * k;
+      if (active && s < S) {
+        mlv[k] = __ldcg(mlp + (long long)s * RB);
+        ov[k] = __ldcg(op + s * ostride);
+      } else {
+        mlv[k] = make_float2(-INFINITY, 0.f);
+        ov[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+    float mb = m;
+#pragma unroll
+    for (int k = 0; k < B; ++k) mb = fmaxf(mb, mlv[k].x);
+    if (mb != -INFINITY) {
+      const float sc = exp2f(m - mb);   // 0 while nothing was seen (m = -inf)
+      acc.x *= sc; acc.y *= sc; acc.z *= sc; acc.w *= sc;
+      l *= sc;
+#pragma unroll
+      for (int k = 0; k < B; ++k) {
+        const float w = exp2f(mlv[k].x - mb);   // 0 for an empty split
+        l += w * mlv[k].y;
+        acc.x += w * ov[k].x; acc.y += w * ov[k].y; acc.z += w * ov[k].z; acc.w += w * ov[k].w;
+      }
+      m = mb;
+    }
+  }
+  if (grp > 0) {
+    s_acc[grp - 1][fi] = acc;
+    s_ml[grp - 1][fi] = make_float2(m, l);
+  }
+  __syncthreads();
+  if (grp != 0 || !active) return;
+  float mt = m;
+#pragma unroll
+  for (int j = 0; j < 3; ++j) mt = fmaxf(mt, s_ml[j][fi].x);
+  float4 tot = make_float4(0.f, 0.f, 0.f, 0.f);
+  float lt = 0.f;
+  if (mt != -INFINITY) {
+    const float w0 = exp2f(m - mt);
+    lt = w0 * l;
+    tot = make_float4(w0 * acc.x, w0 * acc.y, w0 * acc.z, w0 * acc.w);
+#pragma unroll
+    for (int j = 0; j < 3; ++j) {
+      const float2 mlj = s_ml[j][fi];
+      const float4 aj = s_acc[j][fi];
+      const float w = exp2f(mlj.x - mt);
+      lt += w * mlj.y;
+      tot.x += w * aj.x; tot.y += w * aj.y; tot.z += w * aj.z; tot.w += w * aj.w;
+    }
+  }
+  const float inv = lt > 0.f ? 1.f / lt : 0.f;   // a row that sees nothing gives zeros
+  const int row = rg * RB + rl;
+  const int tok = row / G, hq = h * G + row % G;
+  __nv_bfloat16* dstp = out + (long long)tok * out_tok_stride + (long long)hq * D + 4 * (item - rl * D4);
+  uint2 pk;
+  pk.x = tree_attn::pack_bf16(tot.x * inv, tot.y * inv);
+  pk.y = tree_attn::pack_bf16(tot.z * inv, tot.w * inv);
+  *reinterpret_cast<uint2*>(dstp) = pk;
 }
 
 // Launch floor (benchmarks/bench_kernels_gpu.py: a graph of these, plain and PDL): does nothing.

@@ -45,6 +45,20 @@ TREE_ATTENTION_V3_VARIANTS = ((1, 2, 1), (2, 2, 1), (4, 2, 1), (4, 4, 1), (8, 2,
                               (2, 2, 0), (4, 2, 0), (4, 4, 0), (8, 4, 0))
 _TA3_MAX_SPLITS = 1024       # splits per (KV head, row group) at most
 _TA3_COMBINE_THREADS = 128   # tree_attention3_combine's block
+# Version 4 (tree_attention4_*: version 3's split-K with the per-block fixed work cut, all tiles of
+# a block in flight, NW warps each taking PW-slot pieces of one row tile, one block partial, and a
+# PDL combine kernel of 32 outputs x 4 split groups per block): its instantiated (stages,
+# row_tiles, warps, piece width). A config (tiles_per_split, stages, row_tiles, warps, piece,
+# early) selects it: tiles_per_split <= stages, splits = ceil(KV tiles / tiles_per_split),
+# early 1 = with pdl=True the combine kernel lets the next kernel launch before it waits.
+TREE_ATTENTION_V4_VARIANTS = ((4, 2, 8, 32), (4, 2, 16, 32), (4, 2, 8, 64), (2, 2, 8, 32), (1, 2, 4, 32),
+                              (4, 1, 4, 32), (2, 1, 4, 32), (2, 4, 16, 32))
+# The version 4 configs that tree_attention_configs lists: every variant with all its stages used,
+# and the candidates for N <= 8 at 1k-4k also with `early`.
+TREE_ATTENTION_V4_CONFIGS = tuple((st, st, mt, nw, pw, 0) for st, mt, nw, pw in TREE_ATTENTION_V4_VARIANTS) \
+    + ((4, 4, 2, 8, 32, 1), (4, 4, 2, 8, 64, 1), (2, 2, 2, 8, 32, 1), (4, 4, 1, 4, 32, 1))
+_TA4_COMBINE_ITEMS = 32      # float4 outputs per tree_attention4_combine block (x 4 split groups)
+_TA4_PARTS = "all"           # benchmark-only knob: "main" / "combine" launches only that kernel
 _TA3_WORKSPACES: dict = {}   # device index -> (partial O fp32, partial (m, l) fp32, counters int32)
 _TA3_RETIRED: list = []      # outgrown workspaces, kept alive: captured graphs may point at them
 # Must match cuda/gemm_allreduce.cu: (tiles per block T, 16-byte vectors per lane and chunk U,
@@ -251,10 +265,17 @@ def tree_attention_smem_bytes(head_dim: int, stages: int, config: tuple | None =
     """Dynamic shared memory of one tree_attention block. Version 1 (config None or a 3-tuple):
     its K/V ring of `stages` 64-slot tiles. Version 2 (a 4-tuple config): the ring, the combine's
     receive buffer, the mask bits and the ring's mbarriers (tree_attn2::Layout). Version 3 (a
-    5-tuple): the ring, the mask bits, the mbarriers and a flag (tree_attn3::Layout)."""
+    5-tuple): the ring, the mask bits, the mbarriers and a flag (tree_attn3::Layout). Version 4
+    (a 6-tuple): max(ring, block-combine buffer), Q rows, mask bits, warp row maxima and sums,
+    mbarriers (tree_attn4::Layout)."""
     ring = stages * 2 * _TA_TILE * (head_dim + 8) * 2
     if config is None or len(config) == 3:
         return ring
+    if len(config) == 6:
+        mt, nw = config[2], config[3]
+        rb = 16 * mt
+        red = nw * 16 * (head_dim + 4) * 4
+        return max(ring, red) + rb * (head_dim + 8) * 2 + stages * rb * 8 + nw * 16 * 4 * 2 + stages * 8
     if len(config) == 5:
         rb = 16 * config[2]
         return ring + _TA2_MAXT * rb * 8 + stages * 8 + 16
@@ -267,13 +288,15 @@ def tree_attention_smem_bytes(head_dim: int, stages: int, config: tuple | None =
 
 def tree_attention_configs(rows: int | None = None) -> list[tuple]:
     """Every instantiated config: version 1 (cluster, stages, row_tiles), version 2
-    (cluster, stages, row_tiles, warps) and the listed version 3 ones (tiles_per_split, stages,
-    row_tiles, warps, combine). With `rows`, only row-tile counts that suit that many rows per
+    (cluster, stages, row_tiles, warps), the listed version 3 ones (tiles_per_split, stages,
+    row_tiles, warps, combine) and the listed version 4 ones (tiles_per_split, stages, row_tiles,
+    warps, piece, early). With `rows`, only row-tile counts that suit that many rows per
     KV head (<= 16: 1; <= 32: 1, 2; more: 2, 4)."""
     mts = (1, 2, 4) if rows is None else (1,) if rows <= 16 else (1, 2) if rows <= 32 else (2, 4)
     return ([(cs, st, mt) for cs, st in TREE_ATTENTION_VARIANTS for mt in mts]
             + [(cs, st, mt, nw) for cs, st, nw in TREE_ATTENTION_V2_VARIANTS for mt in mts]
-            + [(t, st, mt, 4, c) for t, st, c in TREE_ATTENTION_V3_VARIANTS for mt in mts])
+            + [(t, st, mt, 4, c) for t, st, c in TREE_ATTENTION_V3_VARIANTS for mt in mts]
+            + [c for c in TREE_ATTENTION_V4_CONFIGS if c[2] in mts])
 
 
 def tree_attention_cluster_config(rows: int, max_len: int) -> tuple[int, ...]:
@@ -301,20 +324,30 @@ def tree_attention_config(rows: int, max_len: int) -> tuple[int, ...]:
     `max_len` columns (the largest context the call may see; a graph captured over a static
     [N, max_slots] mask gets the long-context choice). A 3-tuple (cluster, stages, row_tiles)
     is the version 1 kernel, a 4-tuple (cluster, stages, row_tiles, warps) version 2, a 5-tuple
-    (tiles_per_split, stages, row_tiles, warps, combine) version 3.
+    (tiles_per_split, stages, row_tiles, warps, combine) version 3, a 6-tuple (tiles_per_split,
+    stages, row_tiles, warps, piece, early) version 4.
 
-    From the sweep of 2026-12-01 on the H200 (header of cuda/tree_attention.cu,
+    Version 4 (second sweep of 2026-12-01, same run as the old defaults; µs plain / PDL) for 17..32
+    rows up to 8k slots: 2/2/1/4/32/0 at 1k (N = 8: 7.55 / 6.74 vs 8.18 / 7.76 for version 2's
+    8/4/2/4), 4/4/2/8/32/0 beyond 2k (4k: 11.72 / 10.85 vs 17.21 / 16.51 for 16/2/2/4); and
+    4/4/1/4/32/0 for up to 16 rows at 2k-8k slots (N = 1 at 4k: 9.97 / 8.97 vs 12.53 / 12.56 for
+    8/4/1/4). Elsewhere version 4 was slower (N = 8 at 16k: 38.1 vs 37.1 µs PDL; N = 64 at 4k:
+    60.7 vs 40.6) or not measured, and the choices below stand.
+
+    From the first sweep of 2026-12-01 on the H200 (header of cuda/tree_attention.cu,
     docs/benchmarks.md), version 3 with its PDL combine kernel where it measured faster:
     17..32 rows beyond 8k slots (N = 8 at 16k: 8/2/2/4/1 37.7 us vs 44.9 for version 1's 16/2/1)
     and more than 128 rows beyond 2k slots (N = 64: 8/2/4/4/1 40.9 us vs 64.4 at 4k, 156.3 vs
-    165.9 at 16k). Elsewhere the cluster kernels (tree_attention_cluster_config): at N = 8 for 1k
-    and 4k and at N = 1 for 4k version 3 was slower or equal (best 10.6 / 17.1 / 12.4 us vs 8.1 /
-    17.2 / 12.4), and the other shapes were not measured with version 3.
+    165.9 at 16k). Everywhere else the cluster kernels (tree_attention_cluster_config).
     """
     if 16 < rows <= 32 and max_len > 8192:
         return 8, 2, 2, 4, 1
     if rows > 128 and max_len > 2048:
         return 8, 2, 4, 4, 1
+    if 16 < rows <= 32:
+        return (2, 2, 1, 4, 32, 0) if max_len <= 2048 else (4, 4, 2, 8, 32, 0)
+    if rows <= 16 and 2048 < max_len <= 8192:
+        return 4, 4, 1, 4, 32, 0
     return tree_attention_cluster_config(rows, max_len)
 
 
@@ -440,12 +473,21 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             raise ValueError(f"config {config}: (tiles_per_split >= 1, stages in {TREE_ATTENTION_V3_STAGES}, "
                              "row_tiles 1, 2 or 4, warps 4, combine 0 or 1)")
         name, threads = f"tree_attention3_d{D}_mt{mt}_st{st}_w4", 128
+    elif len(config) == 6:
+        tps, st, mt, nw, pw, early = config
+        if (st, mt, nw, pw) not in TREE_ATTENTION_V4_VARIANTS or not 1 <= int(tps) <= st or early not in (0, 1):
+            raise ValueError(f"config {config}: (stages, row_tiles, warps, piece) must be one of "
+                             f"{TREE_ATTENTION_V4_VARIANTS}, 1 <= tiles_per_split <= stages, early 0 or 1")
+        name, threads = f"tree_attention4_d{D}_mt{mt}_w{nw}_pw{pw}_st{st}", 32 * nw
     else:
-        raise ValueError(f"config {config}: 3 (version 1), 4 (version 2) or 5 (version 3) values")
+        raise ValueError(f"config {config}: 3 (version 1), 4 (version 2), 5 (version 3) or 6 (version 4) values")
     rg = -(-R // (16 * mt))
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(dev).cuda_stream
     scale = D ** -0.5 if scale is None else float(scale)
+    if len(config) == 6:
+        return _tree_attention4(q, k_cache, v_cache, mask, n_valid, nv_ptr, nv, out, scale, config, pdl,
+                                default, dev, stream, name, threads, rg, R)
     args = [_ptr(q), ctypes.c_int64(q.stride(0)), _ptr(k_cache), _ptr(v_cache), ctypes.c_int64(k_cache.stride(0)),
             _ptr(mask), ctypes.c_int64(mask.stride(0)), nv_ptr, ctypes.c_int32(nv),
             _ptr(out), ctypes.c_int64(out.stride(0)),
@@ -483,6 +525,49 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     smem = tree_attention_smem_bytes(D, st, config)
     f = _function("tree_attention", "", name, dev, smem, cs > 8)
     (_launch_pdl if pdl else _launch)(f, (cs, Hkv, rg), threads, smem, stream, args)
+    return out
+
+
+def _tree_attention4(q, k_cache, v_cache, mask, n_valid, nv_ptr, nv, out, scale, config, pdl, default,
+                     dev, stream, name, threads, rg, R):
+    """Version 4 launch (tree_attention's checks done): the main kernel over the splits, then
+    tree_attention4_combine with PDL. Splits over the largest length the call may see (a
+    device-side n_valid: the mask's columns), so one captured graph serves every shorter length."""
+    tps, st, mt, nw, pw, early = config
+    N, H, D = q.shape
+    Hkv = k_cache.shape[1]
+    max_len = mask.shape[1] if isinstance(n_valid, torch.Tensor) else nv
+    n_tiles = -(-max_len // _TA_TILE)
+    splits = -(-n_tiles // int(tps))
+    if splits > _TA3_MAX_SPLITS:
+        raise ValueError(f"config {config}: {splits} splits for {max_len} slots, at most {_TA3_MAX_SPLITS}")
+    rb = 16 * mt
+    parts = splits * Hkv * rg * rb
+    try:
+        ws_o, ws_ml, _ = tree_attention_workspace(dev, parts * D, parts * 2, 1)
+    except RuntimeError:
+        if not default:
+            raise
+        # default config while capturing with no workspace yet: the cluster kernels need none
+        return tree_attention(q, k_cache, v_cache, mask, n_valid, out, scale,
+                              tree_attention_cluster_config(R, mask.shape[1]), pdl)
+    if _TA4_PARTS != "combine":
+        smem = tree_attention_smem_bytes(D, st, config)
+        f = _function("tree_attention", "", name, dev, smem, False)
+        args = [_ptr(q), ctypes.c_int64(q.stride(0)), _ptr(k_cache), _ptr(v_cache), ctypes.c_int64(k_cache.stride(0)),
+                _ptr(mask), ctypes.c_int64(mask.stride(0)), nv_ptr, ctypes.c_int32(nv),
+                ctypes.c_int32(N), ctypes.c_int32(H), ctypes.c_int32(Hkv), ctypes.c_float(scale * _LOG2E),
+                ctypes.c_int32(int(tps)), _ptr(ws_o), _ptr(ws_ml)]
+        (_launch_pdl if pdl else _launch)(f, (splits, Hkv, rg), threads, smem, stream, args)
+    if _TA4_PARTS != "main":
+        # always with PDL: it launches while the main kernel runs and waits for it before reading;
+        # `early` (pdl=True calls only) lets the next kernel launch before that wait
+        fc = _function("tree_attention", "", "tree_attention4_combine", dev)
+        gx = -(-(rb * D // 4) // _TA4_COMBINE_ITEMS)
+        cargs = [_ptr(ws_o), _ptr(ws_ml), ctypes.c_int32(splits), ctypes.c_int32(rb), ctypes.c_int32(D),
+                 ctypes.c_int32(N), ctypes.c_int32(H), ctypes.c_int32(Hkv), _ptr(out), ctypes.c_int64(out.stride(0)),
+                 ctypes.c_int32(1 if (early and pdl) else 0)]
+        _launch_pdl(fc, (gx, Hkv, rg), 4 * _TA4_COMBINE_ITEMS, 0, stream, cargs)
     return out
 
 

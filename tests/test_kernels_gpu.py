@@ -64,15 +64,15 @@ def test_nccl_layout_probe(compiled_include):
 
 def test_tree_attention_default_configs_are_listed():
     """Every default config is one the GPU tests run explicitly (tree_attention_configs), and the
-    defaults of the benchmarked shapes are the ones docs/benchmarks.md gives (2026-12-01)."""
+    defaults of the benchmarked shapes are the ones docs/benchmarks.md gives (2026-12-01, version 4 at N <= 8 for 1k-4k)."""
     listed = set(kernels.tree_attention_configs())
     for rows in (1, 4, 12, 16, 17, 24, 32, 33, 48, 64, 128, 129, 192, 256):
         for max_len in (40, 1024, 2048, 2049, 4096, 8192, 8193, 16384, 65536):
             cfg = kernels.tree_attention_config(rows, max_len)
             assert cfg in listed, (rows, max_len, cfg)
             assert kernels.tree_attention_cluster_config(rows, max_len) in listed
-    expect = {(32, 1024): (8, 4, 2, 4), (32, 4096): (16, 2, 2, 4), (32, 16384): (8, 2, 2, 4, 1),
-              (4, 4096): (8, 4, 1, 4), (256, 4096): (8, 2, 4, 4, 1), (256, 16384): (8, 2, 4, 4, 1)}
+    expect = {(32, 1024): (2, 2, 1, 4, 32, 0), (32, 4096): (4, 4, 2, 8, 32, 0), (32, 16384): (8, 2, 2, 4, 1),
+              (4, 4096): (4, 4, 1, 4, 32, 0), (256, 4096): (8, 2, 4, 4, 1), (256, 16384): (8, 2, 4, 4, 1)}
     for (rows, max_len), cfg in expect.items():
         assert kernels.tree_attention_config(rows, max_len) == cfg
 
@@ -181,9 +181,12 @@ def test_tree_attention_matches_float64(case):
 
 
 # version 3 (5 values): last-block combine (ticket counter reset by the kernel) and the PDL
-# combine kernel, 1 to 4 tiles per split
+# combine kernel, 1 to 4 tiles per split; version 4 (6 values): 1 to 4 tiles per split, 4 to 16
+# warps, 32- and 64-slot pieces, with and without the combine's early trigger
 GRAPH_CONFIGS = [None, (16, 2, 1), (16, 2, 2, 4), (8, 4, 2, 4), (16, 2, 1, 4),
-                 (2, 2, 2, 4, 0), (1, 2, 2, 4, 1), (4, 4, 1, 4, 0), (4, 2, 2, 4, 1)]
+                 (2, 2, 2, 4, 0), (1, 2, 2, 4, 1), (4, 4, 1, 4, 0), (4, 2, 2, 4, 1),
+                 (4, 4, 2, 8, 32, 1), (4, 4, 2, 16, 32, 1), (4, 4, 2, 8, 64, 0), (2, 2, 2, 8, 32, 1),
+                 (1, 1, 2, 4, 32, 1), (3, 4, 1, 4, 32, 1)]
 
 
 @pytest.mark.gpu
@@ -191,7 +194,8 @@ GRAPH_CONFIGS = [None, (16, 2, 1), (16, 2, 2, 4), (8, 4, 2, 4), (16, 2, 1, 4),
 @pytest.mark.parametrize("config", GRAPH_CONFIGS, ids=lambda c: "default" if c is None else "/".join(map(str, c)))
 def test_tree_attention_cuda_graph_new_length(config):
     """n_valid read on the device: one captured graph serves growing contexts (version 2: ring
-    refills at L = 2999, empty splits at L = 65)."""
+    refills at L = 2999, empty splits at L = 65). Version 4 is captured with pdl=True (the main
+    kernel and its combine both launched with PDL, the early trigger where the config asks)."""
     N, H, Hkv, D, Lmax = 8, 32, 8, 128, 3000
     gen = torch.Generator().manual_seed(7)
     k = torch.randn(Lmax, Hkv, D, generator=gen).to(torch.bfloat16).cuda()
@@ -207,12 +211,13 @@ def test_tree_attention_cuda_graph_new_length(config):
         mask.copy_(make_mask("tree", N, L, Lmax, g)[:, :Lmax])
         n_valid.fill_(L)
 
+    pdl = config is not None and len(config) == 6
     fill(500, 1)
     kernels.tree_attention(q, k, v, mask, n_valid, out=out, config=config)    # warm-up: compile + load
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        kernels.tree_attention(q, k, v, mask, n_valid, out=out, config=config)
+        kernels.tree_attention(q, k, v, mask, n_valid, out=out, config=config, pdl=pdl)
     for L, seed in ((700, 2), (2999, 3), (65, 4)):
         fill(L, seed)
         out.fill_(float("nan"))
@@ -273,11 +278,11 @@ def test_tree_attention_pdl_graph_equals_plain(config):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("combine", [0, 1])
-def test_tree_attention_v3_graph_survives_workspace_growth(combine):
-    """Version 3: a graph captured on the per-device workspace keeps working after a larger call
-    replaced that workspace (the outgrown one stays alive), and the larger call is right too."""
-    config = (1, 2, 2, 4, combine)
+@pytest.mark.parametrize("config", [(1, 2, 2, 4, 0), (1, 2, 2, 4, 1), (1, 1, 2, 4, 32, 1)],
+                         ids=lambda c: "/".join(map(str, c)))
+def test_tree_attention_v3_graph_survives_workspace_growth(config):
+    """Versions 3 and 4: a graph captured on the per-device workspace keeps working after a larger
+    call replaced that workspace (the outgrown one stays alive), and the larger call is right too."""
     dev = torch.cuda.current_device()
     old = kernels._TA3_WORKSPACES.pop(dev, None)          # start from a fresh, small workspace
     if old is not None:
