@@ -4,16 +4,14 @@
 
 For each N, on one random model at the named shape, timed in alternating blocks in the same
 process (median wall ms per call, each call ending in a host sync; prints a Markdown table):
-  replay + sync        the captured step alone (inputs already on the device);
-  fill (numpy) ...     GraphedModel.forward as it is: the inputs written into the pinned
-                       buffers through numpy views (tokens, positions, slots and the context
-                       length in one int64 buffer), two host-to-device copies, the replay; then
-                       the argmax launched and read (what greedy decoding did per step);
-  fill (torch ops) ... the same through the previous implementation's torch ops (three copy_
-                       and an arange into the pinned buffers, a scalar store, three
-                       host-to-device copies), kept here as the baseline;
-  forward_argmax       the argmax inside the graph (GraphedModel.forward_argmax: what greedy
-                       verification does now).
+  replay + sync         the captured step alone (the default graph: its input copy included);
+  host copies, logits   GraphedModel with the inputs copied from the host before the launch
+                        (IN_GRAPH_COPY_MAX = 0: the previous design), forward, then the argmax
+                        launched and read (what greedy decoding did per step);
+  host copies, argmax   the same graphs with the argmax inside the graph, read by a host-issued
+                        copy after the launch;
+  in-graph copies       the default: GraphedModel.forward_argmax with the input copy as the
+                        graph's first node and the read-back as its last (one launch, one sync).
 """
 from __future__ import annotations
 
@@ -40,20 +38,6 @@ def timed_alternating(fns: dict, iters: int = 120, blocks: int = 12, warmup: int
     return {k: 1e3 * sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
-def torch_ops_fill(st, tokens, positions, start: int, mask) -> None:
-    """The previous GraphedModel.forward's input path, on the same static buffers."""
-    n, S = st.n, start + st.n
-    st.ints_host[:n].copy_(tokens)
-    st.ints_host[n:2 * n].copy_(positions)
-    torch.arange(start, S, out=st.ints_host[2 * n:3 * n])
-    st.mask_host[:, :S].copy_(mask)
-    st.ints_host[3 * n] = S
-    st.ints[:3 * n].copy_(st.ints_host[:3 * n], non_blocking=True)
-    st.mask[:, :S].copy_(st.mask_host[:, :S], non_blocking=True)
-    st.ints[3 * n:].copy_(st.ints_host[3 * n:], non_blocking=True)
-    st.graph.replay()
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama-3.2-1b")
@@ -68,28 +52,36 @@ def main():
     model, _ = dummy_model(a.shape, SingleComm(), L + 128, torch.bfloat16, "cuda")
     model.forward(torch.randint(0, 1000, (L,), device="cuda"), torch.arange(L, device="cuda"), 0,
                   chain_mask(0, L).to("cuda"))
-    g = GraphedModel(model)
+    from swiftspec_mpi import cuda_graphs
+    g_in = GraphedModel(model)                      # the default: copies inside the graph
+    g_out = GraphedModel(model)                     # inputs copied from the host (captured below)
     print(f"{a.shape}, context {L}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print("| N | replay + sync | fill (numpy) + replay + argmax read | fill (torch ops) + replay + argmax read "
-          "| forward_argmax | host share (numpy fill path) |")
+    print("| N | replay + sync | host copies, logits + argmax read | host copies, argmax in graph "
+          "| in-graph copies (forward_argmax) | host share (in-graph copies) |")
     print("|---:|---:|---:|---:|---:|---:|")
     for n in (int(v) for v in a.n.split(",")):
         toks = torch.randint(0, 1000, (n,))
         pos = torch.arange(L, L + n)
         mask = chain_mask(L, n)
-        g.forward(toks, pos, L, mask)
-        g.forward_argmax(toks, pos, L, mask)
-        st = g.static[(n, None)]
+        ids = g_in.forward_argmax(toks, pos, L, mask)
+        limit = cuda_graphs.IN_GRAPH_COPY_MAX
+        cuda_graphs.IN_GRAPH_COPY_MAX = 0
+        try:
+            g_out.forward(toks, pos, L, mask)
+            ids_out = g_out.forward_argmax(toks, pos, L, mask)
+        finally:
+            cuda_graphs.IN_GRAPH_COPY_MAX = limit
+        assert (ids == ids_out).all(), "the two copy paths disagree"
+        st = g_in.static[(n, ("argmax",))]
         fns = {
             "replay": st.graph.replay,
-            "numpy": lambda: g.forward(toks, pos, L, mask).argmax(-1).cpu(),
-            "torch": lambda: (torch_ops_fill(st, toks, pos, L, mask), st.logits.argmax(-1).cpu()),
-            "argmax": lambda: g.forward_argmax(toks, pos, L, mask),
+            "host_logits": lambda: g_out.forward(toks, pos, L, mask).argmax(-1).cpu(),
+            "host_argmax": lambda: g_out.forward_argmax(toks, pos, L, mask),
+            "in_graph": lambda: g_in.forward_argmax(toks, pos, L, mask),
         }
         r = timed_alternating(fns)
-        print(f"| {n} | {r['replay']:.3f} | {r['numpy']:.3f} | {r['torch']:.3f} | {r['argmax']:.3f} | "
-              f"{r['numpy'] - r['replay']:.3f} |", flush=True)
-
+        print(f"| {n} | {r['replay']:.3f} | {r['host_logits']:.3f} | {r['host_argmax']:.3f} | {r['in_graph']:.3f} | "
+              f"{r['in_graph'] - r['replay']:.3f} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -2,15 +2,13 @@
 
 `GraphedModel` wraps a GPU `Transformer` and keeps its interface (forward, compact_kv, cfg,
 max_slots, device, comm). A forward of N new tokens (N <= max_graph_tokens) replays a graph of
-`Transformer.forward_graphable` captured once for that N: the inputs go through two pinned host
-buffers (tokens, positions, slots and the context length in one int64 buffer; the mask) and two
-asynchronous copies into static device buffers, the context length reaches the fused
-tree-attention kernel as a device scalar, and nothing is allocated. Larger N (prefill) runs
-eagerly.
+`Transformer.forward_graphable` captured once for that N: the inputs are written into one
+pinned host buffer, which the graph itself copies to its static device twin as its first node
+(`_Static`), the context length reaches the fused tree-attention kernel as a device scalar, and
+nothing is allocated. Larger N (prefill) runs eagerly.
 
 What the engine reads back can be reduced inside the same graph, so that a step costs one
-replay, one small copy into pinned host memory and one stream sync, with no kernel launched
-from the host after the replay:
+launch and one sync, the result copied into pinned host memory by the graph's last node:
   - `forward_argmax`: the argmax token of each row (greedy verification), 8 bytes a row;
   - `forward_topk_logprobs`: the top-k of log_softmax(logits) of each row (the draft's tree
     expansion), values and indices.
@@ -27,23 +25,38 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return (t if t.device.type == "cpu" else t.cpu()).numpy()
 
 
+IN_GRAPH_COPY_MAX = 1 << 20      # bytes of inputs a graph copies itself (n x max_slots mask + ints)
+
+
 class _Static:
     """Static buffers and the captured graph for one N and one read-back (`reduce`: None for
-    the logits, ("argmax",) or ("topk", k))."""
+    the logits, ("argmax",) or ("topk", k)).
+
+    The inputs live in one pinned host buffer and its device twin: tokens [0, n), positions
+    [n, 2n), write slots [2n, 3n) and the context length (3n) as int64 (the attention kernel
+    reads the length as the int64's low 32 bits; both sides are little-endian), then the mask
+    [n, max_slots] as bytes. Up to IN_GRAPH_COPY_MAX bytes, the graph itself begins with the copy
+    of the whole buffer and ends with the copy of the reduction's result into pinned host memory,
+    so a step is: numpy writes, one graph launch, one sync. Larger buffers (long contexts, many
+    tokens) are copied from the host before the launch, the mask only up to the context length."""
 
     def __init__(self, model, n: int, reduce: tuple | None):
         dev, S = model.device, model.max_slots
-        self.n, self.reduce = n, reduce
-        # tokens [0, n), positions [n, 2n), write slots [2n, 3n), context length (3n: int64 whose
-        # low 32 bits are the int32 the attention kernel reads; both sides are little-endian)
-        self.ints_host = torch.zeros(3 * n + 1, dtype=torch.long, pin_memory=True)
-        self.ints_np = self.ints_host.numpy()
-        self.mask_host = torch.zeros(n, S, dtype=torch.bool, pin_memory=True)
-        self.mask_np = self.mask_host.numpy()
-        self.ints = torch.zeros(3 * n + 1, dtype=torch.long, device=dev)
-        self.mask = torch.zeros(n, S, dtype=torch.bool, device=dev)
+        self.n, self.S, self.reduce = n, S, reduce
+        ni = 8 * (3 * n + 1)
+        self.mask_off = -(-ni // 16) * 16
+        self.nbytes = self.mask_off + n * S
+        self.in_graph_copy = self.nbytes <= IN_GRAPH_COPY_MAX
+        self.host = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        self.dev = torch.zeros(self.nbytes, dtype=torch.uint8, device=dev)
+        self.ints_host = self.host[:ni].view(torch.int64)
+        self.mask_host = self.host[self.mask_off:].view(torch.bool).view(n, S)
+        self.ints_np, self.mask_np = self.ints_host.numpy(), self.mask_host.numpy()
+        self.ints = self.dev[:ni].view(torch.int64)
+        self.mask = self.dev[self.mask_off:].view(torch.bool).view(n, S)
         self.n_valid = self.ints[3 * n:].view(torch.int32)[:1]
         self.graph = torch.cuda.CUDAGraph()
+        self.done = torch.cuda.Event()             # the last replay (and its copies) finished
         self.logits = None
         self.outs: list[torch.Tensor] = []         # the reduction's results (graph outputs)
         self.out_host: list[torch.Tensor] = []     # their pinned host copies
@@ -61,20 +74,38 @@ class _Static:
             outs = [top.indices, top.values]
         return logits, outs
 
+    def copy_in(self, stream: int) -> None:
+        """The whole input buffer, host -> device (inside the graph, or before it)."""
+        from swiftspec_mpi.kernels import memcpy_async
+        memcpy_async(self.dev.data_ptr(), self.host.data_ptr(), self.nbytes, stream)
+
+    def copy_out(self, stream: int) -> None:
+        from swiftspec_mpi.kernels import memcpy_async
+        for h, t in zip(self.out_host, self.outs):
+            memcpy_async(h.data_ptr(), t.data_ptr(), t.numel() * t.element_size(), stream)
+
     def fill(self, tokens, positions, start: int, mask) -> None:
-        """The inputs of one step into the pinned buffers, then into the device buffers."""
+        """The inputs of one step into the pinned buffer (after the previous replay read it)."""
         n, S = self.n, start + self.n
+        self.done.synchronize()
         a = self.ints_np
         a[:n] = _host(tokens)
         a[n:2 * n] = _host(positions)
         a[2 * n:3 * n] = np.arange(start, S)
         a[3 * n] = S
-        if isinstance(mask, torch.Tensor) and mask.device.type != "cpu":
-            self.mask_host[:, :S].copy_(mask)
-        else:
-            self.mask_np[:, :S] = _host(mask) if isinstance(mask, torch.Tensor) else mask
-        self.ints.copy_(self.ints_host, non_blocking=True)
-        self.mask[:, :S].copy_(self.mask_host[:, :S], non_blocking=True)
+        self.mask_np[:, :S] = _host(mask) if isinstance(mask, torch.Tensor) else mask
+
+    def run(self, start: int) -> None:
+        """Replay (copies included when in the graph); the host copy and the read-back when not."""
+        stream = torch.cuda.current_stream()
+        if not self.in_graph_copy:
+            S = start + self.n
+            self.ints.copy_(self.ints_host, non_blocking=True)
+            self.mask[:, :S].copy_(self.mask_host[:, :S], non_blocking=True)
+        self.graph.replay()
+        if not self.in_graph_copy:
+            self.copy_out(stream.cuda_stream)
+        self.done.record(stream)
 
 
 class GraphedModel:
@@ -90,18 +121,25 @@ class GraphedModel:
         st = _Static(self.model, n, reduce)
         S = self.model.max_slots
         # capture with harmless inputs: the last n slots are scratch at capture time
-        st.ints[2 * n:3 * n] = torch.arange(S - n, S, device=st.ints.device)
-        st.ints[3 * n] = S
-        st.mask[:, :] = True
+        st.ints_np[2 * n:3 * n] = np.arange(S - n, S)
+        st.ints_np[3 * n] = S
+        st.mask_np[:, :] = True
+        st.dev.copy_(st.host)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):                 # warm up (kernel compile, cuBLAS handles)
-                st.run_eager(self.model)
+                _, outs = st.run_eager(self.model)
         torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().synchronize()
+        st.out_host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in outs]
         with torch.cuda.graph(st.graph):
+            stream = torch.cuda.current_stream().cuda_stream
+            if st.in_graph_copy:
+                st.copy_in(stream)
             st.logits, st.outs = st.run_eager(self.model)
-        st.out_host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in st.outs]
+            if st.in_graph_copy:
+                st.copy_out(stream)
         return st
 
     def _replay(self, tokens, positions, start: int, mask, reduce: tuple | None) -> _Static:
@@ -110,11 +148,9 @@ class GraphedModel:
         if st is None:
             st = self.static[(n, reduce)] = self._capture(n, reduce)
         st.fill(tokens, positions, start, mask)
-        st.graph.replay()
-        if st.out_host:                        # one D2H copy per result (a few bytes), then sync
-            for h, t in zip(st.out_host, st.outs):
-                h.copy_(t, non_blocking=True)
-            torch.cuda.current_stream().synchronize()
+        st.run(start)
+        if st.out_host:
+            st.done.synchronize()
         return st
 
     @torch.inference_mode()
@@ -130,7 +166,7 @@ class GraphedModel:
     @torch.inference_mode()
     def forward_argmax(self, tokens, positions, start: int, mask) -> np.ndarray:
         """Transformer.forward's arguments -> int64 [N]: the argmax token of each row's logits,
-        computed inside the graph (one replay, one 8-byte-a-row copy, one stream sync)."""
+        computed inside the graph (one launch, one sync, 8 bytes a row read back)."""
         if int(tokens.shape[0]) > self.max_graph_tokens:
             return logits_argmax(self.model.forward(tokens, positions, start, mask))
         st = self._replay(tokens, positions, start, mask, ("argmax",))

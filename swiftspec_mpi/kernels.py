@@ -250,6 +250,23 @@ def _launch_pdl(f: int, grid: tuple, block: int, smem: int, stream: int, args: l
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc}")
 
 
+_memcpy_async = None
+
+
+def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """cuMemcpyAsync of nbytes between two unified addresses (device memory or pinned host
+    memory) on `stream`; captured as a memcpy node when the stream is capturing a CUDA graph."""
+    global _memcpy_async
+    if _memcpy_async is None:
+        fn = ctypes.CDLL("libcuda.so.1").cuMemcpyAsync
+        fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        _memcpy_async = fn
+    rc = _memcpy_async(dst, src, nbytes, ctypes.c_void_p(stream))
+    if rc != 0:
+        raise RuntimeError(f"cuMemcpyAsync failed with CUresult {rc}")
+
+
 def _ptr(t: torch.Tensor) -> ctypes.c_uint64:
     return ctypes.c_uint64(t.data_ptr())
 

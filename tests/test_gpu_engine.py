@@ -102,14 +102,16 @@ def test_graphed_kernel_path_matches_torch_path():
         assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear]), f"prefix {prefix}"
 
 
-def test_graphed_argmax_and_topk_equal_reads_of_the_logits():
+@pytest.mark.parametrize("in_graph_copy", [True, False])
+def test_graphed_argmax_and_topk_equal_reads_of_the_logits(in_graph_copy, monkeypatch):
     """GraphedModel.forward_argmax / forward_topk_logprobs (the reduction inside the CUDA graph)
     give exactly what argmax / top-k of log_softmax of GraphedModel.forward's logits give, step
-    after step with new inputs and growing contexts, for 1, 2 and 8 tokens; and beyond
-    max_graph_tokens (eager) the same as the eager logits."""
+    after step with new inputs and growing contexts, for 1, 2 and 8 tokens, with the input and
+    result copies inside the graph (the default) or issued from the host (buffers over
+    IN_GRAPH_COPY_MAX); and beyond max_graph_tokens (eager) the same as the eager logits."""
     import numpy as np
 
-    from swiftspec_mpi import kernels
+    from swiftspec_mpi import cuda_graphs, kernels
     from swiftspec_mpi.comm import SingleComm
     from swiftspec_mpi.cuda_graphs import GraphedModel, logits_argmax, logits_topk_logprobs
     from swiftspec_mpi.dummy import RandomSource, SHAPES
@@ -119,6 +121,8 @@ def test_graphed_argmax_and_topk_equal_reads_of_the_logits():
     cfg = SHAPES["llama-3.2-1b"].with_layers(2)
     model = Transformer(cfg, SingleComm(), max_slots=1024, dtype=torch.bfloat16, device="cuda")
     model.load_weights(RandomSource(cfg, "cuda", torch.bfloat16, seed=3))
+    if not in_graph_copy:
+        monkeypatch.setattr(cuda_graphs, "IN_GRAPH_COPY_MAX", 0)
     graphed = GraphedModel(model, max_graph_tokens=8)
     gen = torch.Generator().manual_seed(4)
     start = 200
@@ -136,6 +140,7 @@ def test_graphed_argmax_and_topk_equal_reads_of_the_logits():
             assert tid.shape == (n, 4) and tlp.dtype == np.float32
             assert np.array_equal(tid, rid) and np.array_equal(tlp, rlp), (step, n)
         start += 3                                 # the next step attends to a longer context
+    assert all(st.in_graph_copy == in_graph_copy for st in graphed.static.values())
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2+ GPUs")
