@@ -16,26 +16,10 @@ process (median wall ms per call, each call ending in a host sync; prints a Mark
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-
-def timed_alternating(fns: dict, iters: int = 120, blocks: int = 12, warmup: int = 5) -> dict:
-    times = {k: [] for k in fns}
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    torch.cuda.synchronize()
-    per = max(1, iters // blocks)
-    for _ in range(blocks):
-        for k, fn in fns.items():
-            for _ in range(per):
-                t = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                times[k].append(time.perf_counter() - t)
-    return {k: 1e3 * sorted(v)[len(v) // 2] for k, v in times.items()}
+from bench_gpu_step import cuda_time_alternating   # same folder
 
 
 def main():
@@ -79,7 +63,7 @@ def main():
             "host_argmax": lambda: g_out.forward_argmax(toks, pos, L, mask),
             "in_graph": lambda: g_in.forward_argmax(toks, pos, L, mask),
         }
-        r = timed_alternating(fns)
+        r = cuda_time_alternating(fns, iters=120, blocks=12)
         print(f"| {n} | {r['replay']:.3f} | {r['host_logits']:.3f} | {r['host_argmax']:.3f} | {r['in_graph']:.3f} | "
               f"{r['in_graph'] - r['replay']:.3f} |", flush=True)
 
