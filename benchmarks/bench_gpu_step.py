@@ -13,9 +13,7 @@ cuBLAS (SWIFTSPEC_FUSED_GEMM=cublas); "+ GEMM choice" = the opt-in SWIFTSPEC_FUS
 projection kind uses kernels.gemm_rowparallel if it timed faster than cuBLAS ("rowparallel
 GEMMs" lists which); "PDL chain" = the default, SWIFTSPEC_FUSED_GEMM=pdl: every projection on
 kernels.gemm_rowparallel and every kernel launched with programmatic dependent launch
-("PDL speed-up" = fused ops / PDL chain); "PDL chain, smem GEMV" = the same with the
-shared-memory GEMVs (kernels.set_gemv_stream("smem")) instead of the default register-pipelined
-ones. All graphs are captured on the same model and timed in alternating blocks
+("PDL speed-up" = fused ops / PDL chain). All graphs are captured on the same model and timed in alternating blocks
 in the same run; speed-up = torch ops / fused ops; rel. diff = max |logits - torch-ops logits| /
 max |torch-ops logits| of the fused path, then of the GEMM choice.
 """
@@ -96,7 +94,7 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
     with the torch elementwise ops ("graph_nofuse_N") and, if `fused` and available, with the
     fused kernels and cuBLAS GEMMs ("graph_N", the default) and with the timed GEMM choice
     ("graph_auto_N"); plus each one's max relative logit difference to the torch-ops graph."""
-    from swiftspec_mpi import fused_ops, kernels
+    from swiftspec_mpi import fused_ops
     from swiftspec_mpi.comm import SingleComm
     from swiftspec_mpi.cuda_graphs import GraphedModel, graphs_supported, logits_topk_logprobs
     from swiftspec_mpi.dummy import dummy_model
@@ -113,8 +111,7 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
     g_fused = GraphedModel(model) if fused else None          # fused ops, cuBLAS GEMMs (default)
     g_auto = GraphedModel(model) if fused else None           # fused ops, GEMMs as timed ("auto")
     g_pdl = GraphedModel(model) if fused else None            # fused ops, all GEMMs ours, PDL chain
-    g_smem = GraphedModel(model) if fused else None           # the same with the shared-memory GEMVs
-    was, was_mode, was_stream = fused_ops._enabled, fused_ops.gemm_mode(), kernels.gemv_stream()
+    was, was_mode = fused_ops._enabled, fused_ops.gemm_mode()
     for n in sizes:
         toks = torch.randint(0, 1000, (n,))
         pos = torch.arange(context, context + n)
@@ -129,10 +126,9 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
             fns[f"graph_nofuse_{n}"] = lambda: g_plain.forward(toks, pos, context, mask).argmax(-1).cpu()
             if g_fused is not None:
                 fused_ops.set_enabled(True)
-                for key, g, mode, stream in (("graph", g_fused, "cublas", "regs"), ("graph_auto", g_auto, "auto", "regs"),
-                                             ("graph_pdl", g_pdl, "pdl", "regs"), ("graph_smem", g_smem, "pdl", "smem")):
+                for key, g, mode in (("graph", g_fused, "cublas"), ("graph_auto", g_auto, "auto"),
+                                     ("graph_pdl", g_pdl, "pdl")):
                     fused_ops.set_gemm_mode(mode)
-                    kernels.set_gemv_stream(stream)
                     got = g.forward(toks, pos, context, mask).float()
                     res[f"{key}_rel_diff_{n}"] = ((got - ref).abs().max() / ref.abs().max()).item()
                     fns[f"{key}_{n}"] = (lambda g=g: g.forward(toks, pos, context, mask).argmax(-1).cpu())
@@ -152,9 +148,8 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
         finally:
             fused_ops.set_enabled(was)
             fused_ops.set_gemm_mode(was_mode)
-            kernels.set_gemv_stream(was_stream)
         res.update(cuda_time_alternating(fns))
-    del model, g_plain, g_fused, g_auto, g_pdl, g_smem
+    del model, g_plain, g_fused, g_auto, g_pdl
     torch.cuda.empty_cache()
     return res
 
@@ -206,10 +201,10 @@ def main():
     rows = {"copy_TBps": bw, "gpu": torch.cuda.get_device_name(), "context": a.context, "torch": torch.__version__}
     print(f"device copy bandwidth: {bw:.2f} TB/s  ({rows['gpu']}, torch {torch.__version__})", flush=True)
     print("| shape | weights GB | floor ms | N | eager ms | graph, torch ops ms | graph + fused ops ms "
-          "| speed-up | + GEMM choice ms | PDL chain ms | PDL speed-up | PDL chain, smem GEMV ms "
+          "| speed-up | + GEMM choice ms | PDL chain ms | PDL speed-up "
           "| logits rel. diff (fused / choice / PDL) "
           "| rowparallel GEMMs | HF eager ms (N=1) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
     nan = float("nan")
     reads = {}
     for shape in a.shapes.split(","):
@@ -223,7 +218,6 @@ def main():
             print(f"| {shape} | {r['weight_gb']:.2f} | {floor:.2f} | {n} | {r[f'eager_{n}']:.2f} | "
                   f"{base:.2f} | {fast:.2f} | {base / fast:.2f}x | {r.get(f'graph_auto_{n}', nan):.2f} | "
                   f"{r.get(f'graph_pdl_{n}', nan):.2f} | {fast / r.get(f'graph_pdl_{n}', nan):.2f}x | "
-                  f"{r.get(f'graph_smem_{n}', nan):.2f} | "
                   f"{r.get(f'graph_rel_diff_{n}', nan):.1e} / {r.get(f'graph_auto_rel_diff_{n}', nan):.1e} / "
                   f"{r.get(f'graph_pdl_rel_diff_{n}', nan):.1e} | "
                   f"{r.get(f'rowparallel_{n}', '-')} | {(r['hf_1'] if n == 1 and r['hf_1'] else nan):.2f} |",

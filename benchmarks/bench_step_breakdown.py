@@ -4,7 +4,7 @@ alone as a CUDA graph of all its launches of one step (one per layer, each on th
 weights and KV, so weights stream from HBM as in the step; launched with PDL as in the step),
 next to the whole step captured the same way. Prints a Markdown table.
 
-    python benchmarks/bench_step_breakdown.py [--shape llama-3-8b] [--context 1024] [--n 1] [--gemv smem]
+    python benchmarks/bench_step_breakdown.py [--shape llama-3-8b] [--context 1024] [--n 1]
 
 Columns: launches per step, time per step (median of replays), time per launch, bytes each
 kind must read (weights, or K/V for attention) and the bandwidth that implies, as a share of the
@@ -42,12 +42,9 @@ def main():
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--n", type=int, default=1, help="tokens per step (tree size)")
-    ap.add_argument("--gemv", choices=("regs", "smem"), default="regs",
-                    help="GEMV kernels: register-pipelined (default) or shared-memory streamed")
     ap.add_argument("--json", help="also write the raw numbers here")
     a = ap.parse_args()
     from swiftspec_mpi import fused_ops, kernels
-    kernels.set_gemv_stream(a.gemv)
     from swiftspec_mpi.comm import SingleComm
     from swiftspec_mpi.dummy import dummy_model
     if not (kernels.available() and fused_ops.enabled() and fused_ops.gemm_mode() == "pdl"):
@@ -119,9 +116,9 @@ def main():
              ("gate|up GEMM + SwiGLU", nl, gate_up, wb(6)),
              ("down GEMM", nl, down, wb(7)),
              ("LM head GEMM", 1, head, model.head.numel() * 2)]
-    res = {"shape": a.shape, "context": L, "n": N, "gemv": a.gemv, "copy_TBps": copy_bw, "read_TBps": read_bw,
+    res = {"shape": a.shape, "context": L, "n": N, "copy_TBps": copy_bw, "read_TBps": read_bw,
            "gpu": torch.cuda.get_device_name(), "kinds": {}}
-    print(f"{a.shape}, N = {N}, context {L}, {a.gemv} GEMVs: copy {copy_bw:.2f} TB/s, read (torch.sum) {read_bw:.2f} TB/s")
+    print(f"{a.shape}, N = {N}, context {L}: copy {copy_bw:.2f} TB/s, read (torch.sum) {read_bw:.2f} TB/s")
     print("| kernel kind | launches | ms per step | us per launch | GB read | TB/s | % of copy BW | % of read BW |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     total = 0.0

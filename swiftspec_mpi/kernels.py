@@ -67,10 +67,6 @@ _TA3_RETIRED: list = []      # outgrown workspaces, kept alive: captured graphs 
 GEMM_VARIANTS = ((1, 4, 0, 0), (1, 4, 256, 1), (2, 4, 256, 1), (2, 4, 0, 1), (4, 4, 256, 1),
                  (4, 2, 256, 1), (2, 8, 256, 0), (1, 8, 256, 1))
 GEMM_ALLREDUCE_VARIANTS = ((1, 4, 0, 0), (2, 4, 256, 1), (1, 8, 256, 1))
-# Must match cuda/gemm_allreduce.cu's GEMV_SMEM_KERNELS: (consumer warps NW, ring stages) of the
-# GEMVs that stream W through shared memory (gemm_*_smem_*, same bits as the U = 4 variants).
-GEMV_SMEM_VARIANTS = ((8, 2), (4, 3))
-_SMEM_SK = 1024              # k's per ring stage (SmemGemvLayout::SK)
 _GEMM_THREADS = 256          # must match cuda/gemm_allreduce.cu
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
@@ -607,11 +603,9 @@ def _gemm_checks(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None):
     return M, N, K, out
 
 
-def gemm_rowparallel_config(M: int, N: int, K: int) -> tuple:
-    """Config used by default for an [M, K] x [N, K]^T product: the register-pipelined
-    (T, U, PF, PIPE) of gemm_regs_config, or ("smem", T, NW, STAGES) of the shared-memory GEMV
-    when set_gemv_stream("smem") asked for it. Both give the same bits (U = 4 summation order)."""
-    return gemv_smem_config(M, N, K) if gemv_stream() == "smem" else gemm_regs_config(M, N, K)
+def gemm_rowparallel_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
+    """Config used by default for an [M, K] x [N, K]^T product: gemm_regs_config's (T, U, PF, PIPE)."""
+    return gemm_regs_config(M, N, K)
 
 
 def gemm_regs_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
@@ -631,48 +625,6 @@ def gemm_regs_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     if -(-N // 16) < 1.5 * _sm_count():
         return 1, 4, 256, 1
     return 2, 4, 256, 1
-
-
-_gemv_stream = "regs"
-
-
-def gemv_stream() -> str:
-    """Which GEMV kernels the defaults use: "regs" (register-pipelined, the default) or "smem"
-    (W streamed through shared memory by a producer warp). In the PDL chain of the 8B step the
-    smem kernels are slower (docs/benchmarks.md, "Shared-memory GEMV"), so they are opt-in."""
-    return _gemv_stream
-
-
-def set_gemv_stream(mode: str) -> None:
-    """Switch the default GEMV kind ("regs" or "smem"; benchmarks and tests). A captured CUDA graph
-    keeps the kernels it was captured with."""
-    global _gemv_stream
-    if mode not in ("regs", "smem"):
-        raise ValueError(f"gemv stream must be 'regs' or 'smem', not {mode!r}")
-    _gemv_stream = mode
-
-
-def gemv_smem_config(M: int, N: int, K: int) -> tuple:
-    """("smem", T, NW, STAGES) of the shared-memory GEMV for [M, K] x [N, K]^T in "smem" mode: T as
-    in gemm_regs_config; 8 consumer warps and a 2-stage ring of 16 KiB * T per stage (3 blocks per
-    SM at M <= 8; the fastest of GEMV_SMEM_VARIANTS on the Llama-3-8B QKV GEMV, 2026-12-01)."""
-    return ("smem", gemm_regs_config(M, N, K)[0], 8, 2)
-
-
-def gemv_smem_bytes(t: int, stages: int) -> int:
-    """Dynamic shared memory of one smem-GEMV block (SmemGemvLayout<T, STAGES>::TOTAL): the ring of
-    `stages` x 8T rows x (1024 + 8) bf16, the [T * 128] fp32 result tile, 2 mbarriers per stage."""
-    return stages * 8 * t * (_SMEM_SK + 8) * 2 + t * 128 * 4 + 2 * stages * 8
-
-
-def _smem_launch(kernel: str, x: torch.Tensor, nw: int, st: int, t: int, grid: int, args: list, pdl: bool) -> None:
-    if (nw, st) not in GEMV_SMEM_VARIANTS:
-        raise ValueError(f"smem GEMV (NW, STAGES) = {(nw, st)} must be one of {GEMV_SMEM_VARIANTS}")
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    smem = gemv_smem_bytes(t, st)
-    f = _function("gemm_allreduce", "", kernel, dev, smem)
-    (_launch_pdl if pdl else _launch)(f, (grid, 1, 1), 32 * (nw + 1), smem,
-                                      torch.cuda.current_stream(dev).cuda_stream, args)
 
 
 _sm_counts: dict = {}
@@ -696,10 +648,8 @@ def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None 
       w:      [N, K] bfloat16 contiguous (nn.Linear weight layout), N % 8 == 0, K % 8 == 0,
               16-byte aligned.
       out:    [M, N] bfloat16, last stride 1; allocated if None.
-      config: (T, U, PF, PIPE), one of GEMM_VARIANTS (register-pipelined kernel), or
-              ("smem", T, NW, STAGES) with T in (1, 2) and (NW, STAGES) one of GEMV_SMEM_VARIANTS
-              (W streamed through shared memory); default gemm_rowparallel_config(M, N, K).
-              Variants with the same U give the same bits; the smem kernels have U = 4's.
+      config: (T, U, PF, PIPE), one of GEMM_VARIANTS; default gemm_rowparallel_config(M, N, K).
+              Variants with the same U give the same bits.
       pdl:    launch with programmatic dependent launch: the kernel starts streaming w while the
               previous kernel in the stream finishes (x is read, out written only after it
               completed). Only for a w that the previous kernel does not write (a weight).
@@ -711,35 +661,14 @@ def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None 
     config = gemm_rowparallel_config(M, N, K) if config is None else tuple(config)
     args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(out), ctypes.c_int64(out.stride(0)),
             ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
-    if config[0] == "smem":
-        _, t, nw, st = config
-        if t not in (1, 2):
-            raise ValueError(f"config {config}: smem T must be 1 or 2")
-        _smem_launch(f"gemm_rowparallel_smem_m{8 if M <= 8 else 16}_t{t}_w{nw}_st{st}", x, nw, st, t,
-                     -(-(N // 8) // t), args, pdl)
-        return out
     if config not in GEMM_VARIANTS:
-        raise ValueError(f"config {config} must be one of {GEMM_VARIANTS} or ('smem', T, NW, STAGES)")
+        raise ValueError(f"config {config} must be one of {GEMM_VARIANTS}")
     t, u, pf, pipe = config
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     f = _function("gemm_allreduce", "", f"gemm_rowparallel_m{8 if M <= 8 else 16}_t{t}_u{u}_p{pf}_s{pipe}", dev)
     (_launch_pdl if pdl else _launch)(f, (-(-(N // 8) // t), 1, 1), _GEMM_THREADS, 0,
                                       torch.cuda.current_stream(dev).cuda_stream, args)
     return out
-
-
-def _fused_gemv_variant(config, M: int, N: int, K: int) -> tuple | None:
-    """gemm_swiglu / gemm_qkv_rope's config argument -> ("smem", NW, STAGES) or None (the
-    register-pipelined kernel, T = 2, U = 4)."""
-    if config is None:
-        return ("smem",) + gemv_smem_config(M, N, K)[2:] if gemv_stream() == "smem" else None
-    if config == "regs":
-        return None
-    config = tuple(config)
-    if len(config) != 3 or config[0] != "smem" or tuple(config[1:]) not in GEMV_SMEM_VARIANTS:
-        raise ValueError(f"config {config}: None, 'regs' or ('smem', NW, STAGES) with (NW, STAGES) "
-                         f"one of {GEMV_SMEM_VARIANTS}")
-    return config
 
 
 def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
@@ -754,8 +683,7 @@ def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
       w:   [2I, K] bfloat16 contiguous: the gate rows [0, I) then the up rows [I, 2I); I % 8 == 0.
       out: [M, I] bfloat16, last stride 1; allocated if None.
       pdl: programmatic dependent launch, as for gemm_rowparallel.
-      config: None (the default kind, gemv_stream()), "regs" (register-pipelined kernel) or
-              ("smem", NW, STAGES) (W through shared memory); all give the same bits.
+      config: None or "regs" (the register-pipelined kernel, T = 2, U = 4: the only one).
 
     Returns:
       out: [M, I] bfloat16.
@@ -774,15 +702,12 @@ def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         _check_bf16("out", out, 2)
         if tuple(out.shape) != (M, I):
             raise ValueError(f"out must be [M, I] = {(M, I)}")
+    if config not in (None, "regs"):
+        raise ValueError(f"gemm_swiglu config must be None or 'regs', not {config!r}")
     # T = 2 (a gate and an up tile per block) and U = 4, the plain kernel's summation order, or
-    # the bits would differ from silu_mul(gemm_rowparallel(x, w)); the smem kernels keep it.
-    variant = _fused_gemv_variant(config, M, I2, K)
+    # the bits would differ from silu_mul(gemm_rowparallel(x, w)).
     args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(out), ctypes.c_int64(out.stride(0)),
             ctypes.c_int32(M), ctypes.c_int32(I), ctypes.c_int32(K)]
-    if variant is not None:
-        _, nw, st = variant
-        _smem_launch(f"gemm_swiglu_smem_m{8 if M <= 8 else 16}_w{nw}_st{st}", x, nw, st, 2, I // 8, args, pdl)
-        return out
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     f = _function("gemm_allreduce", "", f"gemm_swiglu_m{8 if M <= 8 else 16}_t2_u4_p256_s1", dev)
     (_launch_pdl if pdl else _launch)(f, (I // 8, 1, 1), _GEMM_THREADS, 0,
@@ -809,9 +734,8 @@ def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions
       k_cache, v_cache: [S, Hkv, D] bfloat16, head stride D, last stride 1, same strides.
       n_heads:     local q heads. D % 16 == 0.
       pdl:         programmatic dependent launch, as for gemm_rowparallel.
-      config:      None (the default: "regs-w4" where qkv_w4_pays, else "regs"; "smem" mode: the
-                   smem kernel), "regs" (8 warps per block), "regs-w4" (4 warps, 3 blocks per SM)
-                   or ("smem", NW, STAGES); all give the same bits.
+      config:      None (the default: "regs-w4" where qkv_w4_pays, else "regs"), "regs" (8 warps
+                   per block) or "regs-w4" (4 warps, 3 blocks per SM); both give the same bits.
     """
     _check_bf16("x", x, 2)
     _check_bf16("w", w, 2)
@@ -835,19 +759,16 @@ def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions
         if not (t.is_cuda and t.dtype == torch.bfloat16 and t.dim() == 2 and t.shape[1] == D and t.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous [P, {D}] bfloat16 CUDA tensor")
     grid = (n_heads + Hkv) * D // 16 + Hkv * D // 16
-    if config is None and gemv_stream() == "regs":
+    if config is None:
         config = "regs-w4" if qkv_w4_pays(grid) else "regs"
-    w4 = config == "regs-w4"
-    variant = None if w4 else _fused_gemv_variant(config, M, cols, K)   # U = 4 either way: the same bits
+    if config not in ("regs", "regs-w4"):
+        raise ValueError(f"gemm_qkv_rope config must be None, 'regs' or 'regs-w4', not {config!r}")
+    w4 = config == "regs-w4"                 # U = 4 either way: the same bits
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     args = [_ptr(x), ctypes.c_int64(x.stride(0)), _ptr(w), _ptr(qkv), ctypes.c_int64(qkv.stride(0)),
             ctypes.c_int32(M), ctypes.c_int32(K), _ptr(positions), _ptr(write_slots), _ptr(cos), _ptr(sin),
             ctypes.c_int32(cos.shape[0]), _ptr(k_cache), _ptr(v_cache), ctypes.c_int64(k_cache.stride(0)),
             ctypes.c_int32(S), ctypes.c_int32(n_heads), ctypes.c_int32(Hkv), ctypes.c_int32(D)]
-    if variant is not None:
-        _, nw, st = variant
-        _smem_launch(f"gemm_qkv_rope_smem_m{8 if M <= 8 else 16}_w{nw}_st{st}", x, nw, st, 2, grid, args, pdl)
-        return
     f = _function("gemm_allreduce", "", f"gemm_qkv_rope_m{8 if M <= 8 else 16}_u4_p256_s1{'_w4' if w4 else ''}", dev)
     (_launch_pdl if pdl else _launch)(f, (grid, 1, 1), 128 if w4 else _GEMM_THREADS, 0,
                                       torch.cuda.current_stream(dev).cuda_stream, args)
@@ -882,7 +803,7 @@ def gemm_allreduce(x: torch.Tensor, w: torch.Tensor, ar, out: torch.Tensor | Non
     M, N, K, out = _gemm_checks(x, w, out)
     if N > ar.max_n:
         raise ValueError(f"N={N} exceeds the DeviceAllReduce window (max_n={ar.max_n})")
-    config = gemm_regs_config(M, N, K)     # U = 4, as the smem kernels: gemm_rowparallel's bits
+    config = gemm_regs_config(M, N, K)     # U = 4: gemm_rowparallel's bits
     # the plain kernel's config, else an instantiated one with the same U (the same bits)
     same_u = sorted((c for c in GEMM_ALLREDUCE_VARIANTS if c[1] == config[1]),
                     key=lambda c: c != (2, 4, 256, 1))           # the sweep's best first

@@ -312,28 +312,17 @@ GEMM_SHAPES = [(4096, 4096), (4096, 14336), (64, 200), (2048, 8192)]
 
 def test_gemv_default_choice(monkeypatch):
     """The default GEMV configs (no GPU needed: 132 SMs as on an H200): the register-pipelined
-    kernel, T = 1 where N / 16 blocks would fill under 3/4 of 2 x 132 slots; "smem" mode gives the
-    shared-memory kernel (8 warps, 2 stages, same T); bad modes and variants are refused."""
+    kernel, T = 1 where N / 16 blocks would fill under 3/4 of 2 x 132 slots; the 4-warp QKV
+    kernel only where it saves a wave (the Llama-3-8B QKV's 384 blocks)."""
     monkeypatch.setattr(kernels, "_sm_count", lambda: 132)
     for N, T in ((6144, 2), (4096, 2), (14336 * 2, 2), (2048, 1), (3072, 1), (128256, 2)):
         assert kernels.gemm_rowparallel_config(1, N, 4096) == (T, 4, 256, 1)
-        assert kernels._fused_gemv_variant(None, 8, N, 4096) is None
-        assert kernels._fused_gemv_variant("regs", 8, N, 4096) is None
     assert kernels.qkv_w4_pays(384) and not kernels.qkv_w4_pays(192) and not kernels.qkv_w4_pays(1792)
-    monkeypatch.setattr(kernels, "_gemv_stream", "smem")
-    assert kernels.gemm_rowparallel_config(1, 4096, 4096) == ("smem", 2, 8, 2)
-    assert kernels.gemm_rowparallel_config(8, 2048, 4096) == ("smem", 1, 8, 2)
-    assert kernels._fused_gemv_variant(None, 1, 6144, 4096) == ("smem", 8, 2)
-    assert kernels._fused_gemv_variant(("smem", 4, 3), 1, 6144, 4096) == ("smem", 4, 3)
-    with pytest.raises(ValueError):
-        kernels.set_gemv_stream("fast")
-    with pytest.raises(ValueError):
-        kernels._fused_gemv_variant(("smem", 5, 2), 1, 4096, 4096)
 
 
 def _gemm_u(config) -> int:
-    """The summation order (U) of a gemm_rowparallel config; the smem kernels keep U = 4's."""
-    return 4 if config[0] == "smem" else config[1]
+    """The summation order (U) of a gemm_rowparallel config."""
+    return config[1]
 
 
 @pytest.mark.gpu
@@ -348,8 +337,7 @@ def test_gemm_rowparallel_matches_float64(M, NK):
     w = (torch.randn(N, K, generator=gen) / math.sqrt(K)).to(torch.bfloat16).cuda()
     ref = x.double() @ w.double().T
     by_u = {}
-    smem = [("smem", t, nw, st) for t in (1, 2) for nw, st in kernels.GEMV_SMEM_VARIANTS]
-    for config in [None] + list(kernels.GEMM_VARIANTS) + smem:    # default, then every variant
+    for config in [None] + list(kernels.GEMM_VARIANTS):    # default, then every variant
         out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
         kernels.gemm_rowparallel(x, w, out=out, config=config)
         torch.cuda.synchronize()
