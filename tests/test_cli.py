@@ -73,6 +73,7 @@ def test_bad_values_fail_with_one_line(args, needle):
 @pytest.mark.parametrize("var,value,needle", [
     ("SWIFTSPEC_FUSED_GEMM", "fast", "SWIFTSPEC_FUSED_GEMM='fast' is not a GEMM mode"),
     ("SWIFTSPEC_FUSED_OPS", "maybe", "SWIFTSPEC_FUSED_OPS='maybe' is not a switch"),
+    ("SWIFTSPEC_FUSED_ALLREDUCE", "2", "SWIFTSPEC_FUSED_ALLREDUCE='2' is not a switch"),
 ])
 def test_bad_environment_switch_fails_with_one_line(var, value, needle):
     """The GPU switches are environment variables; a typo must not silently pick the default."""
