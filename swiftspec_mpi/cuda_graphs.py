@@ -28,6 +28,29 @@ def _host(t: torch.Tensor) -> np.ndarray:
 IN_GRAPH_COPY_MAX = 1 << 20      # bytes of inputs a graph copies itself (n x max_slots mask + ints)
 
 
+def step_input_layout(n: int, max_slots: int) -> tuple[int, int, int]:
+    """Byte layout of one step's inputs for n tokens: (int64 words, mask offset, total bytes).
+    Words [0, n) tokens, [n, 2n) positions, [2n, 3n) write slots, 3n the context length; the
+    bool mask [n, max_slots] starts at the next 16-byte boundary."""
+    words = 3 * n + 1
+    mask_off = -(-8 * words // 16) * 16
+    return words, mask_off, mask_off + n * max_slots
+
+
+def pack_step_inputs(ints: np.ndarray, mask: np.ndarray, tokens, positions, start: int, step_mask) -> None:
+    """Write one step's inputs into the int64 words and the bool mask of step_input_layout:
+    tokens / positions [n] (CPU tensors or arrays), write slots start .. start + n - 1, context
+    length S = start + n (read by the attention kernel as the int64's low 32 bits), mask rows
+    [n, S] into mask[:, :S] (columns >= S are left as they are: the kernels read < S only)."""
+    n = mask.shape[0]
+    S = start + n
+    ints[:n] = _host(tokens) if isinstance(tokens, torch.Tensor) else tokens
+    ints[n:2 * n] = _host(positions) if isinstance(positions, torch.Tensor) else positions
+    ints[2 * n:3 * n] = np.arange(start, S)
+    ints[3 * n] = S
+    mask[:, :S] = _host(step_mask) if isinstance(step_mask, torch.Tensor) else step_mask
+
+
 class _Static:
     """Static buffers and the captured graph for one N and one read-back (`reduce`: None for
     the logits, ("argmax",) or ("topk", k)).
@@ -43,9 +66,8 @@ class _Static:
     def __init__(self, model, n: int, reduce: tuple | None):
         dev, S = model.device, model.max_slots
         self.n, self.S, self.reduce = n, S, reduce
-        ni = 8 * (3 * n + 1)
-        self.mask_off = -(-ni // 16) * 16
-        self.nbytes = self.mask_off + n * S
+        words, self.mask_off, self.nbytes = step_input_layout(n, S)
+        ni = 8 * words
         self.in_graph_copy = self.nbytes <= IN_GRAPH_COPY_MAX
         self.host = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=True)
         self.dev = torch.zeros(self.nbytes, dtype=torch.uint8, device=dev)
@@ -86,14 +108,8 @@ class _Static:
 
     def fill(self, tokens, positions, start: int, mask) -> None:
         """The inputs of one step into the pinned buffer (after the previous replay read it)."""
-        n, S = self.n, start + self.n
         self.done.synchronize()
-        a = self.ints_np
-        a[:n] = _host(tokens)
-        a[n:2 * n] = _host(positions)
-        a[2 * n:3 * n] = np.arange(start, S)
-        a[3 * n] = S
-        self.mask_np[:, :S] = _host(mask) if isinstance(mask, torch.Tensor) else mask
+        pack_step_inputs(self.ints_np, self.mask_np, tokens, positions, start, mask)
 
     def run(self, start: int) -> None:
         """Replay (copies included when in the graph); the host copy and the read-back when not."""
