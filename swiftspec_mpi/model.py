@@ -350,8 +350,20 @@ class Transformer(torch.nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights (shared/tied storage counted once)."""
+        return self._storage_bytes([self.embed, self.norm, self.head])
+
+    def step_read_bytes(self) -> int:
+        """Bytes of weights one decode step streams on this rank: every layer's weights, the
+        final norm and the LM head (a tied head reads the embedding table in full), but not an
+        untied embedding table, of which a step reads only its tokens' rows. The bandwidth
+        floor of a step is this over the device's read bandwidth (Llama-3-8B: 15.01 of its
+        16.06 GB)."""
+        return self._storage_bytes([self.norm, self.head])
+
+    def _storage_bytes(self, tensors: list) -> int:
+        """Bytes of the storages behind `tensors` and every layer's weights, each counted once."""
         seen, total = set(), 0
-        tensors = [self.embed, self.norm, self.head]
+        tensors = list(tensors)
         for lay in self.layers:
             tensors.extend(lay[:8])
         for t in tensors:
