@@ -420,17 +420,19 @@ ROWPAR_KERNEL(1, 8, 256, 1, 2)
 SWIGLU_KERNEL(4, 256, 1, 2)
 
 // QKV GEMM + RoPE + KV write: gemm_qkv_rope_m{8,16}_u<U>_p<PF>_s<PIPE>.
+#define QKV_ROPE_PARAMS                                                                                \
+    const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,         \
+    __nv_bfloat16* __restrict__ qkv, long long ldq, int M, int K,                                    \
+    const long long* __restrict__ positions, const long long* __restrict__ slots,                    \
+    const __nv_bfloat16* __restrict__ cos_t, const __nv_bfloat16* __restrict__ sin_t, int rope_len,   \
+    __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, long long kv_stride,   \
+    int max_slots, int nh, int nkv, int D
+#define QKV_ROPE_ARGS \
+    x, ldx, w, qkv, ldq, M, K, positions, slots, cos_t, sin_t, rope_len, k_cache, v_cache, kv_stride, max_slots, nh, nkv, D
 #define QKV_ROPE_KERNEL1(MS, M16, U, PF, PIPE, MINB)                                                   \
   extern "C" __global__ void __launch_bounds__(rowpar::THREADS, MINB)                                 \
-  gemm_qkv_rope_##MS##_u##U##_p##PF##_s##PIPE(                                                        \
-      const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,       \
-      __nv_bfloat16* __restrict__ qkv, long long ldq, int M, int K,                                  \
-      const long long* __restrict__ positions, const long long* __restrict__ slots,                  \
-      const __nv_bfloat16* __restrict__ cos_t, const __nv_bfloat16* __restrict__ sin_t, int rope_len, \
-      __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, long long kv_stride, \
-      int max_slots, int nh, int nkv, int D) {                                                       \
-    rowpar::gemm_qkv_rope_body<U, PF, PIPE, M16>(x, ldx, w, qkv, ldq, M, K, positions, slots, cos_t, \
-        sin_t, rope_len, k_cache, v_cache, kv_stride, max_slots, nh, nkv, D);                        \
+  gemm_qkv_rope_##MS##_u##U##_p##PF##_s##PIPE(QKV_ROPE_PARAMS) {                                     \
+    rowpar::gemm_qkv_rope_body<U, PF, PIPE, M16>(QKV_ROPE_ARGS);                                     \
   }
 #define QKV_ROPE_KERNEL(U, PF, PIPE, MINB) \
   QKV_ROPE_KERNEL1(m8, false, U, PF, PIPE, MINB) QKV_ROPE_KERNEL1(m16, true, U, PF, PIPE, MINB)
@@ -440,15 +442,8 @@ QKV_ROPE_KERNEL(4, 256, 1, 2)
 // wave of 396 on 132 SMs instead of 1.45 waves of 264), same bits: gemm_qkv_rope_<m8|m16>_u4_p256_s1_w4.
 #define QKV_ROPE_W4_KERNEL1(MS, M16)                                                                   \
   extern "C" __global__ void __launch_bounds__(128, 3)                                                \
-  gemm_qkv_rope_##MS##_u4_p256_s1_w4(                                                                \
-      const __nv_bfloat16* __restrict__ x, long long ldx, const __nv_bfloat16* __restrict__ w,       \
-      __nv_bfloat16* __restrict__ qkv, long long ldq, int M, int K,                                  \
-      const long long* __restrict__ positions, const long long* __restrict__ slots,                  \
-      const __nv_bfloat16* __restrict__ cos_t, const __nv_bfloat16* __restrict__ sin_t, int rope_len, \
-      __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, long long kv_stride, \
-      int max_slots, int nh, int nkv, int D) {                                                       \
-    rowpar::gemm_qkv_rope_body<4, 256, true, M16, 4>(x, ldx, w, qkv, ldq, M, K, positions, slots, cos_t, \
-        sin_t, rope_len, k_cache, v_cache, kv_stride, max_slots, nh, nkv, D);                        \
+  gemm_qkv_rope_##MS##_u4_p256_s1_w4(QKV_ROPE_PARAMS) {                                              \
+    rowpar::gemm_qkv_rope_body<4, 256, true, M16, 4>(QKV_ROPE_ARGS);                                 \
   }
 QKV_ROPE_W4_KERNEL1(m8, false)
 QKV_ROPE_W4_KERNEL1(m16, true)
