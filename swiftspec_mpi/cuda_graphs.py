@@ -90,11 +90,8 @@ class _Static:
         if self.reduce is None:
             return logits, []
         if self.reduce[0] == "argmax":
-            outs = [torch.argmax(logits, dim=-1)]
-        else:
-            top = torch.topk(torch.log_softmax(logits, dim=-1), self.reduce[1], dim=-1)
-            outs = [top.indices, top.values]
-        return logits, outs
+            return logits, [torch.argmax(logits, dim=-1)]
+        return logits, list(_topk_logprobs(logits, self.reduce[1]))
 
     def copy_in(self, stream: int) -> None:
         """The whole input buffer, host -> device (inside the graph, or before it)."""
@@ -203,11 +200,18 @@ def logits_argmax(logits: torch.Tensor) -> np.ndarray:
     return torch.argmax(logits, dim=-1).cpu().numpy().astype(np.int64)
 
 
+def _topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] -> (ids [N, k], log-probs [N, k]): top-k of log_softmax, on the logits' device
+    (the one definition both the graph and the eager path use)."""
+    top = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
+    return top.indices, top.values
+
+
 def logits_topk_logprobs(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     """float logits [N, V] -> (ids int64 [N, k], log-probs float32 [N, k]) of log_softmax, as
     GraphedModel.forward_topk_logprobs."""
-    top = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
-    return top.indices.cpu().numpy().astype(np.int64), top.values.cpu().numpy().astype(np.float32)
+    ids, lps = _topk_logprobs(logits, k)
+    return ids.cpu().numpy().astype(np.int64), lps.cpu().numpy().astype(np.float32)
 
 
 def graphs_supported(model) -> bool:
