@@ -240,6 +240,7 @@ def check_environment() -> None:
         if v is not None and v.strip().lower() not in _SWITCH_WORDS:
             raise UserError(f"{name}={v!r} is not a switch; use 1 or 0, or unset it "
                             f"for the default ({int(default)}: {meaning})")
+    l2_prefetch_budgets()
 
 
 # The GPU path's on/off switches: name -> (default, what the default means).
@@ -255,6 +256,41 @@ def env_switch(name: str) -> bool:
     default = ENV_SWITCHES[name][0]
     v = os.environ.get(name)
     return default if v is None else v.strip().lower() in ("1", "true", "yes", "on")
+
+
+# What each GEMV kernel of the GPU step asks the L2 to prefetch of the next GEMV's weight, once
+# its own tiles are done (kernels.l2_prefetch_target): MB of the weight of the named next kernel.
+# "o": the O projection (prefetched by the QKV GEMV, so it streams during the attention), "gu":
+# gate|up (by the O GEMV), "down" (by gate|up), "qkv": the next layer's QKV (by the down GEMV),
+# "head": the LM head (by the last down GEMV).
+L2_PREFETCH_TARGETS = ("qkv", "o", "gu", "down", "head")
+L2_PREFETCH_DEFAULT_MB = {"qkv": 0.0, "o": 0.0, "gu": 0.0, "down": 0.0, "head": 0.0}
+
+
+def l2_prefetch_budgets() -> dict[str, int]:
+    """SWIFTSPEC_L2_PREFETCH: bytes of each next weight to prefetch (L2_PREFETCH_TARGETS -> int).
+    Unset or "1"/"on": L2_PREFETCH_DEFAULT_MB; "0"/"off": none; "o=24,gu=8": those MB, the others
+    none. Read when a step is built (captured), so a bad value is refused by check_environment."""
+    v = os.environ.get("SWIFTSPEC_L2_PREFETCH")
+    word = None if v is None else v.strip().lower()
+    if word is None or word in ("1", "on", "true", "yes"):
+        mb = L2_PREFETCH_DEFAULT_MB
+    elif word in ("0", "off", "false", "no", ""):
+        mb = {}
+    else:
+        mb = {}
+        for item in word.split(","):
+            key, eq, val = item.partition("=")
+            key = key.strip()
+            try:
+                size = float(val) if eq else -1.0
+            except ValueError:
+                size = -1.0
+            if key not in L2_PREFETCH_TARGETS or not 0 <= size <= 1024:
+                raise UserError(f"SWIFTSPEC_L2_PREFETCH={v!r}: expected 0, 1 or a list like "
+                                f"'o=24,gu=8' of {', '.join(L2_PREFETCH_TARGETS)} = MB (0..1024)")
+            mb[key] = size
+    return {k: int(mb.get(k, 0.0) * 2**20) for k in L2_PREFETCH_TARGETS}
 
 
 def fused_allreduce_requested() -> bool:

@@ -649,8 +649,92 @@ def _sm_count() -> int:
     return n
 
 
+class _NextPrefetch(ctypes.Structure):   # rowpar::NextPrefetch (cuda/gemm_allreduce.cu), by value
+    _fields_ = [("a", ctypes.c_uint64), ("b", ctypes.c_uint64), ("row_bytes", ctypes.c_int64),
+                ("rows", ctypes.c_int32), ("bytes", ctypes.c_int32), ("blocks", ctypes.c_int32)]
+
+
+_occupancy: dict = {}      # (CUfunction, threads) -> resident blocks per SM
+
+
+def _blocks_per_sm(f: int, threads: int, device: int) -> int:
+    """cuOccupancyMaxActiveBlocksPerMultiprocessor of a kernel (no dynamic shared memory)."""
+    n = _occupancy.get((f, threads))
+    if n is None:
+        cupy = import_cupy()
+        fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor
+        fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+        fn.restype = ctypes.c_int
+        out = ctypes.c_int(0)
+        with cupy.cuda.Device(device):
+            rc = fn(ctypes.byref(out), ctypes.c_void_p(f), threads, 0)
+        if rc != 0:
+            raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUresult {rc}")
+        n = _occupancy[(f, threads)] = max(1, out.value)
+    return n
+
+
+L2_PREFETCH_KINDS = ("gemm", "swiglu", "qkv")
+
+
+def l2_prefetch_target(kind: str, w: torch.Tensor, M: int, budget: int) -> tuple | None:
+    """What a GEMV kernel should ask the L2 for, at its end, on behalf of the NEXT GEMV kernel
+    (the `prefetch` argument of gemm_rowparallel / gemm_swiglu / gemm_qkv_rope): the rows of w
+    that the next kernel's first wave of blocks reads, and of each the first `bytes` (the k-chunks
+    its warps load first, a multiple of 256, at most the row), within `budget` bytes in all.
+
+    Args:
+      kind:   the next kernel: "gemm" (gemm_rowparallel, default config: 8 T rows per block),
+              "swiglu" (gemm_swiglu: 8 gate rows and the 8 matching up rows per block) or "qkv"
+              (gemm_qkv_rope: 16 rows per block, about in row order).
+      w:      the next kernel's weight [N, K] bfloat16, contiguous.
+      M:      the next kernel's rows of x (its variant, hence its occupancy, depends on M <= 8).
+      budget: bytes to prefetch at most (0: none).
+
+    Returns:
+      (a, b, row_bytes, rows, bytes): `rows` rows of `row_bytes` from address a (and as many
+      from b, the up half of a gate|up weight, when b != 0), `bytes` of each; or None when the
+      budget buys less than 256 bytes a row.
+    """
+    if kind not in L2_PREFETCH_KINDS:
+        raise ValueError(f"kind must be one of {L2_PREFETCH_KINDS}, not {kind!r}")
+    if budget <= 0:
+        return None
+    N, K = w.shape
+    dev = w.device.index if w.device.index is not None else torch.cuda.current_device()
+    ms = 8 if M <= 8 else 16
+    if kind == "gemm":
+        t, u, pf, pipe = gemm_rowparallel_config(M, N, K)
+        f, threads, rows_per_block = _function("gemm_allreduce", "", f"gemm_rowparallel_m{ms}_t{t}_u{u}_p{pf}_s{pipe}", dev), _GEMM_THREADS, 8 * t
+    elif kind == "swiglu":
+        N //= 2
+        f, threads, rows_per_block = _function("gemm_allreduce", "", f"gemm_swiglu_m{ms}_t2_u4_p256_s1", dev), _GEMM_THREADS, 8
+    else:
+        w4 = qkv_w4_pays(N // 16)
+        f = _function("gemm_allreduce", "", f"gemm_qkv_rope_m{ms}_u4_p256_s1{'_w4' if w4 else ''}", dev)
+        threads, rows_per_block = (128 if w4 else _GEMM_THREADS), 16
+    rows = min(N, _blocks_per_sm(f, threads, dev) * _sm_count() * rows_per_block)
+    halves = 2 if kind == "swiglu" else 1
+    nbytes = min(K * 2, budget // (rows * halves) // 256 * 256)
+    if nbytes < 256:
+        return None
+    a = w.data_ptr()
+    return a, (a + N * K * 2 if halves == 2 else 0), K * 2, rows, nbytes
+
+
+def _prefetch_arg(prefetch: tuple | None, f: int, threads: int, grid: int, device: int) -> _NextPrefetch:
+    """The kernel's NextPrefetch argument: the target of l2_prefetch_target, issued by the last
+    min(grid, resident blocks) blocks of this launch (its last wave); zeros (off) for None."""
+    if prefetch is None:
+        return _NextPrefetch(0, 0, 0, 0, 0, 0)
+    a, b, row_bytes, rows, nbytes = prefetch
+    blocks = min(grid, _blocks_per_sm(f, threads, device) * _sm_count())
+    return _NextPrefetch(a, b, row_bytes, rows, nbytes, blocks)
+
+
 def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                     config: tuple | None = None, pdl: bool = False) -> torch.Tensor:
+                     config: tuple | None = None, pdl: bool = False,
+                     prefetch: tuple | None = None) -> torch.Tensor:
     """out = x @ w.T for decode-sized x (the local part of a row-parallel projection), no all-reduce.
 
     Args:
@@ -663,6 +747,8 @@ def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None 
       pdl:    launch with programmatic dependent launch: the kernel starts streaming w while the
               previous kernel in the stream finishes (x is read, out written only after it
               completed). Only for a w that the previous kernel does not write (a weight).
+      prefetch: l2_prefetch_target(...) of the next GEMV kernel, or None: the last wave of
+              blocks asks the L2 for that part of the next weight once done (a hint only).
 
     Returns:
       out: [M, N] bfloat16, fp32 accumulation.
@@ -676,13 +762,15 @@ def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None 
     t, u, pf, pipe = config
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     f = _function("gemm_allreduce", "", f"gemm_rowparallel_m{8 if M <= 8 else 16}_t{t}_u{u}_p{pf}_s{pipe}", dev)
-    (_launch_pdl if pdl else _launch)(f, (-(-(N // 8) // t), 1, 1), _GEMM_THREADS, 0,
+    grid = -(-(N // 8) // t)
+    args.append(_prefetch_arg(prefetch, f, _GEMM_THREADS, grid, dev))
+    (_launch_pdl if pdl else _launch)(f, (grid, 1, 1), _GEMM_THREADS, 0,
                                       torch.cuda.current_stream(dev).cuda_stream, args)
     return out
 
 
 def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                pdl: bool = False, config=None) -> torch.Tensor:
+                pdl: bool = False, config=None, prefetch: tuple | None = None) -> torch.Tensor:
     """The gate|up projection with the SwiGLU fused into its epilogue, for decode-sized x:
     out = bf16(bf16(silu(g)) * u) with [g | u] = gemm_rowparallel(x, w), bit for bit what
     fused_ops.silu_mul(gemm_rowparallel(x, w)) gives, in one launch and without the [M, 2I]
@@ -694,6 +782,7 @@ def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
       out: [M, I] bfloat16, last stride 1; allocated if None.
       pdl: programmatic dependent launch, as for gemm_rowparallel.
       config: None or "regs" (the register-pipelined kernel, T = 2, U = 4: the only one).
+      prefetch: l2_prefetch_target(...) of the next GEMV kernel, as for gemm_rowparallel.
 
     Returns:
       out: [M, I] bfloat16.
@@ -720,6 +809,7 @@ def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
             ctypes.c_int32(M), ctypes.c_int32(I), ctypes.c_int32(K)]
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     f = _function("gemm_allreduce", "", f"gemm_swiglu_m{8 if M <= 8 else 16}_t2_u4_p256_s1", dev)
+    args.append(_prefetch_arg(prefetch, f, _GEMM_THREADS, I // 8, dev))
     (_launch_pdl if pdl else _launch)(f, (I // 8, 1, 1), _GEMM_THREADS, 0,
                                       torch.cuda.current_stream(dev).cuda_stream, args)
     return out
@@ -728,7 +818,7 @@ def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
 def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor,
                   write_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, pdl: bool = False,
-                  config=None) -> None:
+                  config=None, prefetch: tuple | None = None) -> None:
     """The QKV projection with RoPE and the KV-cache write fused into its epilogue, in one launch:
     bit for bit `qkv = gemm_rowparallel(x, w)` followed by
     `fused_ops.rope_kv_write(qkv, positions, write_slots, cos, sin, k_cache, v_cache, n_heads)`,
@@ -746,6 +836,7 @@ def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions
       pdl:         programmatic dependent launch, as for gemm_rowparallel.
       config:      None (the default: "regs-w4" where qkv_w4_pays, else "regs"), "regs" (8 warps
                    per block) or "regs-w4" (4 warps, 3 blocks per SM); both give the same bits.
+      prefetch:    l2_prefetch_target(...) of the next GEMV kernel, as for gemm_rowparallel.
     """
     _check_bf16("x", x, 2)
     _check_bf16("w", w, 2)
@@ -780,6 +871,7 @@ def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions
             ctypes.c_int32(cos.shape[0]), _ptr(k_cache), _ptr(v_cache), ctypes.c_int64(k_cache.stride(0)),
             ctypes.c_int32(S), ctypes.c_int32(n_heads), ctypes.c_int32(Hkv), ctypes.c_int32(D)]
     f = _function("gemm_allreduce", "", f"gemm_qkv_rope_m{8 if M <= 8 else 16}_u4_p256_s1{'_w4' if w4 else ''}", dev)
+    args.append(_prefetch_arg(prefetch, f, 128 if w4 else _GEMM_THREADS, grid, dev))
     (_launch_pdl if pdl else _launch)(f, (grid, 1, 1), 128 if w4 else _GEMM_THREADS, 0,
                                       torch.cuda.current_stream(dev).cuda_stream, args)
 

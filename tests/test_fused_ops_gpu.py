@@ -542,3 +542,99 @@ def test_model_with_fused_allreduce_equals_plain(monkeypatch):
                     assert torch.equal(r, ref), f"n={n} {name}: {'eager' if i == 0 else f'replay {i}'}"
     finally:
         group.fused_allreduce.close()
+
+
+# ------------------------------------------------------------------- L2 prefetch of the next weight
+
+
+def test_l2_prefetch_target_takes_the_first_wave_rows_and_a_prefix():
+    """kernels.l2_prefetch_target: the rows the next kernel's first wave reads (all of a
+    one-wave kernel's), a 256-byte multiple of each within the budget; None below 256 bytes a
+    row. Llama-3-8B o_proj and gate|up on this GPU."""
+    sm = kernels._sm_count()
+    wo = torch.empty(4096, 4096, dtype=BF, device="cuda")
+    wgu = torch.empty(2 * 14336, 4096, dtype=BF, device="cuda")
+    for kind, w, halves, rows_per_block in (("gemm", wo, 1, 16), ("swiglu", wgu, 2, 8), ("qkv", wo, 1, 16)):
+        for M in (1, 8, 16):
+            for budget in (1 << 20, 24 << 20, 1 << 30):
+                a, b, row_bytes, rows, nbytes = kernels.l2_prefetch_target(kind, w, M, budget)
+                n = w.shape[0] // halves
+                assert a == w.data_ptr() and b == (a + n * 8192 if halves == 2 else 0) and row_bytes == 8192
+                assert rows <= n and rows % 8 == 0 and rows >= min(n, sm * rows_per_block)
+                assert nbytes % 256 == 0 and 256 <= nbytes <= 8192
+                assert rows * halves * nbytes <= budget
+                assert nbytes == min(8192, budget // (rows * halves) // 256 * 256)
+    assert kernels.l2_prefetch_target("gemm", wo, 1, 4096 * 255) is None      # < 256 bytes a row
+    assert kernels.l2_prefetch_target("gemm", wo, 1, 0) is None
+    with pytest.raises(ValueError):
+        kernels.l2_prefetch_target("attention", wo, 1, 1 << 20)
+
+
+def test_l2_prefetch_keeps_every_bit(gen):
+    """The GEMV kernels asking the L2 for a next weight (whole rows, a prefix, two halves, a
+    grid smaller than one wave and one of several waves) write the same bits as without."""
+    M, K = 8, 4096
+    x = randn(M, K, gen=gen)
+    nxt = randn(2 * 2048, K, gen=gen)
+    targets = [kernels.l2_prefetch_target(k, nxt, M, b) for k, b in
+               (("gemm", 1 << 30), ("gemm", 3 << 20), ("swiglu", 5 << 20), ("qkv", 1 << 20))]
+    assert all(t is not None for t in targets)
+    for N in (64, 4096, 28672):                 # a few blocks, one wave, several waves
+        w = randn(N, K, gen=gen)
+        plain = kernels.gemm_rowparallel(x, w)
+        sw = kernels.gemm_swiglu(x, w)
+        for t in targets:
+            out = torch.full_like(plain, float("nan"))
+            kernels.gemm_rowparallel(x, w, out=out, pdl=True, prefetch=t)
+            out2 = torch.full_like(sw, float("nan"))
+            kernels.gemm_swiglu(x, w, out=out2, pdl=True, prefetch=t)
+            torch.cuda.synchronize()
+            assert torch.equal(out, plain) and torch.equal(out2, sw), (N, t)
+    nh, nkv, D = 32, 8, 128
+    wq = randn((nh + 2 * nkv) * D, K, gen=gen)
+    pos = torch.arange(M, device="cuda") + 5
+    cos, sin = randn(64, D, gen=gen), randn(64, D, gen=gen)
+    outs = []
+    for t in (None, targets[0], targets[2]):
+        qkv = torch.full((M, wq.shape[0]), float("nan"), dtype=BF, device="cuda")
+        kc = torch.zeros(16, nkv, D, dtype=BF, device="cuda")
+        vc = torch.zeros_like(kc)
+        kernels.gemm_qkv_rope(x, wq, qkv, pos, pos, cos, sin, kc, vc, nh, pdl=True, prefetch=t)
+        torch.cuda.synchronize()
+        outs.append((qkv[:, :nh * D].clone(), kc, vc))
+    for q, kc, vc in outs[1:]:
+        assert torch.equal(q, outs[0][0]) and torch.equal(kc, outs[0][1]) and torch.equal(vc, outs[0][2])
+
+
+@pytest.mark.parametrize("shape", ["llama-3.2-1b", "llama-3-8b"])
+def test_model_step_with_l2_prefetch_equals_without(shape, monkeypatch):
+    """forward_graphable in the PDL chain with every GEMV prefetching its successor's weight
+    (SWIFTSPEC_L2_PREFETCH) gives the logits and KV of the step without, bit for bit, eager and
+    replayed from a CUDA graph (3-layer random model, 300-token prefix, 8-node tree)."""
+    from swiftspec_mpi.comm import SingleComm
+    from swiftspec_mpi.cuda_graphs import GraphedModel
+    from swiftspec_mpi.dummy import SHAPES, RandomSource
+    from swiftspec_mpi.model import Transformer, chain_mask
+    monkeypatch.setattr(fused_ops, "_gemm_mode", "pdl")
+    cfg = SHAPES[shape].with_layers(3)
+    S, prefix, dev = 512, 300, "cuda"
+    g = torch.Generator().manual_seed(5)
+    pre = torch.randint(0, 5000, (prefix,), generator=g)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 6]
+    mask, pos = _tree(prefix, parents)
+    toks = torch.randint(0, 5000, (len(parents),), generator=g)
+    results = []
+    for spec in ("0", "qkv=4,o=24,gu=16,down=8,head=8", "o=1024,gu=1024,down=1024,qkv=1024,head=1024"):
+        monkeypatch.setenv("SWIFTSPEC_L2_PREFETCH", spec)
+        m = Transformer(cfg, SingleComm(), max_slots=S, dtype=BF, device=dev)
+        m.load_weights(RandomSource(cfg, dev, BF, seed=9))
+        m.forward(pre, torch.arange(prefix), 0, chain_mask(0, prefix))
+        graphed = GraphedModel(m)
+        logits = graphed.forward(toks, pos, prefix, mask).float().clone()
+        again = graphed.forward(toks, pos, prefix, mask).float().clone()     # replay
+        assert torch.equal(logits, again)
+        results.append((logits, m.k_cache[:, :prefix + len(parents)].clone(), m.v_cache[:, :prefix + len(parents)].clone()))
+        del graphed, m
+        torch.cuda.empty_cache()
+    for r in results[1:]:
+        assert all(torch.equal(u, v) for u, v in zip(r, results[0]))
