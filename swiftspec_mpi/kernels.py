@@ -357,6 +357,15 @@ def tree_attention_config(rows: int, max_len: int) -> tuple[int, ...]:
     8/4/1/4). Elsewhere version 4 was slower (N = 8 at 16k: 38.1 vs 37.1 µs PDL; N = 64 at 4k:
     60.7 vs 40.6) or not measured, and the choices below stand.
 
+    Third sweep (2026-12-01, fifth session; µs plain / PDL): version 4 also wins up to 16 rows at
+    1k-2k slots, where version 2 was still the default: 2/2/1/4/32/0 at 1k (N = 2: 6.52 / 5.78 vs
+    6.91 / 6.49 for 8/4/1/4; N = 4: 6.71 / 5.84 vs 7.51 / 7.08), 4/4/1/4/32/0 at 2k (N = 1:
+    7.55 / 6.70 vs 8.50 / 8.59); and at 2k with 32 rows the long-context 4/4/2/8/32/0 beats
+    2/2/1/4/32/0 (N = 8: 9.23 / 8.33 vs 9.93 / 9.12). So: 2/2/1/4/32/0 up to 1.5k slots (a step
+    graph's mask is max_slots wide: 1k of context plus room), then 4/4/1/4/32/0 (<= 16 rows) or
+    4/4/2/8/32/0 (17..32) up to 8k; checked at 8k (N = 1: 16.22 PDL vs 15.94 for version 3's best,
+    N = 8: the best) and 4k with N = 2, 4 (within 1 % of the best).
+
     From the first sweep of 2026-12-01 on the H200 (header of cuda/tree_attention.cu,
     docs/benchmarks.md), version 3 with its PDL combine kernel where it measured faster:
     17..32 rows beyond 8k slots (N = 8 at 16k: 8/2/2/4/1 37.7 us vs 44.9 for version 1's 16/2/1)
@@ -367,10 +376,10 @@ def tree_attention_config(rows: int, max_len: int) -> tuple[int, ...]:
         return 8, 2, 2, 4, 1
     if rows > 128 and max_len > 2048:
         return 8, 2, 4, 4, 1
-    if 16 < rows <= 32:
-        return (2, 2, 1, 4, 32, 0) if max_len <= 2048 else (4, 4, 2, 8, 32, 0)
-    if rows <= 16 and 2048 < max_len <= 8192:
-        return 4, 4, 1, 4, 32, 0
+    if rows <= 32 and max_len <= 8192:
+        if max_len <= 1536:
+            return 2, 2, 1, 4, 32, 0
+        return (4, 4, 1, 4, 32, 0) if rows <= 16 else (4, 4, 2, 8, 32, 0)
     return tree_attention_cluster_config(rows, max_len)
 
 

@@ -594,7 +594,7 @@ class Transformer(torch.nn.Module):
 
         # L2 prefetch of the next GEMV's weight by each GEMV's last wave (PDL chain only; a hint:
         # the same bits either way). next_pf(target, kernel kind, weight): its l2_prefetch_target.
-        budgets = l2_prefetch_budgets() if pdl else {}
+        budgets = l2_prefetch_budgets(N) if pdl else {}
 
         def next_pf(target, kind, w):
             b = budgets.get(target, 0)

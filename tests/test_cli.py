@@ -105,14 +105,19 @@ def test_dummy_load_format_takes_shape_names(tmp_path):
 
 
 def test_l2_prefetch_budgets_parse(monkeypatch):
-    """SWIFTSPEC_L2_PREFETCH: unset / 1 = the default MB per target, 0 = none, a list = those MB
-    and none for the targets it leaves out; anything else is refused, naming the form."""
+    """SWIFTSPEC_L2_PREFETCH: unset / 1 = the default MB per target (steps of 2+ tokens), 0 = none,
+    a list = those MB and none for the targets it leaves out; anything else is refused, naming
+    the form."""
     from swiftspec_mpi import config
     from swiftspec_mpi.errors import UserError
     mb = 2 ** 20
-    default = {k: int(v * mb) for k, v in config.L2_PREFETCH_DEFAULT_MB.items()}
+    default = {k: int(config.L2_PREFETCH_DEFAULT_MB.get(k, 0) * mb) for k in config.L2_PREFETCH_TARGETS}
     monkeypatch.delenv("SWIFTSPEC_L2_PREFETCH", raising=False)
     assert config.l2_prefetch_budgets() == default
+    assert config.l2_prefetch_budgets(config.L2_PREFETCH_DEFAULT_MIN_TOKENS) == default
+    assert not any(config.l2_prefetch_budgets(config.L2_PREFETCH_DEFAULT_MIN_TOKENS - 1).values())
+    monkeypatch.setenv("SWIFTSPEC_L2_PREFETCH", "o=4")
+    assert config.l2_prefetch_budgets(1)["o"] == 4 * mb      # an explicit list: every step size
     for word, want in (("1", default), ("on", default), ("0", {}), ("off", {}),
                        ("o=24,gu=8.5", {"o": 24 * mb, "gu": int(8.5 * mb)}),
                        (" head=1 , qkv=0 ", {"head": mb})):

@@ -72,7 +72,9 @@ def test_tree_attention_default_configs_are_listed():
             assert cfg in listed, (rows, max_len, cfg)
             assert kernels.tree_attention_cluster_config(rows, max_len) in listed
     expect = {(32, 1024): (2, 2, 1, 4, 32, 0), (32, 4096): (4, 4, 2, 8, 32, 0), (32, 16384): (8, 2, 2, 4, 1),
-              (4, 4096): (4, 4, 1, 4, 32, 0), (256, 4096): (8, 2, 4, 4, 1), (256, 16384): (8, 2, 4, 4, 1)}
+              (4, 4096): (4, 4, 1, 4, 32, 0), (256, 4096): (8, 2, 4, 4, 1), (256, 16384): (8, 2, 4, 4, 1),
+              (4, 1024): (2, 2, 1, 4, 32, 0), (8, 1152): (2, 2, 1, 4, 32, 0), (4, 2048): (4, 4, 1, 4, 32, 0),
+              (32, 2048): (4, 4, 2, 8, 32, 0), (16, 8192): (4, 4, 1, 4, 32, 0)}
     for (rows, max_len), cfg in expect.items():
         assert kernels.tree_attention_config(rows, max_len) == cfg
 
