@@ -43,6 +43,7 @@ def main():
     print("| N | replay + sync | host copies, logits + argmax read | host copies, argmax in graph "
           "| in-graph copies (forward_argmax) | host share (in-graph copies) |")
     print("|---:|---:|---:|---:|---:|---:|")
+    parts = []
     for n in (int(v) for v in a.n.split(",")):
         toks = torch.randint(0, 1000, (n,))
         pos = torch.arange(L, L + n)
@@ -66,6 +67,47 @@ def main():
         r = cuda_time_alternating(fns, iters=120, blocks=12)
         print(f"| {n} | {r['replay']:.3f} | {r['host_logits']:.3f} | {r['host_argmax']:.3f} | {r['in_graph']:.3f} | "
               f"{r['in_graph'] - r['replay']:.3f} |", flush=True)
+        parts.append((n, where_the_host_time_goes(g_in, st, toks, pos, L, mask)))
+    print("\nWhere a forward_argmax step's wall time goes (median µs of 300 steps, host clock; device = the "
+          "graph between two timing events; launch + wake-up = GPU-start latency + sync wake-up):")
+    print("| N | whole forward_argmax | fill (pack inputs) | graph.replay() + event record (CPU) | "
+          "wait in sync | read result | device (events) | launch + wake-up |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, p in parts:
+        print(f"| {n} | {p['whole']:.1f} | {p['fill']:.1f} | {p['launch']:.1f} | {p['wait']:.1f} | {p['read']:.1f} | "
+              f"{p['device']:.1f} | {p['fill'] + p['launch'] + p['wait'] + p['read'] - p['device']:.1f} |")
+
+
+def where_the_host_time_goes(g, st, toks, pos, L, mask, steps: int = 300) -> dict:
+    """Median µs of each host-side part of GraphedModel.forward_argmax (the same calls, timed one
+    by one), of the whole call, and of the graph on the device clock."""
+    import statistics
+    import time
+    t = {k: [] for k in ("fill", "launch", "wait", "read", "whole", "device")}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        st.fill(toks, pos, L, mask)
+        t1 = time.perf_counter()
+        st.run(L)
+        t2 = time.perf_counter()
+        st.done.synchronize()
+        t3 = time.perf_counter()
+        st.out_host[0].numpy().copy()
+        t4 = time.perf_counter()
+        for k, a, b in (("fill", t0, t1), ("launch", t1, t2), ("wait", t2, t3), ("read", t3, t4)):
+            t[k].append((b - a) * 1e6)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        g.forward_argmax(toks, pos, L, mask)
+        t["whole"].append((time.perf_counter() - t0) * 1e6)
+    for _ in range(steps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        st.graph.replay()
+        e1.record()
+        e1.synchronize()
+        t["device"].append(e0.elapsed_time(e1) * 1e3)
+    return {k: statistics.median(v) for k, v in t.items()}
 
 if __name__ == "__main__":
     main()

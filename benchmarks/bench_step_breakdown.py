@@ -43,9 +43,6 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--n", type=int, default=1, help="tokens per step (tree size)")
     ap.add_argument("--json", help="also write the raw numbers here")
-    ap.add_argument("--l2-prefetch", metavar="SPECS",
-                    help="';'-separated SWIFTSPEC_L2_PREFETCH values (e.g. 'off;o=24;o=24,gu=8'): "
-                         "time the whole step under each, interleaved, instead of the breakdown")
     a = ap.parse_args()
     from swiftspec_mpi import fused_ops, kernels
     from swiftspec_mpi.comm import SingleComm
@@ -110,9 +107,6 @@ def main():
     def step():
         model.forward_graphable(tok, pos, slots, mask, nv)
 
-    if a.l2_prefetch:
-        return prefetch_sweep(a, step, model, copy_bw, read_bw)
-
     wb = lambda i: sum(lay[i].numel() * 2 for lay in lays)       # noqa: E731
     kv_bytes = nl * (L + N) * nkv * hd * 2 * 2
     kinds = [("QKV GEMM + RoPE + KV write", nl, qkv_rope, wb(1)),
@@ -147,63 +141,6 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
-
-
-def prefetch_sweep(a, step, model, copy_bw: float, read_bw: float) -> None:
-    """The whole step (one CUDA graph per SWIFTSPEC_L2_PREFETCH value, captured under it), timed
-    in 7 interleaved rounds of 30 replays; median of the rounds' medians."""
-    import os
-    import statistics
-
-    from swiftspec_mpi.config import l2_prefetch_budgets
-    specs = a.l2_prefetch.split(";")
-    graphs = {}
-    for spec in specs:
-        os.environ["SWIFTSPEC_L2_PREFETCH"] = spec
-        l2_prefetch_budgets()                      # refuse a bad spec before timing anything
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
-        graphs[spec] = g
-    os.environ.pop("SWIFTSPEC_L2_PREFETCH", None)
-    rounds: dict = {spec: [] for spec in specs}
-    for _ in range(7):
-        for spec in specs:
-            g = graphs[spec]
-            for _ in range(3):
-                g.replay()
-            torch.cuda.synchronize()
-            ts = []
-            for _ in range(30):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                g.replay()
-                e1.record()
-                e1.synchronize()
-                ts.append(e0.elapsed_time(e1))
-            rounds[spec].append(statistics.median(ts))
-    wbytes = model.step_read_bytes()
-    base = statistics.median(rounds[specs[0]])
-    print(f"{a.shape}, N = {a.n}, context {a.context}: whole step (device) per SWIFTSPEC_L2_PREFETCH; "
-          f"floor {wbytes / read_bw / 1e9:.3f} ms at read BW {read_bw:.2f} TB/s")
-    print("| SWIFTSPEC_L2_PREFETCH | step ms (median of 7 rounds) | min..max of rounds | vs first | % of read BW |")
-    print("|---|---:|---|---:|---:|")
-    res = {}
-    for spec in specs:
-        med = statistics.median(rounds[spec])
-        res[spec] = rounds[spec]
-        print(f"| `{spec}` | {med:.3f} | {min(rounds[spec]):.3f}..{max(rounds[spec]):.3f} | {med / base:.3f} | "
-              f"{100 * wbytes / (med / 1e3) / 1e12 / read_bw:.0f} % |", flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"shape": a.shape, "n": a.n, "context": a.context, "read_TBps": read_bw,
-                       "copy_TBps": copy_bw, "rounds_ms": res}, f, indent=1)
 
 
 if __name__ == "__main__":

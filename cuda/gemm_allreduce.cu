@@ -93,33 +93,6 @@ struct Chunk {
   uint4 w[T][U];
 };
 
-// L2 prefetch of the NEXT kernel's weight, issued by this kernel's last wave once its own tiles
-// are done, so the DRAM keeps streaming through this kernel's tail and the short kernels that
-// follow it (attention, RMSNorm) instead of idling; the next GEMV then finds the first part of
-// its rows in the L2. A hint only: results do not depend on it. The host (kernels.L2Prefetch)
-// picks the rows the next kernel's first wave reads and a prefix of each (the k-chunks its warps
-// load first, 256-byte multiples): `rows` rows of `row_bytes` from `a`, and as many from `b`
-// when not null (the up half of a gate|up weight). Blocks gridDim.x - blocks .. gridDim.x - 1
-// take rows i, i + blocks, ... (i = their index among them); blocks == 0: off.
-struct NextPrefetch {
-  const char* a;
-  const char* b;
-  long long row_bytes;
-  int rows;
-  int bytes;     // per row, a multiple of 16
-  int blocks;
-};
-
-__device__ __forceinline__ void prefetch_next(const NextPrefetch& pf, int tid, int nthreads) {
-  const int i = (int)blockIdx.x - ((int)gridDim.x - pf.blocks);
-  if (pf.bytes <= 0 || pf.blocks <= 0 || i < 0) return;
-  const int total = pf.b ? 2 * pf.rows : pf.rows;
-  for (int j = i + tid * pf.blocks; j < total; j += nthreads * pf.blocks) {
-    const char* p = j < pf.rows ? pf.a + (long long)j * pf.row_bytes : pf.b + (long long)(j - pf.rows) * pf.row_bytes;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(pf.bytes) : "memory");
-  }
-}
-
 // The end of a GEMV block: every warp's partial tiles into red [WARPS][T * 128] (shared), then
 // their sum in warp order into res [T * 128]. cc[j][t] of warp w holds (row g, col 2q),
 // (g, 2q+1), (g+8, 2q), (g+8, 2q+1) of tile t for warp w + NW j of the 8-warp schedule.
@@ -270,7 +243,7 @@ template <int T, int U, int PF, bool PIPE, bool M16>
 __device__ __forceinline__ void gemm_rowparallel_body(const __nv_bfloat16* __restrict__ x, long long ldx,
                                                       const __nv_bfloat16* __restrict__ w,
                                                       __nv_bfloat16* __restrict__ y, long long ldy,
-                                                      int M, int N, int K, const NextPrefetch& pf) {
+                                                      int M, int N, int K) {
   __shared__ float red[WARPS * T * 128];
   __shared__ float res[T * 128];
   // PDL: the next kernel in the stream may start launching now (its blocks take SM slots as
@@ -281,7 +254,6 @@ __device__ __forceinline__ void gemm_rowparallel_body(const __nv_bfloat16* __res
     gemv_tiles<T, U, PF, PIPE, M16>(x, ldx, w, M, K, n_tiles, tile0, red, res);
     store_tiles<T>(res, y, ldy, M, n_tiles, tile0, threadIdx.x, THREADS);
   }
-  prefetch_next(pf, threadIdx.x, THREADS);
 }
 
 // SwiGLU epilogue: gate tile res[0:128], up tile res[128:256] (shared, as gemv_tiles leaves
@@ -309,7 +281,7 @@ template <int T, int U, int PF, bool PIPE, bool M16>
 __device__ __forceinline__ void gemm_swiglu_body(const __nv_bfloat16* __restrict__ x, long long ldx,
                                                  const __nv_bfloat16* __restrict__ w,
                                                  __nv_bfloat16* __restrict__ y, long long ldy,
-                                                 int M, int I, int K, const NextPrefetch& pf) {
+                                                 int M, int I, int K) {
   static_assert(T == 2, "one gate tile and one up tile per block");
   __shared__ float red[WARPS * T * 128];
   __shared__ float res[T * 128];
@@ -319,7 +291,6 @@ __device__ __forceinline__ void gemm_swiglu_body(const __nv_bfloat16* __restrict
     gemv_tiles<T, U, PF, PIPE, M16>(x, ldx, w, M, K, 2 * half, tile0, red, res, half);
     swiglu_store(res, y, ldy, M, tile0, threadIdx.x, THREADS);
   }
-  prefetch_next(pf, threadIdx.x, THREADS);
 }
 
 // QKV projection with RoPE and the KV-cache write in its epilogue: the math of fused_ops.cu's
@@ -395,7 +366,7 @@ __device__ __forceinline__ void gemm_qkv_rope_body(
     const long long* __restrict__ positions, const long long* __restrict__ slots,
     const __nv_bfloat16* __restrict__ cos_t, const __nv_bfloat16* __restrict__ sin_t, int rope_len,
     __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, long long kv_stride,
-    int max_slots, int nh, int nkv, int D, const NextPrefetch& pf) {
+    int max_slots, int nh, int nkv, int D) {
   __shared__ float red[WARPS * 2 * 128];
   __shared__ float res[2 * 128];
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");   // PDL, as above
@@ -409,7 +380,6 @@ __device__ __forceinline__ void gemm_qkv_rope_body(
     qkv_rope_store(res, b, tile0, qkv, ldq, M, positions, slots, cos_t, sin_t, rope_len, k_cache, v_cache,
                    kv_stride, max_slots, nh, nkv, D, threadIdx.x, 32 * NW);
   }
-  prefetch_next(pf, threadIdx.x, 32 * NW);
 }
 
 }  // namespace rowpar
@@ -419,15 +389,13 @@ __device__ __forceinline__ void gemm_qkv_rope_body(
 #define ROWPAR_KERNEL(T, U, PF, PIPE, MINB)                                                            \
   extern "C" __global__ void __launch_bounds__(rowpar::THREADS, MINB)                                 \
   gemm_rowparallel_m8_t##T##_u##U##_p##PF##_s##PIPE(const __nv_bfloat16* __restrict__ x, long long ldx, \
-      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K, \
-      rowpar::NextPrefetch pf) {                                                                      \
-    rowpar::gemm_rowparallel_body<T, U, PF, PIPE, false>(x, ldx, w, y, ldy, M, N, K, pf);               \
+      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K) { \
+    rowpar::gemm_rowparallel_body<T, U, PF, PIPE, false>(x, ldx, w, y, ldy, M, N, K);               \
   }                                                                                                   \
   extern "C" __global__ void __launch_bounds__(rowpar::THREADS, MINB)                                 \
   gemm_rowparallel_m16_t##T##_u##U##_p##PF##_s##PIPE(const __nv_bfloat16* __restrict__ x, long long ldx, \
-      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K, \
-      rowpar::NextPrefetch pf) {                                                                      \
-    rowpar::gemm_rowparallel_body<T, U, PF, PIPE, true>(x, ldx, w, y, ldy, M, N, K, pf);                \
+      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K) { \
+    rowpar::gemm_rowparallel_body<T, U, PF, PIPE, true>(x, ldx, w, y, ldy, M, N, K);                \
   }
 
 ROWPAR_KERNEL(1, 4, 0, 0, 4)      // the previous kernel's schedule (baseline in the sweep)
@@ -444,9 +412,8 @@ ROWPAR_KERNEL(1, 8, 256, 1, 2)
 #define SWIGLU_KERNEL1(MS, M16, U, PF, PIPE, MINB)                                                     \
   extern "C" __global__ void __launch_bounds__(rowpar::THREADS, MINB)                                 \
   gemm_swiglu_##MS##_t2_u##U##_p##PF##_s##PIPE(const __nv_bfloat16* __restrict__ x, long long ldx,    \
-      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int I, int K, \
-      rowpar::NextPrefetch pf) {                                                                      \
-    rowpar::gemm_swiglu_body<2, U, PF, PIPE, M16>(x, ldx, w, y, ldy, M, I, K, pf);                       \
+      const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, long long ldy, int M, int I, int K) { \
+    rowpar::gemm_swiglu_body<2, U, PF, PIPE, M16>(x, ldx, w, y, ldy, M, I, K);                       \
   }
 #define SWIGLU_KERNEL(U, PF, PIPE, MINB) \
   SWIGLU_KERNEL1(m8, false, U, PF, PIPE, MINB) SWIGLU_KERNEL1(m16, true, U, PF, PIPE, MINB)
@@ -459,9 +426,9 @@ SWIGLU_KERNEL(4, 256, 1, 2)
     const long long* __restrict__ positions, const long long* __restrict__ slots,                    \
     const __nv_bfloat16* __restrict__ cos_t, const __nv_bfloat16* __restrict__ sin_t, int rope_len,   \
     __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache, long long kv_stride,   \
-    int max_slots, int nh, int nkv, int D, rowpar::NextPrefetch pf
+    int max_slots, int nh, int nkv, int D
 #define QKV_ROPE_ARGS \
-    x, ldx, w, qkv, ldq, M, K, positions, slots, cos_t, sin_t, rope_len, k_cache, v_cache, kv_stride, max_slots, nh, nkv, D, pf
+    x, ldx, w, qkv, ldq, M, K, positions, slots, cos_t, sin_t, rope_len, k_cache, v_cache, kv_stride, max_slots, nh, nkv, D
 #define QKV_ROPE_KERNEL1(MS, M16, U, PF, PIPE, MINB)                                                   \
   extern "C" __global__ void __launch_bounds__(rowpar::THREADS, MINB)                                 \
   gemm_qkv_rope_##MS##_u##U##_p##PF##_s##PIPE(QKV_ROPE_PARAMS) {                                     \

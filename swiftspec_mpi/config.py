@@ -240,7 +240,6 @@ def check_environment() -> None:
         if v is not None and v.strip().lower() not in _SWITCH_WORDS:
             raise UserError(f"{name}={v!r} is not a switch; use 1 or 0, or unset it "
                             f"for the default ({int(default)}: {meaning})")
-    l2_prefetch_budgets()
 
 
 # The GPU path's on/off switches: name -> (default, what the default means).
@@ -256,49 +255,6 @@ def env_switch(name: str) -> bool:
     default = ENV_SWITCHES[name][0]
     v = os.environ.get(name)
     return default if v is None else v.strip().lower() in ("1", "true", "yes", "on")
-
-
-# What each GEMV kernel of the GPU step asks the L2 to prefetch of the next GEMV's weight, once
-# its own tiles are done (kernels.l2_prefetch_target): MB of the weight of the named next kernel.
-# "o": the O projection (prefetched by the QKV GEMV, so it streams during the attention), "gu":
-# gate|up (by the O GEMV), "down" (by gate|up), "qkv": the next layer's QKV (by the down GEMV),
-# "head": the LM head (by the last down GEMV).
-# The default (docs/benchmarks.md, "L2 prefetch of the next weight"): all of the O weight (32 MB
-# in Llama-3-8B) during the attention, for steps of 2+ tokens only: 8B N = 8 4.468 vs 4.515 ms,
-# N = 1 4.224 vs 4.210 (the attention of 1 token is too short to hide it); every other target
-# measured slower (the GEMVs after a norm are not DRAM-bound at their start).
-L2_PREFETCH_TARGETS = ("qkv", "o", "gu", "down", "head")
-L2_PREFETCH_DEFAULT_MB = {"o": 32.0}
-L2_PREFETCH_DEFAULT_MIN_TOKENS = 2
-
-
-def l2_prefetch_budgets(n_tokens: int | None = None) -> dict[str, int]:
-    """SWIFTSPEC_L2_PREFETCH: bytes of each next weight to prefetch (L2_PREFETCH_TARGETS -> int)
-    in a step of n_tokens. Unset or "1"/"on": L2_PREFETCH_DEFAULT_MB, for steps of at least
-    L2_PREFETCH_DEFAULT_MIN_TOKENS tokens (none below; n_tokens None: the default's MB);
-    "0"/"off": none; "o=24,gu=8": those MB at every step size, the others none. Read when a step
-    is built (captured), so a bad value is refused by check_environment first."""
-    v = os.environ.get("SWIFTSPEC_L2_PREFETCH")
-    word = None if v is None else v.strip().lower()
-    if word is None or word in ("1", "on", "true", "yes"):
-        small = n_tokens is not None and n_tokens < L2_PREFETCH_DEFAULT_MIN_TOKENS
-        mb = {} if small else L2_PREFETCH_DEFAULT_MB
-    elif word in ("0", "off", "false", "no", ""):
-        mb = {}
-    else:
-        mb = {}
-        for item in word.split(","):
-            key, eq, val = item.partition("=")
-            key = key.strip()
-            try:
-                size = float(val) if eq else -1.0
-            except ValueError:
-                size = -1.0
-            if key not in L2_PREFETCH_TARGETS or not 0 <= size <= 1024:
-                raise UserError(f"SWIFTSPEC_L2_PREFETCH={v!r}: expected 0, 1 or a list like "
-                                f"'o=24,gu=8' of {', '.join(L2_PREFETCH_TARGETS)} = MB (0..1024)")
-            mb[key] = size
-    return {k: int(mb.get(k, 0.0) * 2**20) for k in L2_PREFETCH_TARGETS}
 
 
 def fused_allreduce_requested() -> bool:

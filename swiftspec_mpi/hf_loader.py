@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 from swiftspec_mpi.errors import CheckpointError
 from swiftspec_mpi.modelconfig import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 _FIX = "re-download or re-convert the checkpoint"
 

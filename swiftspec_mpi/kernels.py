@@ -358,13 +358,15 @@ def tree_attention_config(rows: int, max_len: int) -> tuple[int, ...]:
     60.7 vs 40.6) or not measured, and the choices below stand.
 
     Third sweep (2026-12-01, fifth session; µs plain / PDL): version 4 also wins up to 16 rows at
-    1k-2k slots, where version 2 was still the default: 2/2/1/4/32/0 at 1k (N = 2: 6.52 / 5.78 vs
-    6.91 / 6.49 for 8/4/1/4; N = 4: 6.71 / 5.84 vs 7.51 / 7.08), 4/4/1/4/32/0 at 2k (N = 1:
-    7.55 / 6.70 vs 8.50 / 8.59); and at 2k with 32 rows the long-context 4/4/2/8/32/0 beats
-    2/2/1/4/32/0 (N = 8: 9.23 / 8.33 vs 9.93 / 9.12). So: 2/2/1/4/32/0 up to 1.5k slots (a step
-    graph's mask is max_slots wide: 1k of context plus room), then 4/4/1/4/32/0 (<= 16 rows) or
-    4/4/2/8/32/0 (17..32) up to 8k; checked at 8k (N = 1: 16.22 PDL vs 15.94 for version 3's best,
-    N = 8: the best) and 4k with N = 2, 4 (within 1 % of the best).
+    1k-2k slots, where version 2 was still the default: 2/2/1/4/32/0 at 1k (N = 1: 6.46 / 5.60 vs
+    6.84 / 6.41 for 8/4/1/4; N = 2: 6.52 / 5.78 vs 6.91 / 6.49; N = 4: 6.71 / 5.84 vs 7.51 / 7.08),
+    4/4/1/4/32/0 at 2k (N = 1: 7.55 / 6.70 vs 8.50 / 8.59); at 2k with 32 rows the long-context
+    4/4/2/8/32/0 beats 2/2/1/4/32/0 (N = 8: 9.23 / 8.33 vs 9.93 / 9.12). Below 1k version 2 stays
+    faster with PDL (512 slots, N = 1: 5.01 vs 5.27; N = 8: 6.19 vs 6.47; 256 slots: 4.72 vs 5.12,
+    5.75 vs 6.17). So: version 2 up to 768 slots, 2/2/1/4/32/0 up to 1.5k (a step graph's mask
+    is max_slots wide: 1k of context plus room), then 4/4/1/4/32/0 (<= 16 rows) or 4/4/2/8/32/0
+    (17..32) up to 8k; checked at 8k (N = 1: 16.22 PDL vs 15.94 for version 3's best; N = 8: the
+    best) and at 4k with N = 2, 4 (within 1 % of the best).
 
     From the first sweep of 2026-12-01 on the H200 (header of cuda/tree_attention.cu,
     docs/benchmarks.md), version 3 with its PDL combine kernel where it measured faster:
@@ -376,7 +378,7 @@ def tree_attention_config(rows: int, max_len: int) -> tuple[int, ...]:
         return 8, 2, 2, 4, 1
     if rows > 128 and max_len > 2048:
         return 8, 2, 4, 4, 1
-    if rows <= 32 and max_len <= 8192:
+    if rows <= 32 and 768 < max_len <= 8192:
         if max_len <= 1536:
             return 2, 2, 1, 4, 32, 0
         return (4, 4, 1, 4, 32, 0) if rows <= 16 else (4, 4, 2, 8, 32, 0)
@@ -658,92 +660,8 @@ def _sm_count() -> int:
     return n
 
 
-class _NextPrefetch(ctypes.Structure):   # rowpar::NextPrefetch (cuda/gemm_allreduce.cu), by value
-    _fields_ = [("a", ctypes.c_uint64), ("b", ctypes.c_uint64), ("row_bytes", ctypes.c_int64),
-                ("rows", ctypes.c_int32), ("bytes", ctypes.c_int32), ("blocks", ctypes.c_int32)]
-
-
-_occupancy: dict = {}      # (CUfunction, threads) -> resident blocks per SM
-
-
-def _blocks_per_sm(f: int, threads: int, device: int) -> int:
-    """cuOccupancyMaxActiveBlocksPerMultiprocessor of a kernel (no dynamic shared memory)."""
-    n = _occupancy.get((f, threads))
-    if n is None:
-        cupy = import_cupy()
-        fn = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor
-        fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-        fn.restype = ctypes.c_int
-        out = ctypes.c_int(0)
-        with cupy.cuda.Device(device):
-            rc = fn(ctypes.byref(out), ctypes.c_void_p(f), threads, 0)
-        if rc != 0:
-            raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUresult {rc}")
-        n = _occupancy[(f, threads)] = max(1, out.value)
-    return n
-
-
-L2_PREFETCH_KINDS = ("gemm", "swiglu", "qkv")
-
-
-def l2_prefetch_target(kind: str, w: torch.Tensor, M: int, budget: int) -> tuple | None:
-    """What a GEMV kernel should ask the L2 for, at its end, on behalf of the NEXT GEMV kernel
-    (the `prefetch` argument of gemm_rowparallel / gemm_swiglu / gemm_qkv_rope): the rows of w
-    that the next kernel's first wave of blocks reads, and of each the first `bytes` (the k-chunks
-    its warps load first, a multiple of 256, at most the row), within `budget` bytes in all.
-
-    Args:
-      kind:   the next kernel: "gemm" (gemm_rowparallel, default config: 8 T rows per block),
-              "swiglu" (gemm_swiglu: 8 gate rows and the 8 matching up rows per block) or "qkv"
-              (gemm_qkv_rope: 16 rows per block, about in row order).
-      w:      the next kernel's weight [N, K] bfloat16, contiguous.
-      M:      the next kernel's rows of x (its variant, hence its occupancy, depends on M <= 8).
-      budget: bytes to prefetch at most (0: none).
-
-    Returns:
-      (a, b, row_bytes, rows, bytes): `rows` rows of `row_bytes` from address a (and as many
-      from b, the up half of a gate|up weight, when b != 0), `bytes` of each; or None when the
-      budget buys less than 256 bytes a row.
-    """
-    if kind not in L2_PREFETCH_KINDS:
-        raise ValueError(f"kind must be one of {L2_PREFETCH_KINDS}, not {kind!r}")
-    if budget <= 0:
-        return None
-    N, K = w.shape
-    dev = w.device.index if w.device.index is not None else torch.cuda.current_device()
-    ms = 8 if M <= 8 else 16
-    if kind == "gemm":
-        t, u, pf, pipe = gemm_rowparallel_config(M, N, K)
-        f, threads, rows_per_block = _function("gemm_allreduce", "", f"gemm_rowparallel_m{ms}_t{t}_u{u}_p{pf}_s{pipe}", dev), _GEMM_THREADS, 8 * t
-    elif kind == "swiglu":
-        N //= 2
-        f, threads, rows_per_block = _function("gemm_allreduce", "", f"gemm_swiglu_m{ms}_t2_u4_p256_s1", dev), _GEMM_THREADS, 8
-    else:
-        w4 = qkv_w4_pays(N // 16)
-        f = _function("gemm_allreduce", "", f"gemm_qkv_rope_m{ms}_u4_p256_s1{'_w4' if w4 else ''}", dev)
-        threads, rows_per_block = (128 if w4 else _GEMM_THREADS), 16
-    rows = min(N, _blocks_per_sm(f, threads, dev) * _sm_count() * rows_per_block)
-    halves = 2 if kind == "swiglu" else 1
-    nbytes = min(K * 2, budget // (rows * halves) // 256 * 256)
-    if nbytes < 256:
-        return None
-    a = w.data_ptr()
-    return a, (a + N * K * 2 if halves == 2 else 0), K * 2, rows, nbytes
-
-
-def _prefetch_arg(prefetch: tuple | None, f: int, threads: int, grid: int, device: int) -> _NextPrefetch:
-    """The kernel's NextPrefetch argument: the target of l2_prefetch_target, issued by the last
-    min(grid, resident blocks) blocks of this launch (its last wave); zeros (off) for None."""
-    if prefetch is None:
-        return _NextPrefetch(0, 0, 0, 0, 0, 0)
-    a, b, row_bytes, rows, nbytes = prefetch
-    blocks = min(grid, _blocks_per_sm(f, threads, device) * _sm_count())
-    return _NextPrefetch(a, b, row_bytes, rows, nbytes, blocks)
-
-
 def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                     config: tuple | None = None, pdl: bool = False,
-                     prefetch: tuple | None = None) -> torch.Tensor:
+                     config: tuple | None = None, pdl: bool = False) -> torch.Tensor:
     """out = x @ w.T for decode-sized x (the local part of a row-parallel projection), no all-reduce.
 
     Args:
@@ -756,8 +674,6 @@ def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None 
       pdl:    launch with programmatic dependent launch: the kernel starts streaming w while the
               previous kernel in the stream finishes (x is read, out written only after it
               completed). Only for a w that the previous kernel does not write (a weight).
-      prefetch: l2_prefetch_target(...) of the next GEMV kernel, or None: the last wave of
-              blocks asks the L2 for that part of the next weight once done (a hint only).
 
     Returns:
       out: [M, N] bfloat16, fp32 accumulation.
@@ -771,15 +687,13 @@ def gemm_rowparallel(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None 
     t, u, pf, pipe = config
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     f = _function("gemm_allreduce", "", f"gemm_rowparallel_m{8 if M <= 8 else 16}_t{t}_u{u}_p{pf}_s{pipe}", dev)
-    grid = -(-(N // 8) // t)
-    args.append(_prefetch_arg(prefetch, f, _GEMM_THREADS, grid, dev))
-    (_launch_pdl if pdl else _launch)(f, (grid, 1, 1), _GEMM_THREADS, 0,
+    (_launch_pdl if pdl else _launch)(f, (-(-(N // 8) // t), 1, 1), _GEMM_THREADS, 0,
                                       torch.cuda.current_stream(dev).cuda_stream, args)
     return out
 
 
 def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                pdl: bool = False, config=None, prefetch: tuple | None = None) -> torch.Tensor:
+                pdl: bool = False, config=None) -> torch.Tensor:
     """The gate|up projection with the SwiGLU fused into its epilogue, for decode-sized x:
     out = bf16(bf16(silu(g)) * u) with [g | u] = gemm_rowparallel(x, w), bit for bit what
     fused_ops.silu_mul(gemm_rowparallel(x, w)) gives, in one launch and without the [M, 2I]
@@ -791,7 +705,6 @@ def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
       out: [M, I] bfloat16, last stride 1; allocated if None.
       pdl: programmatic dependent launch, as for gemm_rowparallel.
       config: None or "regs" (the register-pipelined kernel, T = 2, U = 4: the only one).
-      prefetch: l2_prefetch_target(...) of the next GEMV kernel, as for gemm_rowparallel.
 
     Returns:
       out: [M, I] bfloat16.
@@ -818,7 +731,6 @@ def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
             ctypes.c_int32(M), ctypes.c_int32(I), ctypes.c_int32(K)]
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     f = _function("gemm_allreduce", "", f"gemm_swiglu_m{8 if M <= 8 else 16}_t2_u4_p256_s1", dev)
-    args.append(_prefetch_arg(prefetch, f, _GEMM_THREADS, I // 8, dev))
     (_launch_pdl if pdl else _launch)(f, (I // 8, 1, 1), _GEMM_THREADS, 0,
                                       torch.cuda.current_stream(dev).cuda_stream, args)
     return out
@@ -827,7 +739,7 @@ def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
 def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor,
                   write_slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, pdl: bool = False,
-                  config=None, prefetch: tuple | None = None) -> None:
+                  config=None) -> None:
     """The QKV projection with RoPE and the KV-cache write fused into its epilogue, in one launch:
     bit for bit `qkv = gemm_rowparallel(x, w)` followed by
     `fused_ops.rope_kv_write(qkv, positions, write_slots, cos, sin, k_cache, v_cache, n_heads)`,
@@ -845,7 +757,6 @@ def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions
       pdl:         programmatic dependent launch, as for gemm_rowparallel.
       config:      None (the default: "regs-w4" where qkv_w4_pays, else "regs"), "regs" (8 warps
                    per block) or "regs-w4" (4 warps, 3 blocks per SM); both give the same bits.
-      prefetch:    l2_prefetch_target(...) of the next GEMV kernel, as for gemm_rowparallel.
     """
     _check_bf16("x", x, 2)
     _check_bf16("w", w, 2)
@@ -880,7 +791,6 @@ def gemm_qkv_rope(x: torch.Tensor, w: torch.Tensor, qkv: torch.Tensor, positions
             ctypes.c_int32(cos.shape[0]), _ptr(k_cache), _ptr(v_cache), ctypes.c_int64(k_cache.stride(0)),
             ctypes.c_int32(S), ctypes.c_int32(n_heads), ctypes.c_int32(Hkv), ctypes.c_int32(D)]
     f = _function("gemm_allreduce", "", f"gemm_qkv_rope_m{8 if M <= 8 else 16}_u4_p256_s1{'_w4' if w4 else ''}", dev)
-    args.append(_prefetch_arg(prefetch, f, 128 if w4 else _GEMM_THREADS, grid, dev))
     (_launch_pdl if pdl else _launch)(f, (grid, 1, 1), 128 if w4 else _GEMM_THREADS, 0,
                                       torch.cuda.current_stream(dev).cuda_stream, args)
 

@@ -560,7 +560,6 @@ class Transformer(torch.nn.Module):
         "pdl" mode QKV GEMM + rope_kv_write is one kernel (kernels.gemm_qkv_rope), and so is
         gate|up GEMM + silu_mul (kernels.gemm_swiglu): 7 kernels per layer."""
         from swiftspec_mpi import fused_ops, kernels
-        from swiftspec_mpi.config import l2_prefetch_budgets
 
         cfg, sh, comm = self.cfg, self.shard, self.comm
         N = tokens.shape[0]
@@ -574,65 +573,42 @@ class Transformer(torch.nn.Module):
         # cuBLAS GEMM or an all-reduce simply waits for it; results are the same bits either way).
         pdl = fused_ops.gemm_mode() == "pdl"
 
-        def lin(use_rp, inp, w, b=None, prefetch=None):
-            return gemm(inp, w, pdl=pdl, prefetch=prefetch) if use_rp else self._linear(inp, w, b)
+        def lin(use_rp, inp, w, b=None):
+            return gemm(inp, w, pdl=pdl) if use_rp else self._linear(inp, w, b)
 
         far = getattr(comm, "fused_allreduce", None)      # nccl_shim.DeviceAllReduce or None
 
-        def fused_reduce(use_rp, w, b):
-            return far is not None and use_rp and b is None and w.shape[0] <= far.max_n
-
-        def lin_reduce(use_rp, inp, w, b=None, prefetch=None):
+        def lin_reduce(use_rp, inp, w, b=None):
             """Row-parallel projection summed over the TP group: one fused GEMM + all-reduce
             kernel when the group set one up (NcclGroupComm.enable_fused_allreduce), else the
             GEMM then the group's all-reduce."""
-            if fused_reduce(use_rp, w, b):
+            if far is not None and use_rp and b is None and w.shape[0] <= far.max_n:
                 return kernels.gemm_allreduce(inp, w, far)
-            out = lin(use_rp, inp, w, b, prefetch)
+            out = lin(use_rp, inp, w, b)
             comm.all_reduce_(out)
             return out
 
-        # L2 prefetch of the next GEMV's weight by each GEMV's last wave (PDL chain only; a hint:
-        # the same bits either way). next_pf(target, kernel kind, weight): its l2_prefetch_target.
-        budgets = l2_prefetch_budgets(N) if pdl else {}
-
-        def next_pf(target, kind, w):
-            b = budgets.get(target, 0)
-            return kernels.l2_prefetch_target(kind, w, N, b) if b else None
-
-        fused_qkv = pdl and rp["qkv"] and hd % 16 == 0
-        layers = self.layers
-
         torch.index_select(self.embed, 0, tokens, out=x)
         pending = None                      # the previous layer's MLP output, not yet added to x
-        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in enumerate(layers):
-            fused_swiglu = pdl and rp["gu"] and wgu.shape[0] % 16 == 0
-            pf_o = next_pf("o", "gemm", wo) if rp["o"] and not fused_reduce(rp["o"], wo, bo) else None
-            pf_gu = next_pf("gu", "swiglu" if fused_swiglu else "gemm", wgu) if rp["gu"] else None
-            pf_down = next_pf("down", "gemm", wd) if rp["down"] and not fused_reduce(rp["down"], wd, None) else None
-            if i + 1 < len(layers):
-                nxt = layers[i + 1]
-                pf_next = next_pf("qkv", "qkv" if fused_qkv else "gemm", nxt[1]) if rp["qkv"] else None
-            else:
-                pf_next = next_pf("head", "gemm", self.head) if rp["head"] else None
+        for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in self.layers:
             fused_ops.add_rmsnorm(x, pending, ln1, eps, out=h, pdl=pdl)
-            if fused_qkv:                                                  # QKV GEMM + RoPE + KV write
+            if pdl and rp["qkv"] and hd % 16 == 0:                         # QKV GEMM + RoPE + KV write
                 qkv = ws["qkv"]
                 kernels.gemm_qkv_rope(h, wqkv, qkv, positions, write_slots, self.rope_cos, self.rope_sin,
-                                      kc, vc, nh_l, pdl=True, prefetch=pf_o)
+                                      kc, vc, nh_l, pdl=True)
             else:
-                qkv = lin(rp["qkv"], h, wqkv, bqkv, pf_o)                  # [N, (nh+2kv)*hd]
+                qkv = lin(rp["qkv"], h, wqkv, bqkv)                        # [N, (nh+2kv)*hd]
                 fused_ops.rope_kv_write(qkv, positions, write_slots, self.rope_cos, self.rope_sin,
                                         kc, vc, nh_l, pdl=pdl)
             kernels.tree_attention(qkv[:, :nh_l * hd].view(N, nh_l, hd), kc, vc, mask, n_valid, out=o,
                                    pdl=pdl)
-            a = lin_reduce(rp["o"], o.view(N, nh_l * hd), wo, bo, pf_gu)
+            a = lin_reduce(rp["o"], o.view(N, nh_l * hd), wo, bo)
             fused_ops.add_rmsnorm(x, a, ln2, eps, out=h, pdl=pdl)
-            if fused_swiglu:
-                kernels.gemm_swiglu(h, wgu, out=m, pdl=True, prefetch=pf_down)  # gate|up GEMM + SwiGLU
+            if pdl and rp["gu"] and wgu.shape[0] % 16 == 0:
+                kernels.gemm_swiglu(h, wgu, out=m, pdl=True)               # gate|up GEMM + SwiGLU
             else:
-                fused_ops.silu_mul(lin(rp["gu"], h, wgu, None, pf_down), out=m, pdl=pdl)
-            pending = lin_reduce(rp["down"], m, wd, None, pf_next)
+                fused_ops.silu_mul(lin(rp["gu"], h, wgu), out=m, pdl=pdl)
+            pending = lin_reduce(rp["down"], m, wd)
         fused_ops.add_rmsnorm(x, pending, self.norm, eps, out=h, pdl=pdl)
         logits = lin(rp["head"], h, self.head)                             # [N, v_chunk]
         if comm.size > 1:

@@ -74,7 +74,6 @@ def test_bad_values_fail_with_one_line(args, needle):
     ("SWIFTSPEC_FUSED_GEMM", "fast", "SWIFTSPEC_FUSED_GEMM='fast' is not a GEMM mode"),
     ("SWIFTSPEC_FUSED_OPS", "maybe", "SWIFTSPEC_FUSED_OPS='maybe' is not a switch"),
     ("SWIFTSPEC_FUSED_ALLREDUCE", "2", "SWIFTSPEC_FUSED_ALLREDUCE='2' is not a switch"),
-    ("SWIFTSPEC_L2_PREFETCH", "o=lots", "SWIFTSPEC_L2_PREFETCH='o=lots': expected 0, 1 or a list"),
 ])
 def test_bad_environment_switch_fails_with_one_line(var, value, needle):
     """The GPU switches are environment variables; a typo must not silently pick the default."""
@@ -102,28 +101,3 @@ def test_dummy_load_format_takes_shape_names(tmp_path):
                  prompt="hi", max_new_tokens=4, out=str(tmp_path / "o.h5"), device="cpu")
     cfg = job.prepare_config(flags, None, world_size=2)
     assert (cfg.target, cfg.draft, cfg.load_format) == ("qwen2.5-1.5b", "qwen2.5-0.5b", "dummy")
-
-
-def test_l2_prefetch_budgets_parse(monkeypatch):
-    """SWIFTSPEC_L2_PREFETCH: unset / 1 = the default MB per target (steps of 2+ tokens), 0 = none,
-    a list = those MB and none for the targets it leaves out; anything else is refused, naming
-    the form."""
-    from swiftspec_mpi import config
-    from swiftspec_mpi.errors import UserError
-    mb = 2 ** 20
-    default = {k: int(config.L2_PREFETCH_DEFAULT_MB.get(k, 0) * mb) for k in config.L2_PREFETCH_TARGETS}
-    monkeypatch.delenv("SWIFTSPEC_L2_PREFETCH", raising=False)
-    assert config.l2_prefetch_budgets() == default
-    assert config.l2_prefetch_budgets(config.L2_PREFETCH_DEFAULT_MIN_TOKENS) == default
-    assert not any(config.l2_prefetch_budgets(config.L2_PREFETCH_DEFAULT_MIN_TOKENS - 1).values())
-    monkeypatch.setenv("SWIFTSPEC_L2_PREFETCH", "o=4")
-    assert config.l2_prefetch_budgets(1)["o"] == 4 * mb      # an explicit list: every step size
-    for word, want in (("1", default), ("on", default), ("0", {}), ("off", {}),
-                       ("o=24,gu=8.5", {"o": 24 * mb, "gu": int(8.5 * mb)}),
-                       (" head=1 , qkv=0 ", {"head": mb})):
-        monkeypatch.setenv("SWIFTSPEC_L2_PREFETCH", word)
-        assert config.l2_prefetch_budgets() == {k: want.get(k, 0) for k in config.L2_PREFETCH_TARGETS}, word
-    for bad in ("o", "o=", "mlp=4", "o=-1", "o=2000", "o=24;gu=8", "yes please"):
-        monkeypatch.setenv("SWIFTSPEC_L2_PREFETCH", bad)
-        with pytest.raises(UserError, match="SWIFTSPEC_L2_PREFETCH"):
-            config.l2_prefetch_budgets()
