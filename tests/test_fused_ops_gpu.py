@@ -542,4 +542,3 @@ def test_model_with_fused_allreduce_equals_plain(monkeypatch):
                     assert torch.equal(r, ref), f"n={n} {name}: {'eager' if i == 0 else f'replay {i}'}"
     finally:
         group.fused_allreduce.close()
-
