@@ -297,7 +297,12 @@ def test_cancel_leaves_partial_trace(slurm_cluster, base_env, tmp_path, how):
     assert trace["root"]["exit_status"] == "interrupted", trace["root"]
     assert 1 <= len(trace["requests"]) < 200
     assert all(len(r["output_ids"]) >= 1 for r in trace["requests"][:-1])
-    assert trace["requests"][-1]["stop_reason"] == "interrupted"   # the one in flight
+    # the one in flight is cut short; if the signal came while the leaders were closing a finished
+    # request, that request keeps its real reason and its whole output (close_open_requests)
+    last = trace["requests"][-1]
+    assert last["stop_reason"] in ("interrupted", "max_new_tokens", "eos"), last["stop_reason"]
+    if last["stop_reason"] == "max_new_tokens":
+        assert len(last["output_ids"]) == 64
 
 
 def test_mpiexec_inside_allocation(slurm_cluster, base_env, tmp_path, generated):
