@@ -33,6 +33,19 @@
 //    N * I / V elements. Floor: 3 * N * I * 2 B = 86 KB at N = 1 (Llama-3-8B, I = 14336): < 0.03 us
 //    of HBM time, latency bound. Replaces 2 launches.
 //
+// 4. logits_topk (what the engine reads of the logits, in one pass): per row r of fp32 logits
+//    [N, V], the k largest (value desc, index asc on ties: torch.argmax's first index for k = 1)
+//    and, with `logprobs`, their log_softmax x - (m + log(sum exp(x - m))), m the row max.
+//    Phase 1 (logits_topk_part): P <= 32 blocks of 256 threads per row, each over 8192+ columns
+//    (8 float4 loads in flight per thread when the row is 16-byte aligned); each thread keeps a
+//    sorted top-K in registers and an online (max, sum of exp); the warps merge their threads'
+//    lists in k rounds of a warp arg-max, warp 0 merges the warps' lists the same way, and the
+//    block writes its list and (max, sum) to a workspace. Phase 2 (logits_topk_merge): one warp
+//    per row merges the P lists and sums. Replaces log_softmax + topk (4+ launches, an fp32
+//    [N, V] written and read back) or argmax. Floor: N * V * 4 B read (4.1 MB for Llama-3's
+//    128256 x 8 rows, ~1 us of HBM at 4 TB/s). A first version with one 512-thread block per
+//    row took 82 us (its loads one at a time: latency bound).
+//
 // Measured (one NVIDIA H200, CUDA graph of the whole decode step, context 1024, 2026-11-29,
 // benchmarks/bench_gpu_step.py, docs/benchmarks.md "GPU step and engine"): the three kernels
 // take a layer from (at least) 16 graph nodes to 9 and the step from 5.59-5.73 to 4.93-5.07 ms
@@ -224,6 +237,178 @@ __device__ __forceinline__ void silu_mul_body(const bf16* __restrict__ gu, int64
   }
 }
 
+// ---------------------------------------------------------------------------- logits_topk
+// (value, index) order of logits_topk: larger value first, the lower index on ties.
+__device__ __forceinline__ bool topk_better(float a, int ia, float b, int ib) {
+  return a > b || (a == b && ia < ib);
+}
+
+// One element into a thread's sorted top-K (tv[0] the best).
+template <int K>
+__device__ __forceinline__ void topk_insert(float x, int i, float (&tv)[K], int (&ti)[K]) {
+  if (topk_better(x, i, tv[K - 1], ti[K - 1])) {
+    tv[K - 1] = x;
+    ti[K - 1] = i;
+#pragma unroll
+    for (int j = K - 1; j > 0; --j) {
+      if (topk_better(tv[j], ti[j], tv[j - 1], ti[j - 1])) {
+        const float a = tv[j]; tv[j] = tv[j - 1]; tv[j - 1] = a;
+        const int b = ti[j]; ti[j] = ti[j - 1]; ti[j - 1] = b;
+      }
+    }
+  }
+}
+
+// (m, s) pairs of an online logsumexp, merged.
+__device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2) {
+  const float M = fmaxf(m, m2);
+  if (M == -INFINITY) return;
+  s = (m == -INFINITY ? 0.f : s * expf(m - M)) + (m2 == -INFINITY ? 0.f : s2 * expf(m2 - M));
+  m = M;
+}
+
+// The warp's k best of its lanes' sorted lists (tv, ti): round r leaves the r-th best in
+// (best_v, best_i) of every lane (lane r keeps it in out_v / out_i); the winning lane pops its head.
+template <int K>
+__device__ __forceinline__ void warp_topk_merge(float (&tv)[K], int (&ti)[K], int k, float& out_v, int& out_i) {
+  const int lane = threadIdx.x & 31;
+  out_v = -INFINITY;
+  out_i = 0x7fffffff;
+  for (int r = 0; r < k; ++r) {
+    float bv = tv[0];
+    int bi = ti[0];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+      if (topk_better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    }
+    if (lane == r) { out_v = bv; out_i = bi; }
+    if (ti[0] == bi && tv[0] == bv) {            // the winner (indices are unique) pops its head
+#pragma unroll
+      for (int j = 0; j < K - 1; ++j) { tv[j] = tv[j + 1]; ti[j] = ti[j + 1]; }
+      tv[K - 1] = -INFINITY;
+      ti[K - 1] = 0x7fffffff;
+    }
+  }
+}
+
+constexpr int TOPK_THREADS = 256;     // logits_topk_part's block
+constexpr int TOPK_UNROLL = 8;        // float4 loads in flight per thread
+constexpr int TOPK_CHUNK = 4 * TOPK_THREADS * TOPK_UNROLL;   // 8192 columns: one pass per block
+constexpr int TOPK_MAX_PARTS = 32;    // blocks per row (one warp merges their lists)
+
+// Phase 1: block (p, r) takes columns [p chunk, (p + 1) chunk) of row r (chunk a multiple of
+// TOPK_CHUNK) and writes its k best (value desc, index asc) and its (max, sum of exp) to the
+// workspace: pv/pi [N][P][K], pm/ps [N][P]. LSE = false skips the sum (argmax).
+template <int K, bool LSE>
+__device__ __forceinline__ void logits_topk_part_body(const float* __restrict__ x, int64_t ld, int V, int chunk, int k,
+                                                      float* __restrict__ pv, int* __restrict__ pi,
+                                                      float* __restrict__ pm, float* __restrict__ ps) {
+  __shared__ float sv[TOPK_THREADS / 32][K];
+  __shared__ int si[TOPK_THREADS / 32][K];
+  __shared__ float sm[TOPK_THREADS / 32], ss[TOPK_THREADS / 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int r = blockIdx.y, p = blockIdx.x, P = gridDim.x;
+  const float* row = x + (int64_t)r * ld;
+  const int lo = p * chunk, hi = min(V, lo + chunk);
+  float tv[K];
+  int ti[K];
+#pragma unroll
+  for (int j = 0; j < K; ++j) { tv[j] = -INFINITY; ti[j] = 0x7fffffff; }
+  float m = -INFINITY, s = 0.f;
+  auto push = [&](float v, int i) {
+    if constexpr (LSE) {
+      if (v > m) {
+        s = s * expf(m - v) + 1.f;     // m = -inf at first: s = 0 * 0 + 1
+        m = v;
+      } else if (v != -INFINITY) {
+        s += expf(v - m);
+      }
+    }
+    topk_insert<K>(v, i, tv, ti);
+  };
+  if ((reinterpret_cast<uintptr_t>(row) & 15) == 0) {
+    const int hi4 = lo + ((hi - lo) & ~3);
+    for (int base = lo + 4 * tid; base < hi4; base += TOPK_CHUNK) {
+      float4 v[TOPK_UNROLL];
+#pragma unroll
+      for (int u = 0; u < TOPK_UNROLL; ++u) {       // every load in flight first
+        const int i = base + u * 4 * TOPK_THREADS;
+        v[u] = i < hi4 ? *reinterpret_cast<const float4*>(row + i) : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+      }
+#pragma unroll
+      for (int u = 0; u < TOPK_UNROLL; ++u) {
+        const int i = base + u * 4 * TOPK_THREADS;
+        if (i < hi4) { push(v[u].x, i); push(v[u].y, i + 1); push(v[u].z, i + 2); push(v[u].w, i + 3); }
+      }
+    }
+    for (int i = hi4 + tid; i < hi; i += TOPK_THREADS) push(row[i], i);
+  } else {
+    for (int i = lo + tid; i < hi; i += TOPK_THREADS) push(row[i], i);
+  }
+  if constexpr (LSE) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+      lse_merge(m, s, __shfl_xor_sync(0xffffffffu, m, off), __shfl_xor_sync(0xffffffffu, s, off));
+  }
+  float wv;
+  int wi;
+  warp_topk_merge<K>(tv, ti, k, wv, wi);
+  if (lane < K) { sv[warp][lane] = wv; si[warp][lane] = wi; }
+  if (lane == 0) { sm[warp] = m; ss[warp] = s; }
+  __syncthreads();
+  if (warp == 0) {
+    constexpr int NW = TOPK_THREADS / 32;
+    if constexpr (LSE) {
+      m = lane < NW ? sm[lane] : -INFINITY;
+      s = lane < NW ? ss[lane] : 0.f;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1)
+        lse_merge(m, s, __shfl_xor_sync(0xffffffffu, m, off), __shfl_xor_sync(0xffffffffu, s, off));
+    }
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      const bool have = lane < NW && j < k;
+      tv[j] = have ? sv[lane][j] : -INFINITY;
+      ti[j] = have ? si[lane][j] : 0x7fffffff;
+    }
+    warp_topk_merge<K>(tv, ti, k, wv, wi);
+    const int64_t part = (int64_t)r * P + p;
+    if (lane < K) { pv[part * K + lane] = wv; pi[part * K + lane] = wi; }
+    if (lane == 0) { pm[part] = m; ps[part] = s; }
+  }
+}
+
+// Phase 2: one warp per row merges its P <= 32 parts (lane l holds part l's sorted list).
+template <int K>
+__device__ __forceinline__ void logits_topk_merge_body(const float* __restrict__ pv, const int* __restrict__ pi,
+                                                       const float* __restrict__ pm, const float* __restrict__ ps,
+                                                       int P, int k, int logprobs, int64_t* __restrict__ ids,
+                                                       int64_t ld_ids, float* __restrict__ vals, int64_t ld_vals) {
+  const int lane = threadIdx.x, r = blockIdx.x;
+  const int64_t part = (int64_t)r * P + lane;
+  float tv[K];
+  int ti[K];
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    const bool have = lane < P && j < k;
+    tv[j] = have ? pv[part * K + j] : -INFINITY;
+    ti[j] = have ? pi[part * K + j] : 0x7fffffff;
+  }
+  float m = lane < P ? pm[part] : -INFINITY, s = lane < P ? ps[part] : 0.f;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+    lse_merge(m, s, __shfl_xor_sync(0xffffffffu, m, off), __shfl_xor_sync(0xffffffffu, s, off));
+  float wv;
+  int wi;
+  warp_topk_merge<K>(tv, ti, k, wv, wi);
+  if (lane < k) {
+    ids[(int64_t)r * ld_ids + lane] = wi;
+    vals[(int64_t)r * ld_vals + lane] = logprobs ? wv - (m + logf(s)) : wv;
+  }
+}
+
 }  // namespace fused_ops
 
 // Programmatic dependent launch (fused_ops.py pdl=True): wait for the previous kernel of the
@@ -257,3 +442,27 @@ __device__ __forceinline__ void silu_mul_body(const bf16* __restrict__ gu, int64
 using fused_ops::bf16;
 FUSED_OPS_INSTANTIATE(8)
 FUSED_OPS_INSTANTIATE(1)
+
+// logits_topk_part_k<K>_l<LSE>: grid (P, N) blocks of fused_ops::TOPK_THREADS; then
+// logits_topk_merge_k<K>: grid N blocks of 32 threads (k <= K, fused_ops.py picks K and P).
+#define LOGITS_TOPK_INSTANTIATE(K)                                                                     \
+  extern "C" __global__ void __launch_bounds__(fused_ops::TOPK_THREADS) logits_topk_part_k##K##_l1(    \
+      const float* x, int64_t ld, int V, int chunk, int k, float* pv, int* pi, float* pm, float* ps) { \
+    FUSED_OPS_PDL_ENTER();                                                                             \
+    fused_ops::logits_topk_part_body<K, true>(x, ld, V, chunk, k, pv, pi, pm, ps);                     \
+  }                                                                                                    \
+  extern "C" __global__ void __launch_bounds__(fused_ops::TOPK_THREADS) logits_topk_part_k##K##_l0(    \
+      const float* x, int64_t ld, int V, int chunk, int k, float* pv, int* pi, float* pm, float* ps) { \
+    FUSED_OPS_PDL_ENTER();                                                                             \
+    fused_ops::logits_topk_part_body<K, false>(x, ld, V, chunk, k, pv, pi, pm, ps);                    \
+  }                                                                                                    \
+  extern "C" __global__ void __launch_bounds__(32) logits_topk_merge_k##K(                             \
+      const float* pv, const int* pi, const float* pm, const float* ps, int P, int k, int logprobs,    \
+      int64_t* ids, int64_t ld_ids, float* vals, int64_t ld_vals) {                                    \
+    FUSED_OPS_PDL_ENTER();                                                                             \
+    fused_ops::logits_topk_merge_body<K>(pv, pi, pm, ps, P, k, logprobs, ids, ld_ids, vals, ld_vals);  \
+  }
+LOGITS_TOPK_INSTANTIATE(1)
+LOGITS_TOPK_INSTANTIATE(8)
+LOGITS_TOPK_INSTANTIATE(16)
+LOGITS_TOPK_INSTANTIATE(32)

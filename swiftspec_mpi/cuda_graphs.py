@@ -12,7 +12,8 @@ launch and one sync, the result copied into pinned host memory by the graph's la
   - `forward_argmax`: the argmax token of each row (greedy verification), 8 bytes a row;
   - `forward_topk_logprobs`: the top-k of log_softmax(logits) of each row (the draft's tree
     expansion), values and indices.
-The same torch ops as the eager path, so the same results.
+The same functions as the eager read of the logits (`_argmax`, `_topk_logprobs`: one pass of
+fused_ops.logits_topk on a GPU), so the same results.
 """
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ class _Static:
         if self.reduce is None:
             return logits, []
         if self.reduce[0] == "argmax":
-            return logits, [torch.argmax(logits, dim=-1)]
+            return logits, [_argmax(logits)]
         return logits, list(_topk_logprobs(logits, self.reduce[1]))
 
     def copy_in(self, stream: int) -> None:
@@ -197,12 +198,36 @@ class GraphedModel:
 
 def logits_argmax(logits: torch.Tensor) -> np.ndarray:
     """float logits [N, V] (any device) -> int64 [N] argmax, as GraphedModel.forward_argmax."""
-    return torch.argmax(logits, dim=-1).cpu().numpy().astype(np.int64)
+    return _argmax(logits).cpu().numpy().astype(np.int64)
+
+
+FUSED_READS = True      # benchmarks set False to time torch's log_softmax + topk / argmax instead
+
+
+def _fused_read(logits: torch.Tensor, k: int) -> bool:
+    """Whether the one-pass kernel (fused_ops.logits_topk) reads these logits (CUDA float32)."""
+    if not (FUSED_READS and logits.is_cuda):
+        return False
+    from swiftspec_mpi import fused_ops
+    return fused_ops.topk_ok(logits, k)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] -> int64 [N], the first index of each row's maximum (torch.argmax's), on the
+    logits' device (the one definition both the graph and the eager path use)."""
+    if _fused_read(logits, 1):
+        from swiftspec_mpi import fused_ops
+        return fused_ops.logits_topk(logits, 1, logprobs=False)[0].view(-1)
+    return torch.argmax(logits, dim=-1)
 
 
 def _topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, V] -> (ids [N, k], log-probs [N, k]): top-k of log_softmax, on the logits' device
-    (the one definition both the graph and the eager path use)."""
+    (the one definition both the graph and the eager path use): on a GPU one pass of
+    fused_ops.logits_topk (ties: the lower index first), else torch's log_softmax and topk."""
+    if _fused_read(logits, k):
+        from swiftspec_mpi import fused_ops
+        return fused_ops.logits_topk(logits, k)
     top = torch.topk(torch.log_softmax(logits.float(), dim=-1), k, dim=-1)
     return top.indices, top.values
 

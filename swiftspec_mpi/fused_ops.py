@@ -314,6 +314,65 @@ def silu_mul(gu: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = Fals
     return out
 
 
+_TOPK_KS = (1, 8, 16, 32)        # logits_topk_{part,merge}_k<K> in fused_ops.cu
+TOPK_MAX = _TOPK_KS[-1]
+_TOPK_THREADS = 256              # fused_ops::TOPK_THREADS
+_TOPK_CHUNK = 8192               # fused_ops::TOPK_CHUNK: columns of one part's single pass
+_TOPK_MAX_PARTS = 32             # fused_ops::TOPK_MAX_PARTS
+
+
+def topk_ok(logits: torch.Tensor, k: int) -> bool:
+    """Whether `logits_topk(logits, k)` takes these logits: 2-d float32 CUDA, last stride 1, a
+    positive number of columns below 2^31, 1 <= k <= TOPK_MAX and <= the columns, the fused
+    kernels on and buildable."""
+    return (logits.is_cuda and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1
+            and 1 <= k <= min(TOPK_MAX, logits.shape[1]) and logits.shape[1] < 2 ** 31
+            and enabled() and available())
+
+
+def logits_topk(logits: torch.Tensor, k: int, logprobs: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits of each row and (with `logprobs`) their log-softmax, reading the
+    logits once (cuda/fused_ops.cu, logits_topk: P <= 32 blocks per row of 8192+ columns each,
+    then one warp per row merging their lists): what the engine reads of a step.
+
+    Args:
+      logits:   [N, V] float32 CUDA, last stride 1 (any row stride); `topk_ok` must hold.
+      k:        1 <= k <= TOPK_MAX.
+      logprobs: values as log_softmax(logits) (x - logsumexp of the row), else the logits.
+
+    Returns:
+      ids:  [N, k] int64, each row's indices by value, largest first; ties: the lower index first
+            (for k = 1 torch.argmax's index).
+      vals: [N, k] float32, their log-probs (or logits). Equal to torch.topk(torch.log_softmax(
+            logits, -1), k) up to the fp32 rounding of the log-sum-exp (a few ulps).
+    """
+    _need(topk_ok(logits, k), f"logits_topk: logits {logits.dtype} {tuple(logits.shape)} on "
+                              f"{logits.device}, k={k}: need 2-d float32 CUDA with last stride 1, "
+                              f"1 <= k <= {TOPK_MAX} and k <= V")
+    N, V = logits.shape
+    ids = torch.empty((N, k), dtype=torch.int64, device=logits.device)
+    vals = torch.empty((N, k), dtype=torch.float32, device=logits.device)
+    if N == 0:
+        return ids, vals
+    K = next(kk for kk in _TOPK_KS if kk >= k)
+    chunk = max(_TOPK_CHUNK, -(-V // (_TOPK_MAX_PARTS * _TOPK_CHUNK)) * _TOPK_CHUNK)
+    P = -(-V // chunk)
+    dev = _dev(logits)
+    pv = torch.empty((N * P * K + 2 * N * P,), dtype=torch.float32, device=logits.device)  # values, then m, s
+    pi = torch.empty((N * P * K,), dtype=torch.int32, device=logits.device)
+    pm, ps = pv[N * P * K:N * P * (K + 1)], pv[N * P * (K + 1):]
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    f = _function(_SOURCE, "", f"logits_topk_part_k{K}_l{1 if logprobs else 0}", dev)
+    launch(False, f, (P, N, 1), _TOPK_THREADS, 0, stream,
+           [_ptr(logits), ctypes.c_int64(logits.stride(0)), ctypes.c_int32(V), ctypes.c_int32(chunk),
+            ctypes.c_int32(k), _ptr(pv), _ptr(pi), _ptr(pm), _ptr(ps)])
+    f = _function(_SOURCE, "", f"logits_topk_merge_k{K}", dev)
+    launch(False, f, (N, 1, 1), 32, 0, stream,
+           [_ptr(pv), _ptr(pi), _ptr(pm), _ptr(ps), ctypes.c_int32(P), ctypes.c_int32(k),
+            ctypes.c_int32(1 if logprobs else 0), _ptr(ids), ctypes.c_int64(k), _ptr(vals), ctypes.c_int64(k)])
+    return ids, vals
+
+
 # ------------------------------------------------------------------ torch references (tests)
 def add_rmsnorm_reference(x: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor,
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:

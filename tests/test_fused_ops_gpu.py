@@ -542,3 +542,63 @@ def test_model_with_fused_allreduce_equals_plain(monkeypatch):
                     assert torch.equal(r, ref), f"n={n} {name}: {'eager' if i == 0 else f'replay {i}'}"
     finally:
         group.fused_allreduce.close()
+
+
+# -------------------------------------------------------------------------- logits top-k
+
+
+@pytest.mark.parametrize("V", [128256, 151936, 32000, 1003, 300001])
+@pytest.mark.parametrize("N", [1, 8, 33])
+def test_logits_topk_matches_torch(gen, N, V):
+    """fused_ops.logits_topk (one pass over fp32 logits) = torch.topk(log_softmax(x), k) and, with
+    logprobs=False, torch.topk(x, k) / torch.argmax: the indices of torch.topk of the logits
+    (random logits, no ties), log-probs within 2e-5 of torch's log_softmax, raw values exact;
+    contiguous rows and rows with an odd stride (the scalar path); 1 to 19 parts of 8192+ columns
+    per row (300001: 19 parts of 16384)."""
+    wide = torch.randn(N, V + 3, generator=gen, device="cuda") * 4
+    for x in (wide[:, :V].contiguous(), wide[:, 3:]):
+        ref_lp = torch.log_softmax(x, dim=-1)
+        for k in (1, 5, 8, 16, 32):
+            ids, vals = fused_ops.logits_topk(x, k)
+            top = torch.topk(x, k, dim=-1)          # the order of the logits themselves (no rounding ties)
+            assert torch.equal(ids, top.indices), (k, x.stride())
+            err = (vals - torch.gather(ref_lp, 1, ids)).abs().max().item()
+            assert err < 2e-5, (k, err)
+            assert torch.allclose(vals, torch.topk(ref_lp, k, dim=-1).values, atol=2e-5)
+            ids2, raw = fused_ops.logits_topk(x, k, logprobs=False)
+            assert torch.equal(ids2, ids) and torch.equal(raw, torch.gather(x, 1, ids))
+        assert torch.equal(fused_ops.logits_topk(x, 1, logprobs=False)[0].view(-1), torch.argmax(x, dim=-1))
+
+
+def test_logits_topk_ties_infinities_graph_and_bad_input(gen):
+    """Ties go to the lower index (torch.argmax's first maximum); -inf logits count for the top-k
+    but not the log-sum-exp; a captured launch reads new logits on replay; bad input is refused."""
+    V = 5000
+    x = torch.zeros(3, V, device="cuda")
+    x[1, 4000] = x[1, 17] = x[1, 2500] = 2.0
+    x[2, :] = float("-inf")
+    x[2, 42] = 1.0
+    x[2, 4999] = 0.5
+    ids, vals = fused_ops.logits_topk(x, 8)
+    assert ids[0].tolist() == list(range(8))
+    assert ids[1, :3].tolist() == [17, 2500, 4000] and ids[1, 3:].tolist() == list(range(5))
+    assert ids[2, :2].tolist() == [42, 4999] and ids[2, 2:].tolist() == list(range(6))
+    ref = torch.log_softmax(x, dim=-1)
+    assert torch.allclose(vals[:, :2], torch.gather(ref, 1, ids[:, :2]), atol=2e-5)
+    assert torch.isneginf(vals[2, 2:]).all()
+    assert torch.equal(fused_ops.logits_topk(x, 1, logprobs=False)[0].view(-1), torch.argmax(x, dim=-1))
+    # a CUDA graph
+    buf = torch.randn(8, 128256, generator=gen, device="cuda")
+    fused_ops.logits_topk(buf, 8)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gids, gvals = fused_ops.logits_topk(buf, 8)
+    buf.copy_(torch.randn(8, 128256, generator=gen, device="cuda"))
+    gids.fill_(-1)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(gids, torch.topk(buf, 8, dim=-1).indices)
+    for bad in ((x, 0), (x, fused_ops.TOPK_MAX + 1), (x.to(BF), 4), (x.cpu(), 4), (x[:, :4], 5)):
+        assert not fused_ops.topk_ok(*bad)
+        with pytest.raises(ValueError):
+            fused_ops.logits_topk(*bad)
