@@ -389,6 +389,7 @@ __device__ __forceinline__ void logits_topk_merge_body(const float* __restrict__
                                                        const float* __restrict__ pm, const float* __restrict__ ps,
                                                        int P, int k, int logprobs, int64_t* __restrict__ ids,
                                                        int64_t ld_ids, float* __restrict__ vals, int64_t ld_vals) {
+  static_assert(TOPK_MAX_PARTS <= 32, "one lane per part");
   const int lane = threadIdx.x, r = blockIdx.x;
   const int64_t part = (int64_t)r * P + lane;
   float tv[K];
