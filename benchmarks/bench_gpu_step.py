@@ -227,9 +227,10 @@ def main():
                   f"{r.get(f'rowparallel_{n}', '-')} | {(r['hf_1'] if n == 1 and r['hf_1'] else nan):.2f} |",
                   flush=True)
     print("\nWhat the engine reads back per step (PDL chain; wall ms incl. the sync): the argmax "
-          "(verify) and the top-8 log-probs (draft expansion), read from the logits on the host side vs "
-          "reduced inside the graph (GraphedModel.forward_argmax / forward_topk_logprobs)")
-    print("| shape | N | logits, then argmax + read | argmax in the graph | logits, then log_softmax + top-k + reads "
+          "(verify) and the top-8 log-probs (draft expansion), reduced after the graph and read vs "
+          "reduced inside the graph (GraphedModel.forward_argmax / forward_topk_logprobs); both reduce "
+          "with cuda_graphs._argmax / _topk_logprobs (fused_ops.logits_topk on a GPU)")
+    print("| shape | N | logits, then argmax + read | argmax in the graph | logits, then top-k + reads "
           "| top-k in the graph | same tokens |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for shape, r in reads.items():
