@@ -270,6 +270,13 @@ __device__ __forceinline__ void lse_merge(float& m, float& s, float m2, float s2
   m = M;
 }
 
+// The warp's (max, sum of exp) of its lanes' pairs, in every lane.
+__device__ __forceinline__ void warp_lse(float& m, float& s) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+    lse_merge(m, s, __shfl_xor_sync(0xffffffffu, m, off), __shfl_xor_sync(0xffffffffu, s, off));
+}
+
 // The warp's k best of its lanes' sorted lists (tv, ti): round r leaves the r-th best in
 // (best_v, best_i) of every lane (lane r keeps it in out_v / out_i); the winning lane pops its head.
 template <int K>
@@ -350,11 +357,7 @@ __device__ __forceinline__ void logits_topk_part_body(const float* __restrict__ 
   } else {
     for (int i = lo + tid; i < hi; i += TOPK_THREADS) push(row[i], i);
   }
-  if constexpr (LSE) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-      lse_merge(m, s, __shfl_xor_sync(0xffffffffu, m, off), __shfl_xor_sync(0xffffffffu, s, off));
-  }
+  if constexpr (LSE) warp_lse(m, s);
   float wv;
   int wi;
   warp_topk_merge<K>(tv, ti, k, wv, wi);
@@ -366,9 +369,7 @@ __device__ __forceinline__ void logits_topk_part_body(const float* __restrict__ 
     if constexpr (LSE) {
       m = lane < NW ? sm[lane] : -INFINITY;
       s = lane < NW ? ss[lane] : 0.f;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1)
-        lse_merge(m, s, __shfl_xor_sync(0xffffffffu, m, off), __shfl_xor_sync(0xffffffffu, s, off));
+      warp_lse(m, s);
     }
 #pragma unroll
     for (int j = 0; j < K; ++j) {
@@ -401,9 +402,7 @@ __device__ __forceinline__ void logits_topk_merge_body(const float* __restrict__
     ti[j] = have ? pi[part * K + j] : 0x7fffffff;
   }
   float m = lane < P ? pm[part] : -INFINITY, s = lane < P ? ps[part] : 0.f;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1)
-    lse_merge(m, s, __shfl_xor_sync(0xffffffffu, m, off), __shfl_xor_sync(0xffffffffu, s, off));
+  warp_lse(m, s);
   float wv;
   int wi;
   warp_topk_merge<K>(tv, ti, k, wv, wi);
