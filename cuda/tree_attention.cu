@@ -207,6 +207,123 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// One warp's piece of a K/V tile, the building blocks of every version: NT x 8 slots from slot
+// `base` of the stage's K and V tiles in shared memory (bf16 rows of D + 8 elements), against the
+// warp's 16 query rows (m16 A fragments: rows g and g + 8, g = lane / 4; qd = lane % 4).
+
+// S = Q K^T over the piece, Q held as A fragments in registers: qf[D / 16][4] (k-step s).
+template <int NT, int D>
+__device__ __forceinline__ void piece_qk(const __nv_bfloat16* ks, int base, int lane,
+                                         const uint32_t (&qf)[D / 16][4], float (&sacc)[NT][4]) {
+  constexpr int LDS = D + 8, DK = D / 16;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.f;
+    const __nv_bfloat16* krow = ks + (base + 8 * j + (lane & 7)) * LDS + 8 * (lane >> 3);
+#pragma unroll
+    for (int s2 = 0; s2 < DK / 2; ++s2) {
+      uint32_t b0, b1, b2, b3;
+      ldmatrix_x4(b0, b1, b2, b3, smem_u32(krow + 32 * s2));
+      mma_bf16(sacc[j], qf[2 * s2][0], qf[2 * s2][1], qf[2 * s2][2], qf[2 * s2][3], b0, b1);
+      mma_bf16(sacc[j], qf[2 * s2 + 1][0], qf[2 * s2 + 1][1], qf[2 * s2 + 1][2], qf[2 * s2 + 1][3], b2, b3);
+    }
+  }
+}
+
+// The online-softmax step of a piece: scores sacc (Q.K) masked by the visibility words wA / wB
+// (rows g / g + 8: bit 8 j + e % 2 = the lane's slot of n-tile j) and scaled to log2 units; the
+// running max m_run, sum l_run (this lane's share) and O rescaled; P out as bf16 A fragments.
+template <int NT, int DN>
+__device__ __forceinline__ void piece_softmax(float (&sacc)[NT][4], unsigned long long wA, unsigned long long wB,
+                                              float scale_log2, float (&m_run)[2], float (&l_run)[2],
+                                              float (&o)[DN][4], uint32_t (&pf)[NT][2]) {
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const unsigned long long w = (e >> 1) ? wB : wA;
+      const bool vis = (w >> (8 * j + (e & 1))) & 1ull;
+      const float s = vis ? sacc[j][e] * scale_log2 : -INFINITY;
+      sacc[j][e] = s;
+      mx[e >> 1] = fmaxf(mx[e >> 1], s);
+    }
+  }
+  float alpha[2], msub[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float m_new = fmaxf(m_run[r], mx[r]);
+    msub[r] = (m_new == -INFINITY) ? 0.f : m_new;
+    alpha[r] = exp2f(m_run[r] - msub[r]);
+    m_run[r] = m_new;
+    l_run[r] *= alpha[r];
+  }
+#pragma unroll
+  for (int i = 0; i < DN; ++i) {
+    o[i][0] *= alpha[0]; o[i][1] *= alpha[0];
+    o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
+  }
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const float p0 = exp2f(sacc[j][0] - msub[0]), p1 = exp2f(sacc[j][1] - msub[0]);
+    const float p2 = exp2f(sacc[j][2] - msub[1]), p3 = exp2f(sacc[j][3] - msub[1]);
+    l_run[0] += p0 + p1;
+    l_run[1] += p2 + p3;
+    pf[j][0] = pack_bf16(p0, p1);
+    pf[j][1] = pack_bf16(p2, p3);
+  }
+}
+
+// O += P V over the piece: k = its slots (16 per step), n = head dim (2 n-tiles per ldmatrix).
+template <int NT, int D>
+__device__ __forceinline__ void piece_pv(const __nv_bfloat16* vs, int base, int lane, const uint32_t (&pf)[NT][2],
+                                         float (&o)[D / 8][4]) {
+  constexpr int LDS = D + 8, DN = D / 8;
+#pragma unroll
+  for (int ks16 = 0; ks16 < NT / 2; ++ks16) {
+    const uint32_t a0 = pf[2 * ks16][0], a1 = pf[2 * ks16][1];
+    const uint32_t a2 = pf[2 * ks16 + 1][0], a3 = pf[2 * ks16 + 1][1];
+    const __nv_bfloat16* vrow =
+        vs + (base + 16 * ks16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * LDS + 8 * (lane >> 4);
+#pragma unroll
+    for (int dn2 = 0; dn2 < DN / 2; ++dn2) {
+      uint32_t b0, b1, b2, b3;
+      ldmatrix_x4_trans(b0, b1, b2, b3, smem_u32(vrow + 16 * dn2));
+      mma_bf16(o[2 * dn2], a0, a1, a2, a3, b0, b1);
+      mma_bf16(o[2 * dn2 + 1], a0, a1, a2, a3, b2, b3);
+    }
+  }
+}
+
+// A warp's partial (rows g, g + 8 of its row tile) into shared memory after its last piece: the
+// row sums completed over the 4 lanes of a row, then part_m / part_l [NW][16] and part_o
+// [NW][16][D] (fp32) at the warp's slot.
+template <int D>
+__device__ __forceinline__ void store_warp_partial(float* part_o, float* part_m, float* part_l, int warp, int lane,
+                                                   const float (&m_run)[2], float (&l_run)[2],
+                                                   const float (&o)[D / 8][4]) {
+  const int g = lane >> 2, qd = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+  }
+  if (qd == 0) {
+    part_m[warp * 16 + g] = m_run[0];
+    part_m[warp * 16 + g + 8] = m_run[1];
+    part_l[warp * 16 + g] = l_run[0];
+    part_l[warp * 16 + g + 8] = l_run[1];
+  }
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    const int c = 8 * i + 2 * qd;
+    *reinterpret_cast<float2*>(&part_o[(warp * 16 + g) * D + c]) = make_float2(o[i][0], o[i][1]);
+    *reinterpret_cast<float2*>(&part_o[(warp * 16 + g + 8) * D + c]) = make_float2(o[i][2], o[i][3]);
+  }
+}
+
 template <int D>
 struct Smem {
   static constexpr int LDS = D + 8;                    // padded row: ldmatrix without bank conflicts
@@ -406,20 +523,7 @@ __device__ __forceinline__ void tree_attention_body(
     }
 
     // O += P V: k = slots (16 per step), n = head dim (2 n-tiles per ldmatrix.x4.trans).
-#pragma unroll
-    for (int ks16 = 0; ks16 < PW / 16; ++ks16) {
-      const uint32_t a0 = pf[2 * ks16][0], a1 = pf[2 * ks16][1];
-      const uint32_t a2 = pf[2 * ks16 + 1][0], a3 = pf[2 * ks16 + 1][1];
-      const __nv_bfloat16* vrow =
-          vs + (part * PW + 16 * ks16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * LDS + 8 * (lane >> 4);
-#pragma unroll
-      for (int dn2 = 0; dn2 < DN / 2; ++dn2) {
-        uint32_t b0, b1, b2, b3;
-        ldmatrix_x4_trans(b0, b1, b2, b3, smem_u32(vrow + 16 * dn2));
-        mma_bf16(o[2 * dn2], a0, a1, a2, a3, b0, b1);
-        mma_bf16(o[2 * dn2 + 1], a0, a1, a2, a3, b2, b3);
-      }
-    }
+    piece_pv<NT, D>(vs, part * PW, lane, pf, o);
     if (it + 1 < my_tiles) mbits = pack_mask(mbytes);
   }
   cp_async_wait<0>();
@@ -594,6 +698,10 @@ using tree_attn::ldmatrix_x4;
 using tree_attn::ldmatrix_x4_trans;
 using tree_attn::mma_bf16;
 using tree_attn::pack_bf16;
+using tree_attn::piece_qk;
+using tree_attn::piece_softmax;
+using tree_attn::piece_pv;
+using tree_attn::store_warp_partial;
 
 constexpr int MAXT = 16;   // tiles whose mask bits are built per chunk
 
@@ -791,71 +899,11 @@ __device__ __forceinline__ void body(
     const unsigned long long wB = lB >= 0 ? bits[(it % MAXT) * RB + lB] >> bit0 : 0ull;
 
     float sacc[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.f;
-      const __nv_bfloat16* krow = ks + (part * PW + 8 * j + (lane & 7)) * LDS + 8 * (lane >> 3);
-#pragma unroll
-      for (int s2 = 0; s2 < DK / 2; ++s2) {
-        uint32_t b0, b1, b2, b3;
-        ldmatrix_x4(b0, b1, b2, b3, smem_u32(krow + 32 * s2));
-        mma_bf16(sacc[j], qf[2 * s2][0], qf[2 * s2][1], qf[2 * s2][2], qf[2 * s2][3], b0, b1);
-        mma_bf16(sacc[j], qf[2 * s2 + 1][0], qf[2 * s2 + 1][1], qf[2 * s2 + 1][2], qf[2 * s2 + 1][3], b2, b3);
-      }
-    }
+    piece_qk<NT, D>(ks, part * PW, lane, qf, sacc);
 
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const unsigned long long w = (e >> 1) ? wB : wA;
-        const bool vis = (w >> (8 * j + (e & 1))) & 1ull;
-        const float s = vis ? sacc[j][e] * scale_log2 : -INFINITY;
-        sacc[j][e] = s;
-        mx[e >> 1] = fmaxf(mx[e >> 1], s);
-      }
-    }
-    float alpha[2], msub[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float m_new = fmaxf(m_run[r], mx[r]);
-      msub[r] = (m_new == -INFINITY) ? 0.f : m_new;
-      alpha[r] = exp2f(m_run[r] - msub[r]);
-      m_run[r] = m_new;
-      l_run[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int i = 0; i < DN; ++i) {
-      o[i][0] *= alpha[0]; o[i][1] *= alpha[0];
-      o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
-    }
     uint32_t pf[NT][2];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const float p0 = exp2f(sacc[j][0] - msub[0]), p1 = exp2f(sacc[j][1] - msub[0]);
-      const float p2 = exp2f(sacc[j][2] - msub[1]), p3 = exp2f(sacc[j][3] - msub[1]);
-      l_run[0] += p0 + p1;
-      l_run[1] += p2 + p3;
-      pf[j][0] = pack_bf16(p0, p1);
-      pf[j][1] = pack_bf16(p2, p3);
-    }
-#pragma unroll
-    for (int ks16 = 0; ks16 < PW / 16; ++ks16) {
-      const uint32_t a0 = pf[2 * ks16][0], a1 = pf[2 * ks16][1];
-      const uint32_t a2 = pf[2 * ks16 + 1][0], a3 = pf[2 * ks16 + 1][1];
-      const __nv_bfloat16* vrow =
-          vs + (part * PW + 16 * ks16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * LDS + 8 * (lane >> 4);
-#pragma unroll
-      for (int dn2 = 0; dn2 < DN / 2; ++dn2) {
-        uint32_t b0, b1, b2, b3;
-        ldmatrix_x4_trans(b0, b1, b2, b3, smem_u32(vrow + 16 * dn2));
-        mma_bf16(o[2 * dn2], a0, a1, a2, a3, b0, b1);
-        mma_bf16(o[2 * dn2 + 1], a0, a1, a2, a3, b2, b3);
-      }
-    }
+    piece_softmax<NT, DN>(sacc, wA, wB, scale_log2, m_run, l_run, o, pf);
+    piece_pv<NT, D>(vs, part * PW, lane, pf, o);
     // Refill this stage with tile it + STAGES once every warp is done with it (block-uniform).
     if (it + STAGES < my_tiles) {
       __syncthreads();
@@ -867,23 +915,7 @@ __device__ __forceinline__ void body(
   float* part_o = reinterpret_cast<float*>(smem_raw);   // [NW][16][D]
   float* part_m = part_o + NW * 16 * D;                  // [NW][16]
   float* part_l = part_m + NW * 16;                      // [NW][16]
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-  }
-  if (qd == 0) {
-    part_m[warp * 16 + g] = m_run[0];
-    part_m[warp * 16 + g + 8] = m_run[1];
-    part_l[warp * 16 + g] = l_run[0];
-    part_l[warp * 16 + g + 8] = l_run[1];
-  }
-#pragma unroll
-  for (int i = 0; i < DN; ++i) {
-    const int c = 8 * i + 2 * qd;
-    *reinterpret_cast<float2*>(&part_o[(warp * 16 + g) * D + c]) = make_float2(o[i][0], o[i][1]);
-    *reinterpret_cast<float2*>(&part_o[(warp * 16 + g + 8) * D + c]) = make_float2(o[i][2], o[i][3]);
-  }
+  store_warp_partial<D>(part_o, part_m, part_l, warp, lane, m_run, l_run, o);
   __syncthreads();
   // Every block of the cluster has started (phase 0): its shared memory may be written.
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
@@ -1036,6 +1068,10 @@ using tree_attn::ldmatrix_x4;
 using tree_attn::ldmatrix_x4_trans;
 using tree_attn::mma_bf16;
 using tree_attn::pack_bf16;
+using tree_attn::piece_qk;
+using tree_attn::piece_softmax;
+using tree_attn::piece_pv;
+using tree_attn::store_warp_partial;
 using tree_attn2::MAXT;
 using tree_attn2::mbar_init;
 using tree_attn2::mbar_wait;
@@ -1251,71 +1287,11 @@ __device__ __forceinline__ void body(
     const unsigned long long wB = lB >= 0 ? bits[(it % MAXT) * RB + lB] >> bit0 : 0ull;
 
     float sacc[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.f;
-      const __nv_bfloat16* krow = ks + (part * PW + 8 * j + (lane & 7)) * LDS + 8 * (lane >> 3);
-#pragma unroll
-      for (int s2 = 0; s2 < DK / 2; ++s2) {
-        uint32_t b0, b1, b2, b3;
-        ldmatrix_x4(b0, b1, b2, b3, smem_u32(krow + 32 * s2));
-        mma_bf16(sacc[j], qf[2 * s2][0], qf[2 * s2][1], qf[2 * s2][2], qf[2 * s2][3], b0, b1);
-        mma_bf16(sacc[j], qf[2 * s2 + 1][0], qf[2 * s2 + 1][1], qf[2 * s2 + 1][2], qf[2 * s2 + 1][3], b2, b3);
-      }
-    }
+    piece_qk<NT, D>(ks, part * PW, lane, qf, sacc);
 
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const unsigned long long w = (e >> 1) ? wB : wA;
-        const bool vis = (w >> (8 * j + (e & 1))) & 1ull;
-        const float s = vis ? sacc[j][e] * scale_log2 : -INFINITY;
-        sacc[j][e] = s;
-        mx[e >> 1] = fmaxf(mx[e >> 1], s);
-      }
-    }
-    float alpha[2], msub[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float m_new = fmaxf(m_run[r], mx[r]);
-      msub[r] = (m_new == -INFINITY) ? 0.f : m_new;
-      alpha[r] = exp2f(m_run[r] - msub[r]);
-      m_run[r] = m_new;
-      l_run[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int i = 0; i < DN; ++i) {
-      o[i][0] *= alpha[0]; o[i][1] *= alpha[0];
-      o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
-    }
     uint32_t pf[NT][2];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const float p0 = exp2f(sacc[j][0] - msub[0]), p1 = exp2f(sacc[j][1] - msub[0]);
-      const float p2 = exp2f(sacc[j][2] - msub[1]), p3 = exp2f(sacc[j][3] - msub[1]);
-      l_run[0] += p0 + p1;
-      l_run[1] += p2 + p3;
-      pf[j][0] = pack_bf16(p0, p1);
-      pf[j][1] = pack_bf16(p2, p3);
-    }
-#pragma unroll
-    for (int ks16 = 0; ks16 < PW / 16; ++ks16) {
-      const uint32_t a0 = pf[2 * ks16][0], a1 = pf[2 * ks16][1];
-      const uint32_t a2 = pf[2 * ks16 + 1][0], a3 = pf[2 * ks16 + 1][1];
-      const __nv_bfloat16* vrow =
-          vs + (part * PW + 16 * ks16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * LDS + 8 * (lane >> 4);
-#pragma unroll
-      for (int dn2 = 0; dn2 < DN / 2; ++dn2) {
-        uint32_t b0, b1, b2, b3;
-        ldmatrix_x4_trans(b0, b1, b2, b3, smem_u32(vrow + 16 * dn2));
-        mma_bf16(o[2 * dn2], a0, a1, a2, a3, b0, b1);
-        mma_bf16(o[2 * dn2 + 1], a0, a1, a2, a3, b2, b3);
-      }
-    }
+    piece_softmax<NT, DN>(sacc, wA, wB, scale_log2, m_run, l_run, o, pf);
+    piece_pv<NT, D>(vs, part * PW, lane, pf, o);
     if (it + STAGES < my_tiles) {
       __syncthreads();
       issue_tile(t_begin + it + STAGES, stage);
@@ -1326,23 +1302,7 @@ __device__ __forceinline__ void body(
   float* part_o = reinterpret_cast<float*>(smem_raw);   // [NW][16][D]
   float* part_m = part_o + NW * 16 * D;                  // [NW][16]
   float* part_l = part_m + NW * 16;                      // [NW][16]
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-  }
-  if (qd == 0) {
-    part_m[warp * 16 + g] = m_run[0];
-    part_m[warp * 16 + g + 8] = m_run[1];
-    part_l[warp * 16 + g] = l_run[0];
-    part_l[warp * 16 + g + 8] = l_run[1];
-  }
-#pragma unroll
-  for (int i = 0; i < DN; ++i) {
-    const int c = 8 * i + 2 * qd;
-    *reinterpret_cast<float2*>(&part_o[(warp * 16 + g) * D + c]) = make_float2(o[i][0], o[i][1]);
-    *reinterpret_cast<float2*>(&part_o[(warp * 16 + g + 8) * D + c]) = make_float2(o[i][2], o[i][3]);
-  }
+  store_warp_partial<D>(part_o, part_m, part_l, warp, lane, m_run, l_run, o);
   __syncthreads();
 
   // This split's partial: the KV_PARTS warps of each row tile pre-combined (fixed order), rows
@@ -1500,6 +1460,10 @@ using tree_attn::ldmatrix_x4;
 using tree_attn::ldmatrix_x4_trans;
 using tree_attn::mma_bf16;
 using tree_attn::pack_bf16;
+using tree_attn::piece_qk;
+using tree_attn::piece_softmax;
+using tree_attn::piece_pv;
+using tree_attn::store_warp_partial;
 using tree_attn2::mbar_init;
 using tree_attn2::mbar_wait;
 using tree_attn2::cp_async_mbar_arrive;
@@ -1701,59 +1665,9 @@ __device__ __forceinline__ void body(
       }
     }
 
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const unsigned long long w = (e >> 1) ? wB : wA;
-        const bool vis = (w >> (8 * j + (e & 1))) & 1ull;
-        const float s = vis ? sacc[j][e] * scale_log2 : -INFINITY;
-        sacc[j][e] = s;
-        mx[e >> 1] = fmaxf(mx[e >> 1], s);
-      }
-    }
-    float alpha[2], msub[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float m_new = fmaxf(m_run[r], mx[r]);
-      msub[r] = (m_new == -INFINITY) ? 0.f : m_new;
-      alpha[r] = exp2f(m_run[r] - msub[r]);
-      m_run[r] = m_new;
-      l_run[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int i = 0; i < DN; ++i) {
-      o[i][0] *= alpha[0]; o[i][1] *= alpha[0];
-      o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
-    }
     uint32_t pf[NT][2];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const float p0 = exp2f(sacc[j][0] - msub[0]), p1 = exp2f(sacc[j][1] - msub[0]);
-      const float p2 = exp2f(sacc[j][2] - msub[1]), p3 = exp2f(sacc[j][3] - msub[1]);
-      l_run[0] += p0 + p1;
-      l_run[1] += p2 + p3;
-      pf[j][0] = pack_bf16(p0, p1);
-      pf[j][1] = pack_bf16(p2, p3);
-    }
-    // O += P V: k = the piece's slots (16 per step), n = head dim (2 n-tiles per ldmatrix).
-#pragma unroll
-    for (int ks16 = 0; ks16 < PW / 16; ++ks16) {
-      const uint32_t a0 = pf[2 * ks16][0], a1 = pf[2 * ks16][1];
-      const uint32_t a2 = pf[2 * ks16 + 1][0], a3 = pf[2 * ks16 + 1][1];
-      const __nv_bfloat16* vrow =
-          vs + (off + 16 * ks16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * LDS + 8 * (lane >> 4);
-#pragma unroll
-      for (int dn2 = 0; dn2 < DN / 2; ++dn2) {
-        uint32_t b0, b1, b2, b3;
-        ldmatrix_x4_trans(b0, b1, b2, b3, smem_u32(vrow + 16 * dn2));
-        mma_bf16(o[2 * dn2], a0, a1, a2, a3, b0, b1);
-        mma_bf16(o[2 * dn2 + 1], a0, a1, a2, a3, b2, b3);
-      }
-    }
+    piece_softmax<NT, DN>(sacc, wA, wB, scale_log2, m_run, l_run, o, pf);
+    piece_pv<NT, D>(vs, off, lane, pf, o);
   }
 
   // 6. Block combine. Warp row maxima first; the barrier also ends every use of the K/V ring.

@@ -570,6 +570,18 @@ def test_logits_topk_matches_torch(gen, N, V):
         assert torch.equal(fused_ops.logits_topk(x, 1, logprobs=False)[0].view(-1), torch.argmax(x, dim=-1))
 
 
+@pytest.mark.parametrize("V", [1, 3, 7, 33])
+def test_logits_topk_few_columns(gen, V):
+    """A row shorter than one block's pass (most threads see no column, k can be the whole row):
+    every k up to min(V, TOPK_MAX) gives torch.topk's indices and log-probs."""
+    x = torch.randn(5, V, generator=gen, device="cuda")
+    ref_lp = torch.log_softmax(x, dim=-1)
+    for k in sorted({1, min(V, 2), min(V, 8), min(V, fused_ops.TOPK_MAX)}):
+        ids, vals = fused_ops.logits_topk(x, k)
+        assert torch.equal(ids, torch.topk(x, k, dim=-1).indices), (V, k)
+        assert (vals - torch.gather(ref_lp, 1, ids)).abs().max().item() < 2e-5, (V, k)
+
+
 def test_logits_topk_ties_infinities_graph_and_bad_input(gen):
     """Ties go to the lower index (torch.argmax's first maximum); -inf logits count for the top-k
     but not the log-sum-exp; a captured launch reads new logits on replay; bad input is refused."""
