@@ -39,6 +39,8 @@ THREADS=${THREADS:-${SLURM_CPUS_PER_TASK:-1}}   # torch threads per rank
 CHAT=${CHAT:-1}                             # 1 = chat template (instruct models answer the prompt); 0 = raw continuation
 OUT=${OUT:-runs/interactive-${SLURM_JOB_ID:-local}-$(date +%Y%m%d-%H%M%S).h5}   # HDF5 trace of this run
 SRUN_MPI=${SRUN_MPI:-pmi2}                  # pmi2 for MPICH (the mpich wheel, default); pmix for Open MPI
+MPS=${MPS:-auto}                            # CUDA MPS daemon for ranks that share a GPU (jobs/mps.sh): auto = when
+                                            # the allocation has more tasks than GPUs, 1 = always, 0 = never
 if [[ -z ${SWIFTSPEC_VENV+set} ]]; then     # venv with swiftspec-mpi: default the checkout's .venv if present
     here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
     [[ -x $here/.venv/bin/swiftspec ]] && SWIFTSPEC_VENV=$here/.venv
@@ -64,9 +66,19 @@ args=(run --mode "$MODE" --prompt "$PROMPT" --max-new-tokens "$MAX_NEW_TOKENS"
 [[ $CHAT == 1 ]] && args+=(--chat)
 args+=("$@")
 
+source "$(dirname "${BASH_SOURCE[0]}")/mps.sh"
+[[ $DEVICE == cpu && $MPS == auto ]] || mps_start "$ntasks" "$(mps_gpu_count)"
+
 # --ntasks: every task of the allocation; --unbuffered: stream each token as the leader prints it;
 # --kill-on-bad-exit=1: one failing rank ends them all; --quit-on-interrupt: ONE Ctrl-C sends
 # SIGINT to the ranks (without it srun only prints task states and needs a second Ctrl-C), the
 # engine finishes the step, writes OUT and exits; a second Ctrl-C makes srun kill them at once.
-exec srun --mpi="$SRUN_MPI" --ntasks="$ntasks" --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
-    --unbuffered --kill-on-bad-exit=1 --quit-on-interrupt swiftspec "${args[@]}"
+launch=(srun --mpi="$SRUN_MPI" --ntasks="$ntasks" --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"
+        --unbuffered --kill-on-bad-exit=1 --quit-on-interrupt swiftspec "${args[@]}")
+if [[ $_mps_started == 1 ]]; then    # stay to stop the daemon afterwards (mps.sh's EXIT trap)
+    trap 'exit 130' INT              # after srun has returned
+    rc=0
+    "${launch[@]}" || rc=$?
+    exit "$rc"
+fi
+exec "${launch[@]}"

@@ -32,6 +32,8 @@ THREADS=${THREADS:-}                        # torch threads per rank (empty: cor
 CHAT=${CHAT:-0}                             # 1 = chat template (--chat)
 OUT=${OUT:-runs/swiftspec-local-$(date +%Y%m%d-%H%M%S).h5}   # HDF5 trace
 OVERWRITE=${OVERWRITE:-0}                   # 1 = replace an existing OUT
+MPS=${MPS:-auto}                            # CUDA MPS daemon for ranks that share a GPU (jobs/mps.sh): auto = when
+                                            # NP exceeds the GPUs and DEVICE is not cpu, 1 = always, 0 = never
 if [[ -z ${SWIFTSPEC_VENV+set} ]]; then     # venv with swiftspec-mpi: default the checkout's .venv if present
     here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
     [[ -x $here/.venv/bin/swiftspec ]] && SWIFTSPEC_VENV=$here/.venv
@@ -61,6 +63,14 @@ if [[ -n $PROMPTS ]]; then args+=(--prompts "$PROMPTS"); else args+=(--prompt "$
 args+=("$@")
 
 read -r -a launcher_args <<< "$MPIEXEC_ARGS"
+source "$(dirname "${BASH_SOURCE[0]}")/mps.sh"
+[[ $DEVICE == cpu && $MPS == auto ]] || mps_start "$NP" "$(mps_gpu_count)"
 echo "+ $MPIEXEC -n $NP ${MPIEXEC_ARGS:+$MPIEXEC_ARGS }swiftspec $(printf '%q ' "${args[@]}")" >&2
 # Ctrl-C: mpiexec forwards SIGINT to the ranks; they finish the step, write OUT and exit non-zero.
+if [[ $_mps_started == 1 ]]; then    # stay to stop the daemon afterwards (mps.sh's EXIT trap)
+    trap 'exit 130' INT              # after mpiexec has returned
+    rc=0
+    "$MPIEXEC" -n "$NP" "${launcher_args[@]}" swiftspec "${args[@]}" || rc=$?
+    exit "$rc"
+fi
 exec "$MPIEXEC" -n "$NP" "${launcher_args[@]}" swiftspec "${args[@]}"

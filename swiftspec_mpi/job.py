@@ -21,6 +21,7 @@ import traceback
 import numpy as np
 
 from swiftspec_mpi import config as C
+from swiftspec_mpi.gpu_sharing import check_gpu_sharing
 from swiftspec_mpi.errors import (EXIT_INTERRUPTED, EXIT_RUNTIME_ERROR, EXIT_USER_ERROR, PeerError,
                                   UserError)
 
@@ -454,6 +455,7 @@ class Job:
         self.topo = topo = build_topology(self.world, cfg.mode, cfg.draft_ranks)
         self.threads = pin_threads(topo, cfg.threads)
         self.device = choose_device(cfg, topo)
+        gpu_sharing = check_gpu_sharing(self.world, topo.role_name, self.device)
         error = None      # (exit code, one-line message) of this rank's load failure
         target = draft = tokenizer = None
         try:
@@ -490,6 +492,7 @@ class Job:
         self.ctx.expansions = cfg.expansions or profiled
         self.env = environment(cfg, topo, self.device, self.threads, self.ctx.expansions)
         self.env["profile"] = self.ctx.scratch.get("profile", {})
+        self.env["gpu_sharing"] = gpu_sharing
         if self.rank == 0:
             self.ctx.on_progress = self.maybe_checkpoint
         del torch

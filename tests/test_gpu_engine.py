@@ -6,12 +6,13 @@ head_dim (64) the fused kernels take: float32 (eager torch path) must match exac
 target's top-2 logit margin at that position (a near-tie explained by numerics)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-from engine_helpers import read_outputs, run_swiftspec, write_prompts
+from engine_helpers import read_outputs, read_root, run_swiftspec, write_prompts
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi,
@@ -40,10 +41,15 @@ def test_gpu_async_equals_ar(pair64, tmp_path, dtype):
     outs = {}
     for mode, n in [("ar", 1), ("async", 2), ("sync", 1)]:
         out = tmp_path / f"{mode}.h5"
-        run_swiftspec(n, ["--target", pair64[0], "--draft", pair64[1], "--mode", mode, "--device", "cuda",
-                          "--dtype", dtype, "--prompts", prompts, "--max-new-tokens", "64", "--out", str(out),
-                          "--quiet"], timeout=600)
+        proc = run_swiftspec(n, ["--target", pair64[0], "--draft", pair64[1], "--mode", mode, "--device", "cuda",
+                                 "--dtype", dtype, "--prompts", prompts, "--max-new-tokens", "64", "--out",
+                                 str(out), "--quiet"], timeout=600)
         outs[mode] = read_outputs(out)
+        if mode == "async" and torch.cuda.device_count() == 1:    # both ranks on the one GPU
+            sharing = json.loads(read_root(out)["env_json"])["gpu_sharing"]
+            assert sharing["shared_gpu_ranks"] == [[0, 1]] and sharing["gpu_uuids"][0] == sharing["gpu_uuids"][1]
+            assert ("share a GPU and no CUDA MPS daemon" in proc.stderr) == (not all(sharing["mps_daemon"])), \
+                proc.stderr
     if dtype == "float32":
         assert outs["async"] == outs["ar"] and outs["sync"] == outs["ar"]
         return

@@ -197,6 +197,7 @@ def test_generate_async_job(slurm_cluster, generated):
     env = json.loads(trace["root"]["env_json"])
     assert env["world_size"] == 2 and env["verify_ranks"] == 1 and env["draft_ranks"] == 1, env
     assert env["slurm_job_id"] == str(job["id"]), env
+    assert env["gpu_sharing"]["gpu_uuids"] == [None, None] and env["gpu_sharing"]["shared_gpu_ranks"] == [], env
     log = slurm_cluster.job_output(job["id"])
     assert "swiftspec exited with status 0" in log, log
 
@@ -246,6 +247,26 @@ def test_generate_gpu_template_binds_by_localid(slurm_cluster, base_env, workdir
     trace = read_trace(workdir / "runs" / f"swiftspec-{job}.h5")
     assert_good_trace(trace, "async", world=2, n_requests=len(PROMPTS))
     assert outputs(trace) == outputs(read_trace(generated["ar"]["h5"]))
+
+
+def test_generate_gpu_template_starts_mps_for_shared_gpus(slurm_cluster, base_env, workdir, tmp_path):
+    """generate-gpu.sbatch with 2 ranks on 1 (fake) GPU: MPS=auto starts a per-job daemon (a
+    stand-in nvidia-cuda-mps-control), found next to the submitted template, and stops it."""
+    if slurm_cluster.gpu_reason:
+        pytest.skip(slurm_cluster.gpu_reason)
+    bin_dir, log = fake_mps_control(tmp_path)
+    job = slurm_cluster.submit(
+        JOBS / "generate-gpu.sbatch", cwd=workdir,
+        options=["--gpus-per-node=1", "--ntasks-per-node=2", "--cpus-per-task=1"],
+        export={**base_env, "DEVICE": "cpu", "THREADS": "1", "DRAFT_RANKS": "1", "TMPDIR": str(tmp_path),
+                "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OUT": f"runs/mps-{tmp_path.name}.h5"})
+    info = slurm_cluster.wait_job(job, timeout=JOB_TIMEOUT)
+    assert_completed(slurm_cluster, job, info)
+    out = slurm_cluster.job_output(job)
+    assert "started a CUDA MPS daemon for 2 ranks on 1 GPU(s)" in out and "stopped the CUDA MPS daemon" in out, out
+    assert log.read_text().splitlines()[-1] == "quit"
+    env = json.loads(read_trace(workdir / "runs" / f"mps-{tmp_path.name}.h5")["root"]["env_json"])
+    assert env["gpu_sharing"]["mps_daemon"] == [True, True], env
 
 
 def test_interactive_under_salloc(slurm_cluster, base_env, workdir, generated):
@@ -372,6 +393,48 @@ def test_bench_time_limit_signal(slurm_cluster, base_env, tmp_path):
     trace = read_trace(out_dir / "ar.h5")
     assert trace["root"]["exit_status"] == "interrupted" and not bool(trace["root"]["complete"])
     assert (out_dir / "bench.md").is_file()
+
+
+def fake_mps_control(folder: Path) -> tuple[Path, Path]:
+    """A stand-in nvidia-cuda-mps-control on PATH (no GPU here): `-d` makes the daemon's control
+    pipe in CUDA_MPS_PIPE_DIRECTORY (what the engine checks), `quit` on stdin removes it; each
+    call is logged. -> (bin folder for PATH, log file)."""
+    bin_dir, log = folder / "fakebin", folder / "mps.log"
+    bin_dir.mkdir()
+    tool = bin_dir / "nvidia-cuda-mps-control"
+    tool.write_text(f"""#!/bin/bash
+if [[ ${{1:-}} == -d ]]; then echo "start $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY" >> {log}
+    touch "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0; fi
+read -r cmd; echo "$cmd" >> {log}; rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+""")
+    tool.chmod(0o755)
+    return bin_dir, log
+
+
+def test_mpirun_local_starts_and_stops_mps(tiny, tmp_path):
+    """jobs/mpirun-local.sh MPS=1: a per-run MPS daemon (a stand-in here) is started before the
+    ranks, which see it (the trace's gpu_sharing.mps_daemon), and stopped after them."""
+    bin_dir, log = fake_mps_control(tmp_path)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "PMI_", "HYDRA_", "CUDA_MPS_"))}
+    env.update(tiny, SWIFTSPEC_VENV=str(VENV), NP="2", MODE="async", PROMPT=PROMPTS[1], MPS="1",
+               MAX_NEW_TOKENS=str(MAX_NEW), THREADS="1", OUT=str(tmp_path / "mps.h5"), TMPDIR=str(tmp_path),
+               PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
+    r = subprocess.run([str(JOBS / "mpirun-local.sh")], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=JOB_TIMEOUT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    start, quit_ = log.read_text().splitlines()
+    pipe = start.split()[1]
+    assert start.startswith(f"start {tmp_path}/swiftspec-mps-") and pipe.endswith("/pipe") and quit_ == "quit"
+    assert not Path(pipe).exists()                          # removed once the daemon stopped
+    assert "started a CUDA MPS daemon for 2 ranks" in r.stderr and "stopped the CUDA MPS daemon" in r.stderr
+    trace = read_trace(tmp_path / "mps.h5")
+    env_json = json.loads(trace["root"]["env_json"])
+    assert env_json["gpu_sharing"]["mps_daemon"] == [True, True], env_json["gpu_sharing"]
+    env["MPS"] = "maybe"
+    r = subprocess.run([str(JOBS / "mpirun-local.sh")], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=JOB_TIMEOUT)
+    assert r.returncode != 0 and "MPS must be auto, 1 or 0, not 'maybe'" in r.stderr, r.stderr
 
 
 def test_mpirun_local_without_slurm(tiny, tmp_path):

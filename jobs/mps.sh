@@ -1,0 +1,72 @@
+# swiftspec-mpi: a CUDA MPS daemon for the ranks of one job that share a GPU. Sourced by
+# generate-gpu.sbatch, interactive.sh and mpirun-local.sh; not run on its own.
+#
+# Why: two processes on one GPU take turns on it (time slicing), so an async draft rank and verify
+# rank that share a GPU never run at the same time. The Multi-Process Service runs their kernels
+# concurrently: 8B verify + 1B draft on one H200, async 80 tok/s without MPS, 111 with
+# (docs/benchmarks.md, sixth session; docs/slurm.md, "Ranks that share a GPU").
+#
+#   source jobs/mps.sh
+#   mps_start "$NRANKS" "$NGPUS"     # MPS=auto (default): start one when NRANKS > NGPUS > 0
+#   ...launch the ranks...           # they inherit CUDA_MPS_PIPE_DIRECTORY / _LOG_DIRECTORY
+#   mps_stop                         # also registered on EXIT; stops only a daemon we started
+#
+# MPS=1 starts one whenever nvidia-cuda-mps-control is on PATH, MPS=0 never. A daemon that
+# already listens on CUDA_MPS_PIPE_DIRECTORY (a site-wide one) is used as it is. Ours keeps its
+# pipe and log folders under ${TMPDIR:-/tmp}/swiftspec-mps-<job id or pid>/ (the log stays).
+
+MPS=${MPS:-auto}                            # auto | 1 | 0 (see above)
+_mps_started=0
+
+# The GPUs this job may use: the entries of CUDA_VISIBLE_DEVICES, else what nvidia-smi lists.
+mps_gpu_count() {
+    if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+        local -a ids
+        IFS=, read -r -a ids <<< "$CUDA_VISIBLE_DEVICES"
+        echo "${#ids[@]}"
+    elif command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+    else
+        echo 0
+    fi
+}
+
+mps_start() {   # NRANKS NGPUS
+    local nranks=$1 ngpus=$2
+    case $MPS in
+        0) return 0 ;;
+        1) ;;
+        auto) (( ngpus > 0 && nranks > ngpus )) || return 0 ;;
+        *) echo "mps.sh: MPS must be auto, 1 or 0, not '$MPS'" >&2; return 2 ;;
+    esac
+    if ! command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+        echo "mps.sh: warning: $nranks ranks on $ngpus GPU(s) but nvidia-cuda-mps-control is not on PATH:" \
+             "ranks that share a GPU will take turns on it (MPS=0 silences this)" >&2
+        return 0
+    fi
+    if [[ -n ${CUDA_MPS_PIPE_DIRECTORY:-} && -e $CUDA_MPS_PIPE_DIRECTORY/control ]]; then
+        echo "mps.sh: using the MPS daemon already at $CUDA_MPS_PIPE_DIRECTORY" >&2
+        return 0
+    fi
+    local base=${TMPDIR:-/tmp}/swiftspec-mps-${SLURM_JOB_ID:-$$}
+    export CUDA_MPS_PIPE_DIRECTORY=$base/pipe CUDA_MPS_LOG_DIRECTORY=$base/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d; then
+        _mps_started=1
+        trap mps_stop EXIT
+        echo "mps.sh: started a CUDA MPS daemon for $nranks ranks on $ngpus GPU(s) (pipe $CUDA_MPS_PIPE_DIRECTORY)" >&2
+    else
+        echo "mps.sh: warning: nvidia-cuda-mps-control -d failed (log: $CUDA_MPS_LOG_DIRECTORY);" \
+             "ranks that share a GPU will take turns on it" >&2
+        unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    fi
+}
+
+mps_stop() {
+    if [[ $_mps_started == 1 ]]; then
+        _mps_started=0
+        echo quit | nvidia-cuda-mps-control || true
+        rm -rf "$CUDA_MPS_PIPE_DIRECTORY"
+        echo "mps.sh: stopped the CUDA MPS daemon (log: $CUDA_MPS_LOG_DIRECTORY)" >&2
+    fi
+}
