@@ -12,8 +12,9 @@
 #   mps_stop                         # also registered on EXIT; stops only a daemon we started
 #
 # MPS=1 starts one whenever nvidia-cuda-mps-control is on PATH, MPS=0 never. A daemon that
-# already listens on CUDA_MPS_PIPE_DIRECTORY (a site-wide one) is used as it is. Ours keeps its
-# pipe and log folders under ${TMPDIR:-/tmp}/swiftspec-mps-<job id or pid>/ (the log stays).
+# already listens where CUDA clients look (CUDA_MPS_PIPE_DIRECTORY, default /tmp/nvidia-mps: a
+# site-wide one) is used as it is. Ours keeps its pipe and log folders under
+# ${TMPDIR:-/tmp}/swiftspec-mps-<job id or pid>/ (/tmp when TMPDIR is long; the log stays).
 
 MPS=${MPS:-auto}                            # auto | 1 | 0 (see above)
 _mps_started=0
@@ -44,11 +45,14 @@ mps_start() {   # NRANKS NGPUS
              "ranks that share a GPU will take turns on it (MPS=0 silences this)" >&2
         return 0
     fi
-    if [[ -n ${CUDA_MPS_PIPE_DIRECTORY:-} && -e $CUDA_MPS_PIPE_DIRECTORY/control ]]; then
-        echo "mps.sh: using the MPS daemon already at $CUDA_MPS_PIPE_DIRECTORY" >&2
+    local existing=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}    # where CUDA clients look
+    if [[ -e $existing/control ]]; then
+        echo "mps.sh: using the MPS daemon already at $existing" >&2
         return 0
     fi
-    local base=${TMPDIR:-/tmp}/swiftspec-mps-${SLURM_JOB_ID:-$$}
+    local base=${TMPDIR:-/tmp}
+    (( ${#base} <= 60 )) || base=/tmp           # the daemon's sockets need a short path
+    base=$base/swiftspec-mps-${SLURM_JOB_ID:-$$}
     export CUDA_MPS_PIPE_DIRECTORY=$base/pipe CUDA_MPS_LOG_DIRECTORY=$base/log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     if nvidia-cuda-mps-control -d; then
