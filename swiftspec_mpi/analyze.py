@@ -27,6 +27,7 @@ import sys
 import numpy as np
 
 from swiftspec_mpi.errors import UserError
+from swiftspec_mpi.gpu_sharing import describe as describe_gpu_sharing
 
 ROLE_NAMES = {0: "verify", 1: "draft"}
 KIND_COLORS = {"prefill": "#8c564b", "expand": "#2ca02c", "verify": "#1f77b4", "reroot": "#9467bd",
@@ -254,6 +255,7 @@ def table_rows(summaries: list[dict]) -> list[tuple[str, list[str]]]:
     rows.append(("mode", col(lambda s: s["mode"])))
     rows.append(("complete", col(lambda s: "yes" if s["complete"] else f"NO ({s['exit_status'] or '?'})")))
     rows.append(("ranks (groups)", col(groups)))
+    rows.append(("GPU shared by", col(lambda s: describe_gpu_sharing((s.get("env") or {}).get("gpu_sharing")))))
     rows.append(("requests", col(lambda s: str(s["n_requests"]))))
     rows.append(("new tokens", col(lambda s: str(s["new_tokens"]))))
     rows.append(("request seconds", col(lambda s: _f(s["seconds"], 3))))

@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 
 from swiftspec_mpi.errors import EXIT_RUNTIME_ERROR, UserError
+from swiftspec_mpi.gpu_sharing import describe as describe_gpu_sharing
+from swiftspec_mpi.gpu_sharing import time_sliced
 
 OUR_SYSTEMS = ("ar", "sync", "async")
 HF_SYSTEMS = ("hf-greedy", "hf-assisted")
@@ -283,6 +285,11 @@ def build_markdown(results: list[dict], meta: dict) -> str:
         if r["status"] != "ok":
             notes.append(f"- **{r['system']}** {r['status']}: {r.get('error') or 'incomplete trace'}"
                          + (f" (log: `{r['log']}`)" if r.get("log") else ""))
+        sharing = (s.get("env") or {}).get("gpu_sharing")
+        if time_sliced(sharing):
+            notes.append(f"- **{r['system']}**: {describe_gpu_sharing(sharing)} shared a GPU without a "
+                         "CUDA MPS daemon, so its ranks took turns on it; start one (`nvidia-cuda-mps-control "
+                         "-d`) before the bench (docs/slurm.md, \"Ranks that share a GPU: MPS\")")
         tps = s.get("tokens_per_s")
         speed = f"{tps / base_tps:.2f}x" if tps and base_tps else "-"
         if r["system"] == "ar":

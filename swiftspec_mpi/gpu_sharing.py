@@ -84,3 +84,26 @@ def check_gpu_sharing(world, role_name: str, device: str) -> dict:
         print(f"swiftspec run: note: {note}", file=sys.stderr, flush=True)
     return {"gpu_uuids": [e[3] for e in entries], "shared_gpu_ranks": groups,
             "mps_daemon": [bool(e[4]) for e in everyone]}
+
+
+def describe(record: dict | None) -> str:
+    """A trace's `gpu_sharing` record in a few words (swiftspec analyze, bench): "-" for traces
+    written before it existed, "cpu", "no" (every GPU rank has its own GPU), or which ranks
+    shared one and whether an MPS daemon served them."""
+    if not record:
+        return "-"
+    if all(u is None for u in record.get("gpu_uuids") or [None]):
+        return "cpu"
+    groups = record.get("shared_gpu_ranks") or []
+    if not groups:
+        return "no"
+    mps = record.get("mps_daemon") or []
+    served = all(mps[r] for g in groups for r in g if r < len(mps))
+    ranks = "; ".join(",".join(str(r) for r in g) for g in groups)
+    return f"ranks {ranks} (MPS {'yes' if served else 'NO: time-sliced'})"
+
+
+def time_sliced(record: dict | None) -> bool:
+    """Whether the record shows ranks that shared a GPU without an MPS daemon."""
+    return describe(record).endswith("time-sliced)")
+

@@ -137,6 +137,7 @@ def test_table_shows_the_numbers(async_file, async_run, capsys):
     d, _ = _leader_durations(async_run, 0, "verify")
     assert f"{d.mean() * 1e3:.2f} / " in row("  verify: verify")
     assert "writing" in out and "coding" in out and "idle (wait) draft" in out
+    assert row("GPU shared by").split()[-1] in ("-", "cpu", "no")    # synthetic / CPU traces
     assert err == ""
 
 

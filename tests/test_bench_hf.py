@@ -200,6 +200,15 @@ def test_markdown_table():
     # without hf-greedy there is no speedup column value
     md2 = bench.build_markdown(results[:1], {"n_prompts": 3})
     assert "| ar | ok | 3/3 | 10.00 | - |" in md2
+    assert "shared a GPU" not in md                     # no gpu_sharing record: nothing to say
+    # async whose two ranks took turns on one GPU (no MPS daemon): a note with the fix
+    shared = {"gpu_uuids": ["GPU-a", "GPU-a"], "shared_gpu_ranks": [[0, 1]], "mps_daemon": [False, False]}
+    results[2]["summary"]["env"] = {"gpu_sharing": shared}
+    md3 = bench.build_markdown(results, {"n_prompts": 3})
+    assert "**async**: ranks 0,1 (MPS NO: time-sliced) shared a GPU without a CUDA MPS daemon" in md3
+    assert "nvidia-cuda-mps-control -d" in md3
+    results[2]["summary"]["env"] = {"gpu_sharing": {**shared, "mps_daemon": [True, True]}}
+    assert "shared a GPU" not in bench.build_markdown(results, {"n_prompts": 3})
 
 
 def test_bench_main_hf_only_and_failed_mode(pair, tmp_path, capsys):

@@ -72,3 +72,14 @@ def test_check_gpu_sharing_record_and_note(monkeypatch, capsys):
     gs.check_gpu_sharing(_World(0, [(0, "verify", "h", "x", True), (1, "draft", "h", "GPU-same", False)]),
                          "verify", "cuda:0")
     assert "share a GPU" in capsys.readouterr().err
+
+
+def test_describe_for_analyze_and_bench():
+    assert gs.describe(None) == "-" and not gs.time_sliced(None)         # a trace from before
+    assert gs.describe({"gpu_uuids": [None, None], "shared_gpu_ranks": [], "mps_daemon": [False, False]}) == "cpu"
+    assert gs.describe({"gpu_uuids": ["a", "b"], "shared_gpu_ranks": [], "mps_daemon": [False, False]}) == "no"
+    shared = {"gpu_uuids": ["a", "b", "a"], "shared_gpu_ranks": [[0, 2]], "mps_daemon": [True, False, True]}
+    assert gs.describe(shared) == "ranks 0,2 (MPS yes)" and not gs.time_sliced(shared)
+    shared["mps_daemon"] = [True, True, False]
+    assert gs.describe(shared) == "ranks 0,2 (MPS NO: time-sliced)" and gs.time_sliced(shared)
+
