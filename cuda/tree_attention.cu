@@ -533,23 +533,7 @@ __device__ __forceinline__ void tree_attention_body(
   float* part_o = reinterpret_cast<float*>(smem_raw);   // [4][16][D]
   float* part_m = part_o + 4 * 16 * D;                   // [4][16]
   float* part_l = part_m + 4 * 16;                       // [4][16]
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-  }
-  if (qd == 0) {
-    part_m[warp * 16 + g] = m_run[0];
-    part_m[warp * 16 + g + 8] = m_run[1];
-    part_l[warp * 16 + g] = l_run[0];
-    part_l[warp * 16 + g + 8] = l_run[1];
-  }
-#pragma unroll
-  for (int i = 0; i < DN; ++i) {
-    const int c = 8 * i + 2 * qd;
-    *reinterpret_cast<float2*>(&part_o[(warp * 16 + g) * D + c]) = make_float2(o[i][0], o[i][1]);
-    *reinterpret_cast<float2*>(&part_o[(warp * 16 + g + 8) * D + c]) = make_float2(o[i][2], o[i][3]);
-  }
+  store_warp_partial<D>(part_o, part_m, part_l, warp, lane, m_run, l_run, o);
   __syncthreads();
 
   // 1. Local pre-combine: the KV_PARTS warps sharing a row tile -> one (m, l, O) per row of the
