@@ -230,25 +230,12 @@ __device__ __forceinline__ void piece_qk(const __nv_bfloat16* ks, int base, int 
   }
 }
 
-// The online-softmax step of a piece: scores sacc (Q.K) masked by the visibility words wA / wB
-// (rows g / g + 8: bit 8 j + e % 2 = the lane's slot of n-tile j) and scaled to log2 units; the
-// running max m_run, sum l_run (this lane's share) and O rescaled; P out as bf16 A fragments.
+// The online-softmax update by a piece whose scores sacc are already masked (-inf) and scaled to
+// log2 units, mx the lane's maxima of its rows A (g) and B (g + 8): the running max m_run, sum
+// l_run (this lane's share) and O rescaled; P out as bf16 A fragments ([j][0] row A, [j][1] B).
 template <int NT, int DN>
-__device__ __forceinline__ void piece_softmax(float (&sacc)[NT][4], unsigned long long wA, unsigned long long wB,
-                                              float scale_log2, float (&m_run)[2], float (&l_run)[2],
-                                              float (&o)[DN][4], uint32_t (&pf)[NT][2]) {
-  float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const unsigned long long w = (e >> 1) ? wB : wA;
-      const bool vis = (w >> (8 * j + (e & 1))) & 1ull;
-      const float s = vis ? sacc[j][e] * scale_log2 : -INFINITY;
-      sacc[j][e] = s;
-      mx[e >> 1] = fmaxf(mx[e >> 1], s);
-    }
-  }
+__device__ __forceinline__ void softmax_update(const float (&sacc)[NT][4], float (&mx)[2], float (&m_run)[2],
+                                               float (&l_run)[2], float (&o)[DN][4], uint32_t (&pf)[NT][2]) {
   float alpha[2], msub[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -274,6 +261,28 @@ __device__ __forceinline__ void piece_softmax(float (&sacc)[NT][4], unsigned lon
     pf[j][0] = pack_bf16(p0, p1);
     pf[j][1] = pack_bf16(p2, p3);
   }
+}
+
+// The online-softmax step of a piece (versions 2-4): scores sacc (Q.K) masked by the visibility
+// words wA / wB (rows g / g + 8: bit 8 j + e % 2 = the lane's slot of n-tile j), scaled to log2
+// units, then softmax_update.
+template <int NT, int DN>
+__device__ __forceinline__ void piece_softmax(float (&sacc)[NT][4], unsigned long long wA, unsigned long long wB,
+                                              float scale_log2, float (&m_run)[2], float (&l_run)[2],
+                                              float (&o)[DN][4], uint32_t (&pf)[NT][2]) {
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const unsigned long long w = (e >> 1) ? wB : wA;
+      const bool vis = (w >> (8 * j + (e & 1))) & 1ull;
+      const float s = vis ? sacc[j][e] * scale_log2 : -INFINITY;
+      sacc[j][e] = s;
+      mx[e >> 1] = fmaxf(mx[e >> 1], s);
+    }
+  }
+  softmax_update<NT, DN>(sacc, mx, m_run, l_run, o, pf);
 }
 
 // O += P V over the piece: k = its slots (16 per step), n = head dim (2 n-tiles per ldmatrix).
@@ -467,21 +476,10 @@ __device__ __forceinline__ void tree_attention_body(
     const __nv_bfloat16* ks = smem + (it % STAGES) * Smem<D>::STAGE_ELEMS;
     const __nv_bfloat16* vs = ks + TILE * LDS;
 
-    // S = Q K^T for this warp's PW slots.
+    // S = Q K^T for this warp's PW slots (ldmatrix x4: rows = slots part*PW + 8j + lane%8, cols =
+    // d chunks 0, 8, 16, 24 (+32 s2)).
     float sacc[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.f;
-      // ldmatrix x4: rows = slots (part*PW + 8j + lane%8), cols = d chunks 0,8,16,24 (+32*s2)
-      const __nv_bfloat16* krow = ks + (part * PW + 8 * j + (lane & 7)) * LDS + 8 * (lane >> 3);
-#pragma unroll
-      for (int s2 = 0; s2 < DK / 2; ++s2) {
-        uint32_t b0, b1, b2, b3;
-        ldmatrix_x4(b0, b1, b2, b3, smem_u32(krow + 32 * s2));
-        mma_bf16(sacc[j], qf[2 * s2][0], qf[2 * s2][1], qf[2 * s2][2], qf[2 * s2][3], b0, b1);
-        mma_bf16(sacc[j], qf[2 * s2 + 1][0], qf[2 * s2 + 1][1], qf[2 * s2 + 1][2], qf[2 * s2 + 1][3], b2, b3);
-      }
-    }
+    piece_qk<NT, D>(ks, part * PW, lane, qf, sacc);
 
     // Mask, scale to the log2 domain, online softmax. Each row lives in the 4 lanes of a quad.
     float mx[2] = {-INFINITY, -INFINITY};
@@ -495,32 +493,8 @@ __device__ __forceinline__ void tree_attention_body(
         mx[e >> 1] = fmaxf(mx[e >> 1], s);
       }
     }
-    float alpha[2], msub[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-      const float m_new = fmaxf(m_run[r], mx[r]);
-      msub[r] = (m_new == -INFINITY) ? 0.f : m_new;   // all masked so far: p = 0, alpha = 1
-      alpha[r] = exp2f(m_run[r] - msub[r]);
-      m_run[r] = m_new;
-      l_run[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int i = 0; i < DN; ++i) {
-      o[i][0] *= alpha[0]; o[i][1] *= alpha[0];
-      o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
-    }
     uint32_t pf[NT][2];  // P as bf16 pairs: [j][0] row A, [j][1] row B
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const float p0 = exp2f(sacc[j][0] - msub[0]), p1 = exp2f(sacc[j][1] - msub[0]);
-      const float p2 = exp2f(sacc[j][2] - msub[1]), p3 = exp2f(sacc[j][3] - msub[1]);
-      l_run[0] += p0 + p1;
-      l_run[1] += p2 + p3;
-      pf[j][0] = pack_bf16(p0, p1);
-      pf[j][1] = pack_bf16(p2, p3);
-    }
+    softmax_update<NT, DN>(sacc, mx, m_run, l_run, o, pf);
 
     // O += P V: k = slots (16 per step), n = head dim (2 n-tiles per ldmatrix.x4.trans).
     piece_pv<NT, D>(vs, part * PW, lane, pf, o);
