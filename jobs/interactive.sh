@@ -73,12 +73,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/mps.sh"
 # --kill-on-bad-exit=1: one failing rank ends them all; --quit-on-interrupt: ONE Ctrl-C sends
 # SIGINT to the ranks (without it srun only prints task states and needs a second Ctrl-C), the
 # engine finishes the step, writes OUT and exits; a second Ctrl-C makes srun kill them at once.
-launch=(srun --mpi="$SRUN_MPI" --ntasks="$ntasks" --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}"
-        --unbuffered --kill-on-bad-exit=1 --quit-on-interrupt swiftspec "${args[@]}")
-if [[ $_mps_started == 1 ]]; then    # stay to stop the daemon afterwards (mps.sh's EXIT trap)
-    trap 'exit 130' INT              # after srun has returned
-    rc=0
-    "${launch[@]}" || rc=$?
-    exit "$rc"
-fi
-exec "${launch[@]}"
+mps_exec srun --mpi="$SRUN_MPI" --ntasks="$ntasks" --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
+    --unbuffered --kill-on-bad-exit=1 --quit-on-interrupt swiftspec "${args[@]}"

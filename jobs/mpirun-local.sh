@@ -67,10 +67,4 @@ source "$(dirname "${BASH_SOURCE[0]}")/mps.sh"
 [[ $DEVICE == cpu && $MPS == auto ]] || mps_start "$NP" "$(mps_gpu_count)"
 echo "+ $MPIEXEC -n $NP ${MPIEXEC_ARGS:+$MPIEXEC_ARGS }swiftspec $(printf '%q ' "${args[@]}")" >&2
 # Ctrl-C: mpiexec forwards SIGINT to the ranks; they finish the step, write OUT and exit non-zero.
-if [[ $_mps_started == 1 ]]; then    # stay to stop the daemon afterwards (mps.sh's EXIT trap)
-    trap 'exit 130' INT              # after mpiexec has returned
-    rc=0
-    "$MPIEXEC" -n "$NP" "${launcher_args[@]}" swiftspec "${args[@]}" || rc=$?
-    exit "$rc"
-fi
-exec "$MPIEXEC" -n "$NP" "${launcher_args[@]}" swiftspec "${args[@]}"
+mps_exec "$MPIEXEC" -n "$NP" "${launcher_args[@]}" swiftspec "${args[@]}"

@@ -10,6 +10,8 @@
 #   mps_start "$NRANKS" "$NGPUS"     # MPS=auto (default): start one when NRANKS > NGPUS > 0
 #   ...launch the ranks...           # they inherit CUDA_MPS_PIPE_DIRECTORY / _LOG_DIRECTORY
 #   mps_stop                         # also registered on EXIT; stops only a daemon we started
+#   mps_exec mpiexec -n 2 ...        # or, as the script's last command: exec the launcher, or
+#                                    # run it and stop the daemon after it when we started one
 #
 # MPS=1 starts one whenever nvidia-cuda-mps-control is on PATH, MPS=0 never. A daemon that
 # already listens where CUDA clients look (CUDA_MPS_PIPE_DIRECTORY, default /tmp/nvidia-mps: a
@@ -74,3 +76,15 @@ mps_stop() {
         echo "mps.sh: stopped the CUDA MPS daemon (log: $CUDA_MPS_LOG_DIRECTORY)" >&2
     fi
 }
+
+# The script's last command: exec "$@" as before, or, when mps_start started a daemon, run it in
+# the foreground (Ctrl-C still reaches the launcher and its ranks) and exit with its status, the
+# EXIT trap stopping the daemon.
+mps_exec() {
+    [[ $_mps_started == 1 ]] || exec "$@"
+    trap 'exit 130' INT
+    local rc=0
+    "$@" || rc=$?
+    exit "$rc"
+}
+
