@@ -21,9 +21,9 @@ import traceback
 import numpy as np
 
 from swiftspec_mpi import config as C
-from swiftspec_mpi.gpu_sharing import check_gpu_sharing
 from swiftspec_mpi.errors import (EXIT_INTERRUPTED, EXIT_RUNTIME_ERROR, EXIT_USER_ERROR, PeerError,
                                   UserError)
+from swiftspec_mpi.gpu_sharing import check_gpu_sharing
 
 CHECKPOINT_EVERY_S = 5.0
 
