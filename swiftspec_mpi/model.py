@@ -294,6 +294,17 @@ class Transformer(torch.nn.Module):
             q_rows = sh.q_rows[1] - sh.q_rows[0]
             kv_rows = sh.nkv_l * hd
             runs = sh.kv_runs(hd)
+
+            def fetch_qkv(dst, prefix: str, what: str) -> None:
+                """dst [q_rows + 2 kv_rows, ...]: this rank's q rows, then its runs of the k and
+                v rows, from the checkpoint's q_proj / k_proj / v_proj `what` (weight or bias)."""
+                fetch(dst[:q_rows], prefix + f"self_attn.q_proj.{what}", 0, *sh.q_rows)
+                for j, proj in enumerate(("k_proj", "v_proj")):
+                    off = q_rows + j * kv_rows
+                    for a, b in runs:
+                        fetch(dst[off:off + b - a], prefix + f"self_attn.{proj}.{what}", 0, a, b)
+                        off += b - a
+
             for i in range(cfg.num_layers):
                 p = f"model.layers.{i}."
                 ln1 = torch.empty(H, **kw)
@@ -301,21 +312,11 @@ class Transformer(torch.nn.Module):
                 ln2 = torch.empty(H, **kw)
                 fetch(ln2, p + "post_attention_layernorm.weight")
                 wqkv, wqkv_v = mat(q_rows + 2 * kv_rows, H)
-                fetch(wqkv_v[:q_rows], p + "self_attn.q_proj.weight", 0, *sh.q_rows)
-                for j, proj in enumerate(("k_proj", "v_proj")):
-                    off = q_rows + j * kv_rows
-                    for a, b in runs:
-                        fetch(wqkv_v[off:off + b - a], p + f"self_attn.{proj}.weight", 0, a, b)
-                        off += b - a
+                fetch_qkv(wqkv_v, p, "weight")
                 bqkv = None
                 if cfg.attention_bias:
                     bqkv = torch.empty(q_rows + 2 * kv_rows, **kw)
-                    fetch(bqkv[:q_rows], p + "self_attn.q_proj.bias", 0, *sh.q_rows)
-                    for j, proj in enumerate(("k_proj", "v_proj")):
-                        off = q_rows + j * kv_rows
-                        for a, b in runs:
-                            fetch(bqkv[off:off + b - a], p + f"self_attn.{proj}.bias", 0, a, b)
-                            off += b - a
+                    fetch_qkv(bqkv, p, "bias")
                 wo, wo_v = mat(H, q_rows)
                 fetch(wo_v, p + "self_attn.o_proj.weight", 1, *sh.q_rows)
                 bo = None
