@@ -86,6 +86,13 @@ def check_gpu_sharing(world, role_name: str, device: str) -> dict:
             "mps_daemon": [bool(e[4]) for e in everyone]}
 
 
+def time_sliced(record: dict | None) -> bool:
+    """Whether a trace's `gpu_sharing` record shows ranks that shared a GPU without an MPS daemon."""
+    groups = (record or {}).get("shared_gpu_ranks") or []
+    mps = (record or {}).get("mps_daemon") or []
+    return bool(groups) and not all(mps[r] for g in groups for r in g if r < len(mps))
+
+
 def describe(record: dict | None) -> str:
     """A trace's `gpu_sharing` record in a few words (swiftspec analyze, bench): "-" for traces
     written before it existed, "cpu", "no" (every GPU rank has its own GPU), or which ranks
@@ -97,13 +104,5 @@ def describe(record: dict | None) -> str:
     groups = record.get("shared_gpu_ranks") or []
     if not groups:
         return "no"
-    mps = record.get("mps_daemon") or []
-    served = all(mps[r] for g in groups for r in g if r < len(mps))
     ranks = "; ".join(",".join(str(r) for r in g) for g in groups)
-    return f"ranks {ranks} (MPS {'yes' if served else 'NO: time-sliced'})"
-
-
-def time_sliced(record: dict | None) -> bool:
-    """Whether the record shows ranks that shared a GPU without an MPS daemon."""
-    return describe(record).endswith("time-sliced)")
-
+    return f"ranks {ranks} (MPS {'NO: time-sliced' if time_sliced(record) else 'yes'})"
