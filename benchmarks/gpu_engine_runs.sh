@@ -14,7 +14,7 @@ for cfg in "ar 1" "sync 1" "async 2"; do
     --mode $1 --device cuda --dtype bfloat16 --prompt "$P" --max-new-tokens 128 --ignore-eos \
     --out "$OUT/dummy8b-$1.h5" --overwrite --quiet > "$OUT/run-8b-$1.log" 2>&1 || tail -20 "$OUT/run-8b-$1.log"
   $SW analyze "$OUT/dummy8b-$1.h5" > "$OUT/dummy8b-$1.txt" 2>&1
-  grep -E "tokens/s  |mean accepted|verify: verify|draft: expand|idle|decode" "$OUT/dummy8b-$1.txt"
+  grep -E "tokens/s  |TTFT|prefill|mean accepted|verify: verify|draft: expand|idle|decode|graphs captured" "$OUT/dummy8b-$1.txt"
 done
 # async again with both ranks served by a CUDA MPS daemon (jobs/mps.sh; without it the two
 # processes take turns on the one GPU)
@@ -25,7 +25,7 @@ timeout 300 $MPI -n 2 $SW run --load-format dummy --target llama-3-8b --draft ll
   --out "$OUT/dummy8b-async-mps.h5" --overwrite --quiet > "$OUT/run-8b-async-mps.log" 2>&1 || tail -20 "$OUT/run-8b-async-mps.log"
 mps_stop
 $SW analyze "$OUT/dummy8b-async-mps.h5" > "$OUT/dummy8b-async-mps.txt" 2>&1
-grep -E "tokens/s  |mean accepted|verify: verify|draft: expand|idle|decode" "$OUT/dummy8b-async-mps.txt"
+grep -E "tokens/s  |TTFT|prefill|mean accepted|verify: verify|draft: expand|idle|decode|graphs captured" "$OUT/dummy8b-async-mps.txt"
 for dt in bfloat16 float32; do
 for cfg in "ar 1" "async 2"; do
   set -- $cfg

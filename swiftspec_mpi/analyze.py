@@ -124,7 +124,8 @@ def _leaders(trace) -> dict[int, int]:
 def _event_summary(trace) -> dict:
     ev = trace.events
     out = {"events": 0 if ev is not None else None, "wall_s": None, "roles": {}, "per_rank": [],
-           "events_dropped": int(trace.ranks.events_dropped.sum()) if trace.ranks is not None else None}
+           "events_dropped": int(trace.ranks.events_dropped.sum()) if trace.ranks is not None else None,
+           "late_graph_captures": int(trace.ranks.late_graph_captures.sum()) if trace.ranks is not None else None}
     if ev is None or len(ev) == 0:
         return out
     ok = np.isfinite(ev.t_start) & np.isfinite(ev.t_end)
@@ -300,6 +301,8 @@ def table_rows(summaries: list[dict]) -> list[tuple[str, list[str]]]:
             rows.append((f"comm {role}", col(comm)))
     if any(s.get("events_dropped") for s in summaries):
         rows.append(("events dropped", col(lambda s: str(s.get("events_dropped")))))
+    if any(s.get("late_graph_captures") for s in summaries):   # warm-up missed a shape: a slow step
+        rows.append(("CUDA graphs captured in requests", col(lambda s: str(s.get("late_graph_captures")))))
     cats = []
     for s in summaries:
         cats += [c for c in s["categories"] if c not in cats]

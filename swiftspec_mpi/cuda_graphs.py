@@ -123,10 +123,28 @@ class _Static:
 
 
 class GraphedModel:
+    """A GPU `Transformer` whose decode-sized forwards replay CUDA graphs, one per (N, read-back).
+
+    A graph is captured the first time its (N, read-back) is asked for. The engine asks for
+    every shape its loops can use while it warms up (`job.warm_graphs`), then calls `freeze()`:
+    a capture after that happened inside a request, which it should not (a capture costs tens
+    of milliseconds and allocates), so it is counted in `late_captures` (the trace's ranks
+    table reports it). Prompts never go through a graph: `forward_eager`."""
+
     def __init__(self, model, max_graph_tokens: int = 64):
         self.model = model
         self.max_graph_tokens = max_graph_tokens
         self.static: dict[tuple, _Static] = {}
+        self.frozen = False
+        self.late_captures = 0
+
+    def freeze(self) -> None:
+        """Warm-up is over: from now on a capture is counted as late (it still happens)."""
+        self.frozen = True
+
+    def forward_eager(self, tokens, positions, start: int, mask, logits_rows=None, causal: bool = False):
+        """Transformer.forward itself (torch ops, no graph): for prompts, whose length varies."""
+        return self.model.forward(tokens, positions, start, mask, logits_rows, causal=causal)
 
     def __getattr__(self, name):          # cfg, max_slots, device, comm, dtype, compact_kv ...
         return getattr(self.model, name)
@@ -161,6 +179,7 @@ class GraphedModel:
         st = self.static.get((n, reduce))
         if st is None:
             st = self.static[(n, reduce)] = self._capture(n, reduce)
+            self.late_captures += self.frozen
         st.fill(tokens, positions, start, mask)
         st.run(start)
         if st.out_host:

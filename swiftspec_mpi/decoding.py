@@ -18,13 +18,20 @@ from swiftspec_mpi.model import chain_mask
 
 
 def _prefill(model, prompt_ids: list[int]) -> int:
-    """Forward prompt[:-1] into slots [0, P). Returns P = len(prompt) - 1."""
+    """Forward prompt[:-1] into slots [0, P). Returns P = len(prompt) - 1.
+
+    Always the eager forward (`forward_eager` of a CUDA-graph wrapper): a prompt's length is
+    new every time, and capturing a graph for it would cost far more than the forward (a
+    capture in a request was 0.13-0.23 s of TTFT for a 15-token prompt on an H200), and with
+    the causal flag, so a GPU runs SDPA's flash kernel without building a mask. Its logits
+    are not needed (the last prompt token is the first step's root): one row is computed."""
     n = len(prompt_ids) - 1
     if n > 0:
         tokens = torch.tensor(prompt_ids[:-1], dtype=torch.long, device=model_device(model))
         positions = torch.arange(n, dtype=torch.long, device=tokens.device)
-        model.forward(tokens, positions, 0, chain_mask(0, n).to(tokens.device),
-                      logits_rows=torch.tensor([n - 1], device=tokens.device))
+        forward = getattr(model, "forward_eager", model.forward)
+        forward(tokens, positions, 0, None, logits_rows=torch.tensor([n - 1], device=tokens.device),
+                causal=True)
     return n
 
 
@@ -50,12 +57,8 @@ class TargetSide:
         KV of the n nodes goes to [P, P+n)."""
         positions, mask = _tree.subtree_masks(np.ascontiguousarray(parents, dtype=np.int32), self.P)
         # host tensors: the model (or its CUDA-graph wrapper) moves them in one go
-        args = (torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)), torch.from_numpy(positions),
-                self.P, torch.from_numpy(mask))
-        if not greedy:
-            return self.model.forward(*args)
-        fast = getattr(self.model, "forward_argmax", None)
-        return fast(*args) if fast is not None else logits_argmax(self.model.forward(*args))
+        return verify_forward(self.model, torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)),
+                              torch.from_numpy(positions), self.P, torch.from_numpy(mask), greedy)
 
     def commit(self, path: np.ndarray) -> None:
         """Keep the KV of the accepted path (local node indices, root first) contiguous at
@@ -67,6 +70,16 @@ class TargetSide:
         if bool(moved.any()):
             self.model.compact_kv(src[moved], dst[moved])
         self.P += a
+
+
+def verify_forward(model, tokens, positions, start: int, mask, greedy: bool):
+    """The target's forward as verification reads it: float32 logits [N, vocab], or with
+    `greedy` only their argmax int64 [N] (inside the CUDA graph when the model has one)."""
+    if not greedy:
+        return model.forward(tokens, positions, start, mask)
+    fast = getattr(model, "forward_argmax", None)
+    return fast(tokens, positions, start, mask) if fast is not None else \
+        logits_argmax(model.forward(tokens, positions, start, mask))
 
 
 class DraftSide:
@@ -106,7 +119,7 @@ class DraftSide:
         self.tree.assign_slots(leaves, self.kv_used)
         positions, mask = self.tree.masks(leaves, self.kv_used + n)
         tokens = torch.from_numpy(self.tree.tokens_of(leaves))
-        ids, lps = _topk_logprobs(self.model, self.topk, tokens, torch.from_numpy(positions), self.kv_used,
+        ids, lps = draft_topk(self.model, self.topk, tokens, torch.from_numpy(positions), self.kv_used,
                                   torch.from_numpy(mask))
         if share is not None:
             ids, lps = share(ids, lps)
@@ -138,7 +151,7 @@ class DraftSide:
             raise RuntimeError("draft KV hole without an accepted draft token (scheduler bug)")
         tokens = torch.tensor([last_committed, int(self.tree.token[0])], dtype=torch.long)
         positions = torch.tensor([P - 1, P], dtype=torch.long)
-        ids, lps = _topk_logprobs(self.model, self.topk, tokens, positions, P - 1, chain_mask(P - 1, 2),
+        ids, lps = draft_topk(self.model, self.topk, tokens, positions, P - 1, chain_mask(P - 1, 2),
                                   logits_row=1)      # the root's row
         if share is not None:
             ids, lps = share(ids, lps)
@@ -148,7 +161,7 @@ class DraftSide:
         self.kv_used = P + 1
 
 
-def _topk_logprobs(model, k: int, tokens, positions, start: int, mask,
+def draft_topk(model, k: int, tokens, positions, start: int, mask,
                    logits_row: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(ids int64[n, k], log-probs float32[n, k]): the top-k of log_softmax of each row's logits
     (only row `logits_row`'s, [1, k], if given), inside the CUDA graph when the model has one

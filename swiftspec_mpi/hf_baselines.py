@@ -271,7 +271,7 @@ def run_systems(systems: list[str], *, target: str, draft: str, prompts: list[Pr
             r.error = _one_line(exc)
         return results
 
-    ranks = np.array([(0, 0, 0, 1, socket.gethostname().encode()[:64], b"cpu", 0)], dtype=RANK_DTYPE)
+    ranks = np.array([(0, 0, 0, 1, socket.gethostname().encode()[:64], b"cpu", 0, 0)], dtype=RANK_DTYPE)
     events = np.zeros(0, dtype=EVENT_DTYPE)
     for res in results:
         t0 = time.perf_counter()

@@ -492,6 +492,7 @@ class Job:
         self.ctx.expansions = cfg.expansions or profiled
         self.env = environment(cfg, topo, self.device, self.threads, self.ctx.expansions)
         self.env["profile"] = self.ctx.scratch.get("profile", {})
+        self.env["graphs"] = self.ctx.scratch.get("graphs", {})
         self.env["gpu_sharing"] = gpu_sharing
         if self.rank == 0:
             self.ctx.on_progress = self.maybe_checkpoint
@@ -568,9 +569,11 @@ class Job:
 
     def rank_row(self):
         topo, rec = self.topo, self.ctx.recorder if self.ctx else None
+        models = (self.ctx.target, self.ctx.draft) if self.ctx else ()
+        late = sum(getattr(m, "late_captures", 0) for m in models if m is not None)
         return (self.rank, topo.role, topo.group.Get_rank(), topo.group.Get_size(),
                 platform.node()[:64].encode(), str(self.device)[:32].encode(),
-                rec.dropped if rec else 0)
+                rec.dropped if rec else 0, late)
 
     def finish(self, complete: bool, status: str) -> None:
         from swiftspec_mpi.protocol import wait_for
@@ -718,14 +721,17 @@ def kv_bytes_estimate(cfg, topo) -> int:
 
 
 def profile_expansions(ctx) -> int:
-    """Warm every forward shape the loops use (CUDA graphs are captured here, kernels compiled,
-    caches touched), then d = floor(t_target / t_draft) from timed forwards at the verify and
-    expansion shapes. Writes only scratch KV slots; runs before the job clock starts counting
-    requests, so no request pays for a cold start."""
+    """Warm every forward shape the loops use (`warm_graphs`: CUDA graphs captured, kernels
+    compiled, caches touched), then d = floor(t_target / t_draft) from timed forwards at the
+    verify and expansion shapes, each with the read-back its loop uses (the target's argmax when
+    greedy, the draft's top-k). Writes only scratch KV slots; runs before the job clock starts
+    counting requests, so no request pays for a cold start."""
     import torch
 
+    from swiftspec_mpi.decoding import draft_topk, verify_forward
     from swiftspec_mpi.model import chain_mask
     cfg = ctx.cfg
+    greedy = cfg.temperature == 0.0
 
     def step_time(model, n, reps=6):
         cuda = str(getattr(model, "device", "cpu")).startswith("cuda")
@@ -737,20 +743,20 @@ def profile_expansions(ctx) -> int:
             if cuda:
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            model.forward(tokens, pos, 0, mask)
+            if model is ctx.target:
+                verify_forward(model, tokens, pos, 0, mask, greedy)
+            else:
+                draft_topk(model, cfg.tree_topk, tokens, pos, 0, mask)
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
         return float(min(times[1:]))   # the least disturbed of the timed runs
 
-    for model in (ctx.target, ctx.draft):      # shapes every loop uses besides the tree sizes
-        if model is not None:
-            for n in (1, 2):
-                step_time(model, n, reps=2)
     sizes = (cfg.verify_size,) if cfg.verify_size else C.TREE_SIZES
     if cfg.mode == "ar":
         step_time(ctx.target, 1, reps=3)
         cfg.verify_size, cfg.tree_width = 1, cfg.tree_width or 1
+        warm_graphs(ctx, step_time)
         return 1
     dsizes = tuple(sorted(set(sizes) | ({cfg.tree_width} if cfg.tree_width else set())))
     t_target = t_draft = None
@@ -777,7 +783,44 @@ def profile_expansions(ctx) -> int:
     ctx.scratch["profile"] = {"t_target_s": {str(k): v for k, v in t_target.items()},
                               "t_draft_s": {str(k): v for k, v in t_draft.items()},
                               "verify_size": bs, "tree_width": w}
+    warm_graphs(ctx, step_time)
     return max(1, min(cfg.max_depth, int(t_target[bs] // max(t_draft[w], 1e-9))))
+
+
+# prompt lengths whose eager forward the warm-up runs once (cuBLAS / SDPA kernels loaded)
+PREFILL_WARM_LENGTHS = (16, 128)
+
+
+def warm_graphs(ctx, step_time) -> None:
+    """GPU only: capture the CUDA graph of every forward shape the decode loops can ask for,
+    then freeze the graphed models (a later capture is counted as late, see GraphedModel).
+
+    The loops' shapes: the target verifies 1..bs nodes (fewer while the draft tree is small;
+    1 in `ar`), the draft expands 1..w leaves, and 2 when it fills a KV hole (the last accepted
+    token + the new root). Every rank of a group runs the same list (bs and w are the group's
+    decision), so their collectives pair up. The eager prompt forward is run once at a few
+    lengths too. Records the captures and their time in ctx.scratch["graphs"]."""
+    cfg = ctx.cfg
+    models = [(m, sizes) for m, sizes in
+              ((ctx.target, range(1, cfg.verify_size + 1)),
+               (ctx.draft, sorted(set(range(1, cfg.tree_width + 1)) | {2})))
+              if m is not None and hasattr(m, "freeze")]
+    if not models:
+        return
+    import torch
+    t0 = time.perf_counter()
+    for model, sizes in models:
+        for n in sizes:
+            if n <= model.max_slots:
+                step_time(model, n, reps=1)
+        for n in PREFILL_WARM_LENGTHS:
+            n = min(n, model.max_slots)
+            model.forward_eager(torch.zeros(n, dtype=torch.long), torch.arange(n), 0, None,
+                                logits_rows=torch.tensor([n - 1]), causal=True)
+        model.freeze()
+    torch.cuda.synchronize()
+    ctx.scratch["graphs"] = {"captured": sum(len(m.static) for m, _ in models),
+                             "warm_s": round(time.perf_counter() - t0, 3)}
 
 
 def environment(cfg, topo, device, threads, expansions) -> dict:

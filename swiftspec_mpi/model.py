@@ -382,12 +382,16 @@ class Transformer(torch.nn.Module):
     # ------------------------------------------------------------------------------ forward
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: int,
-                mask: torch.Tensor, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None, logits_rows: torch.Tensor | None = None,
+                causal: bool = False) -> torch.Tensor:
         """Run N new tokens over the KV prefix [0, start).
 
         tokens [N] long, positions [N] long, mask [N, start+N] bool (True = visible),
         logits_rows [R] long or None (all N rows). Writes K/V of the new tokens into slots
         [start, start+N); returns float32 logits [R or N, vocab_size] on every rank.
+        causal: the caller promises mask == chain_mask(start, N) (a prompt); at start 0 the
+        attention then runs SDPA's causal kernel (flash on a GPU) without a mask, and `mask`
+        may be None.
         """
         N = tokens.shape[0]
         S = start + N
@@ -398,10 +402,16 @@ class Transformer(torch.nn.Module):
         hd = self.cfg.head_dim
         nh_l, nkv_l, g = sh.nh_l, sh.nkv_l, sh.group
         dev = self.device
+        if causal and start == 0:           # a prompt from slot 0: SDPA's causal kernel, no mask
+            mask = None
+        elif mask is None:
+            raise ValueError("mask is required unless causal and start == 0")
         if tokens.device != dev:
-            tokens, positions, mask = tokens.to(dev), positions.to(dev), mask.to(dev)
+            tokens, positions = tokens.to(dev), positions.to(dev)
+        if mask is not None and mask.device != dev:
+            mask = mask.to(dev)
 
-        fold = N * g <= _FOLD_MAX_ROWS
+        fold = N * g <= _FOLD_MAX_ROWS and mask is not None
         if fold:
             # GQA folded into the query-length dim: q [nkv_l, g*N, hd], additive mask [g*N, S]
             am = torch.zeros(N, S, dtype=self.dtype, device=dev).masked_fill_(~mask, -math.inf)
@@ -415,6 +425,11 @@ class Transformer(torch.nn.Module):
         def attend(q, kc, vc):                                             # q [N, nh_l, hd]
             k = kc[:S].transpose(0, 1)                                     # [nkv_l, S, hd]
             v = vc[:S].transpose(0, 1)
+            if mask is None:                                               # causal from slot 0
+                o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0),
+                                                   v.unsqueeze(0), is_causal=N > 1,
+                                                   enable_gqa=g > 1)
+                return o[0].transpose(0, 1).reshape(N, nh_l * hd)
             if fold:
                 q = q.reshape(N, nkv_l, g, hd).permute(1, 2, 0, 3).reshape(nkv_l, g * N, hd)
                 o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0),

@@ -23,7 +23,8 @@ EVENT_DTYPE = np.dtype([("rank", "<i4"), ("role", "i1"), ("request", "<i4"), ("s
 STEP_DTYPE = np.dtype([("step", "<i4"), ("tree_size", "<i4"), ("accepted", "<i4"),
                        ("t_start", "<f8"), ("t_end", "<f8")])
 RANK_DTYPE = np.dtype([("rank", "<i4"), ("role", "i1"), ("group_rank", "<i4"), ("group_size", "<i4"),
-                       ("host", "S64"), ("device", "S32"), ("events_dropped", "<i8")])
+                       ("host", "S64"), ("device", "S32"), ("events_dropped", "<i8"),
+                       ("late_graph_captures", "<i4")])
 
 
 class Clock:

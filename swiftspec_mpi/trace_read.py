@@ -29,7 +29,9 @@ EVENT_FIELDS = {"rank": (np.int32, -1), "role": (np.int8, -1), "request": (np.in
                 "comm_s": (np.float64, 0.0)}
 RANK_FIELDS = {"rank": (np.int32, -1), "role": (np.int8, -1), "group_rank": (np.int32, -1),
                "group_size": (np.int32, -1), "host": (object, ""), "device": (object, ""),
-               "events_dropped": (np.int64, 0)}
+               "events_dropped": (np.int64, 0), "late_graph_captures": (np.int32, 0)}
+# fields added after format_version 1 was first written: older files lack them, silently
+ADDED_FIELDS = {"late_graph_captures"}
 
 
 @dataclass
@@ -99,6 +101,7 @@ class RankInfo:
     host: list[str]
     device: list[str]
     events_dropped: np.ndarray
+    late_graph_captures: np.ndarray
 
     def __len__(self) -> int:
         return len(self.rank)
@@ -176,7 +179,8 @@ def _columns(arr, fields: dict, where: str, warnings: list[str]) -> dict:
             else:
                 out[name] = np.asarray(col).astype(dtype, copy=True)
         else:
-            missing.append(name)
+            if name not in ADDED_FIELDS:
+                missing.append(name)
             out[name] = [fill] * n if dtype is object else np.full(n, fill, dtype=dtype)
     if missing:
         warnings.append(f"{where}: field(s) {', '.join(missing)} missing")

@@ -121,6 +121,7 @@ def test_json_values_recomputed(async_file, async_run, capsys):
         assert got["seconds"] == pytest.approx(want["seconds"])
         assert got["tokens_per_s"] == pytest.approx(want["tokens_per_s"])
     assert s["warnings"] == []
+    assert s["late_graph_captures"] == 0      # a file older than the field: read as 0, no warning
 
 
 def test_table_shows_the_numbers(async_file, async_run, capsys):
@@ -296,8 +297,8 @@ def test_reader_reads_engine_writer(tmp_path):
     events[0] = (0, 0, 0, 0, trace.KIND["verify"], 1.3, 1.5, 8, 2, 0.01)
     events[1] = (1, 1, 0, 4, trace.KIND["expand"], 1.3, 1.4, 8, 0, 0.0)
     ranks = np.zeros(2, dtype=trace.RANK_DTYPE)
-    ranks[0] = (0, 0, 0, 1, b"host", b"cpu", 0)
-    ranks[1] = (1, 1, 0, 1, b"host", b"cpu", 3)
+    ranks[0] = (0, 0, 0, 1, b"host", b"cuda:0", 0, 0)
+    ranks[1] = (1, 1, 0, 1, b"host", b"cuda:0", 3, 2)
     path = str(tmp_path / "engine.h5")
     trace.write_trace(path, mode="async", config_json="{\"mode\": \"async\"}", env={"world_size": 2},
                       requests=[req], events=events, ranks=ranks, complete=True, exit_status="ok")
@@ -309,5 +310,8 @@ def test_reader_reads_engine_writer(tmp_path):
     assert r.prompt_ids.tolist() == [1, 2, 3] and r.steps.accepted.tolist() == [2, 1]
     assert t.events.kind_name(int(t.events.kind[1])) == "expand"
     assert t.ranks.host == ["host", "host"] and t.ranks.events_dropped.tolist() == [0, 3]
+    assert t.ranks.late_graph_captures.tolist() == [0, 2]
     s = analyze.summarize(t)
     assert s["events_dropped"] == 3 and s["mean_accepted_length"] == pytest.approx(1.5)
+    assert s["late_graph_captures"] == 2
+    assert ("CUDA graphs captured in requests", ["2"]) in analyze.table_rows([s])

@@ -45,6 +45,11 @@ def test_gpu_async_equals_ar(pair64, tmp_path, dtype):
                                  "--dtype", dtype, "--prompts", prompts, "--max-new-tokens", "64", "--out",
                                  str(out), "--quiet"], timeout=600)
         outs[mode] = read_outputs(out)
+        root = read_root(out)
+        # every forward shape of the loops was captured by the warm-up: none in a request
+        assert root["ranks"]["late_graph_captures"].tolist() == [0] * n, (mode, root["ranks"])
+        graphs = json.loads(root["env_json"])["graphs"]
+        assert (graphs.get("captured", 0) > 0) == (dtype == "bfloat16"), graphs   # graphs: bf16 only
         if mode == "async" and torch.cuda.device_count() == 1:    # both ranks on the one GPU
             sharing = json.loads(read_root(out)["env_json"])["gpu_sharing"]
             assert sharing["shared_gpu_ranks"] == [[0, 1]] and sharing["gpu_uuids"][0] == sharing["gpu_uuids"][1]
@@ -147,6 +152,40 @@ def test_graphed_argmax_and_topk_equal_reads_of_the_logits(in_graph_copy, monkey
             assert np.array_equal(tid, rid) and np.array_equal(tlp, rlp), (step, n)
         start += 3                                 # the next step attends to a longer context
     assert all(st.in_graph_copy == in_graph_copy for st in graphed.static.values())
+
+
+def test_graphed_model_freeze_and_eager_prompt():
+    """GraphedModel: the prompt path (forward_eager, causal) never captures a graph and gives
+    the chain-masked forward's logits; a capture after freeze() is counted as late, one per
+    new shape; a replayed shape is not."""
+    from swiftspec_mpi import kernels
+    from swiftspec_mpi.comm import SingleComm
+    from swiftspec_mpi.cuda_graphs import GraphedModel
+    from swiftspec_mpi.dummy import RandomSource, SHAPES
+    from swiftspec_mpi.model import Transformer, chain_mask
+    if not kernels.available():
+        pytest.skip("fused kernels unavailable (CuPy / nvcc)")
+    cfg = SHAPES["llama-3.2-1b"].with_layers(2)
+    model = Transformer(cfg, SingleComm(), max_slots=512, dtype=torch.bfloat16, device="cuda")
+    model.load_weights(RandomSource(cfg, "cuda", torch.bfloat16, seed=5))
+    graphed = GraphedModel(model)
+    gen = torch.Generator().manual_seed(6)
+    for n in (5, 40, 300):                          # short prompts used to capture a graph each
+        toks = torch.randint(0, 5000, (n,), generator=gen)
+        last = torch.tensor([n - 1])
+        ref = model.forward(toks, torch.arange(n), 0, chain_mask(0, n), logits_rows=last).float().clone()
+        got = graphed.forward_eager(toks, torch.arange(n), 0, None, logits_rows=last, causal=True).float()
+        assert (got - ref).abs().max().item() <= 3e-2 * ref.abs().max().item(), n
+    assert graphed.static == {} and graphed.late_captures == 0
+    start = 300
+    toks, pos, mask = torch.tensor([7]), torch.tensor([start]), chain_mask(start, 1)
+    graphed.forward_argmax(toks, pos, start, mask)
+    graphed.freeze()
+    graphed.forward_argmax(toks, pos, start, mask)     # replayed: not a capture
+    assert graphed.late_captures == 0
+    graphed.forward_argmax(torch.tensor([7, 8]), torch.tensor([start, start + 1]), start, chain_mask(start, 2))
+    graphed.forward_topk_logprobs(toks, pos, start, mask, 4)
+    assert graphed.late_captures == 2 and len(graphed.static) == 3
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2+ GPUs")

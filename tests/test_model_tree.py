@@ -122,3 +122,24 @@ def test_incremental_expansion_equals_paths(model):
 def test_chain_mask_shape():
     m = chain_mask(3, 2)
     assert m.dtype == torch.bool and m.tolist() == [[True] * 4 + [False], [True] * 5]
+
+
+@pytest.mark.parametrize("n", [1, 2, 37])
+def test_causal_prompt_equals_chain_mask(model, n):
+    """forward(causal=True) of a prompt at slot 0 (SDPA's causal kernel, no mask: what prefill
+    runs) gives the logits and the KV of the same forward with chain_mask; a later chain with
+    causal=True still needs and uses its mask (start > 0)."""
+    g = torch.Generator().manual_seed(n)
+    toks = torch.randint(0, VOCAB, (n,), generator=g)
+    ref = model.forward(toks, torch.arange(n), 0, chain_mask(0, n)).clone()
+    kv_ref = [(kc[:n].clone(), vc[:n].clone()) for *_, kc, vc in model.layers]
+    got = model.forward(toks, torch.arange(n), 0, None, causal=True)
+    assert torch.allclose(got, ref, atol=TOL, rtol=0)
+    for (kr, vr), (*_, kc, vc) in zip(kv_ref, model.layers):
+        assert torch.allclose(kc[:n], kr, atol=TOL, rtol=0) and torch.allclose(vc[:n], vr, atol=TOL, rtol=0)
+    more = torch.randint(0, VOCAB, (3,), generator=g)
+    a = model.forward(more, torch.arange(n, n + 3), n, chain_mask(n, 3)).clone()
+    b = model.forward(more, torch.arange(n, n + 3), n, chain_mask(n, 3), causal=True)
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="mask is required"):
+        model.forward(more, torch.arange(n, n + 3), n, None, causal=True)
