@@ -733,20 +733,22 @@ def profile_expansions(ctx) -> int:
     cfg = ctx.cfg
     greedy = cfg.temperature == 0.0
 
+    def loop_forward(model, n):
+        """One forward of n tokens as the loops run it (the same CUDA graph, if any)."""
+        tokens, pos, mask = torch.zeros(n, dtype=torch.long), torch.arange(n, dtype=torch.long), chain_mask(0, n)
+        if model is ctx.target:
+            verify_forward(model, tokens, pos, 0, mask, greedy)
+        else:
+            draft_topk(model, cfg.tree_topk, tokens, pos, 0, mask)
+
     def step_time(model, n, reps=6):
         cuda = str(getattr(model, "device", "cpu")).startswith("cuda")
-        tokens = torch.zeros(n, dtype=torch.long)
-        pos = torch.arange(n, dtype=torch.long)
-        mask = chain_mask(0, n)
         times = []
         for _ in range(reps):
             if cuda:
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            if model is ctx.target:
-                verify_forward(model, tokens, pos, 0, mask, greedy)
-            else:
-                draft_topk(model, cfg.tree_topk, tokens, pos, 0, mask)
+            loop_forward(model, n)
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
@@ -756,7 +758,7 @@ def profile_expansions(ctx) -> int:
     if cfg.mode == "ar":
         step_time(ctx.target, 1, reps=3)
         cfg.verify_size, cfg.tree_width = 1, cfg.tree_width or 1
-        warm_graphs(ctx, step_time)
+        warm_graphs(ctx, loop_forward)
         return 1
     dsizes = tuple(sorted(set(sizes) | ({cfg.tree_width} if cfg.tree_width else set())))
     t_target = t_draft = None
@@ -783,7 +785,7 @@ def profile_expansions(ctx) -> int:
     ctx.scratch["profile"] = {"t_target_s": {str(k): v for k, v in t_target.items()},
                               "t_draft_s": {str(k): v for k, v in t_draft.items()},
                               "verify_size": bs, "tree_width": w}
-    warm_graphs(ctx, step_time)
+    warm_graphs(ctx, loop_forward)
     return max(1, min(cfg.max_depth, int(t_target[bs] // max(t_draft[w], 1e-9))))
 
 
@@ -791,7 +793,7 @@ def profile_expansions(ctx) -> int:
 PREFILL_WARM_LENGTHS = (16, 128)
 
 
-def warm_graphs(ctx, step_time) -> None:
+def warm_graphs(ctx, loop_forward) -> None:
     """GPU only: capture the CUDA graph of every forward shape the decode loops can ask for,
     then freeze the graphed models (a later capture is counted as late, see GraphedModel).
 
@@ -812,7 +814,7 @@ def warm_graphs(ctx, step_time) -> None:
     for model, sizes in models:
         for n in sizes:
             if n <= model.max_slots:
-                step_time(model, n, reps=1)
+                loop_forward(model, n)
         for n in PREFILL_WARM_LENGTHS:
             n = min(n, model.max_slots)
             model.forward_eager(torch.zeros(n, dtype=torch.long), torch.arange(n), 0, None,
