@@ -1,18 +1,22 @@
 """Time to first token on the GPU: the prompt's forward, and the warm-up that keeps graph
-captures out of requests.
+captures and first-call costs out of requests.
 
     python benchmarks/bench_ttft.py [--shape llama-3-8b] [--lengths 15,64,256,1024,4096] [--bs 16]
 
 One random model at the named shape (bf16), one process. Prints Markdown tables:
-  1. warm-up: seconds to capture the graphs a greedy verify loop replays (argmax read-back,
-     N = 1 .. bs), as `job.warm_graphs` does before the first request;
-  2. per prompt length, wall ms of the prompt's forward (prompt[:-1] into slots 0.., the last
-     row's logits; a device sync at the end), median of --reps:
-     - "eager, causal": what prefill runs now (`forward_eager(..., causal=True)`: SDPA's causal
-       kernel, no mask);
-     - "eager, chain mask": the previous path for prompts over 64 tokens (explicit bool mask);
-     - "graph at first use": the previous path for prompts up to 64 tokens, a CUDA graph of
-       that length captured in the request (a fresh GraphedModel per length, first call timed).
+  1. warm-up, as `job.warm_graphs` does before the first request: the graphs a greedy verify
+     loop replays (argmax read-back, N = 1 .. bs), then one eager forward per prompt bucket
+     (`decoding.prompt_buckets`);
+  2. per prompt length, wall ms of the prompt's forward (prompt[:-1] into slots 0.., a device
+     sync at the end), the first call (what a request with a new length pays) and the median of
+     --reps later calls:
+     - "now": `decoding._prefill`, the engine's path: the eager causal forward padded to the
+       prompt's bucket;
+     - "unpadded": the same forward at the exact length (the length's first call pays extra);
+     - "chain mask": the eager forward with an explicit bool mask (the previous path for prompts
+       over 64 tokens), median;
+     - "graph at first use": the previous path for prompts up to 64 tokens, a CUDA graph of that
+       length captured in the request (a fresh GraphedModel per length, first call).
 """
 from __future__ import annotations
 
@@ -43,12 +47,13 @@ def main():
     a = ap.parse_args()
     from swiftspec_mpi.comm import SingleComm
     from swiftspec_mpi.cuda_graphs import GraphedModel
+    from swiftspec_mpi.decoding import _prefill, prompt_bucket, prompt_buckets
     from swiftspec_mpi.dummy import dummy_model
     from swiftspec_mpi.model import chain_mask
     lengths = [int(v) for v in a.lengths.split(",")]
     S = max(lengths) + 64
     model, _ = dummy_model(a.shape, SingleComm(), S, torch.bfloat16, "cuda")
-    print(f"{a.shape}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{a.shape}, bf16, {torch.cuda.get_device_name()}, torch {torch.__version__}, {S} KV slots")
 
     graphed = GraphedModel(model)
     t0 = time.perf_counter()
@@ -58,21 +63,30 @@ def main():
         graphed.forward_argmax(torch.zeros(n, dtype=torch.long), torch.arange(n), 0, chain_mask(0, n))
         torch.cuda.synchronize()
         per.append(time.perf_counter() - t)
-    total = time.perf_counter() - t0
-    print(f"\n| warm-up: graphs captured | seconds | per graph, ms (min / median / max) |\n|---:|---:|---|")
-    print(f"| {a.bs} (argmax, N = 1..{a.bs}) | {total:.2f} | {min(per) * 1e3:.1f} / "
-          f"{statistics.median(per) * 1e3:.1f} / {max(per) * 1e3:.1f} |")
-
-    for n in (16, 128):          # as job.warm_graphs: the eager kernels loaded before timing
+    t_graphs = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    buckets = prompt_buckets(S)
+    for n in buckets:
         graphed.forward_eager(torch.zeros(n, dtype=torch.long), torch.arange(n), 0, None,
                               logits_rows=torch.tensor([n - 1]), causal=True)
-    print("\n| prompt tokens | eager, causal (now) | eager, chain mask | graph at first use (before, <= 64) |")
-    print("|---:|---:|---:|---:|")
+    torch.cuda.synchronize()
+    t_buckets = time.perf_counter() - t0
+    print("\n| warm-up | count | seconds | ms each (min / median / max) |\n|---|---:|---:|---|")
+    print(f"| graphs (argmax, N = 1..{a.bs}) | {a.bs} | {t_graphs:.2f} | {min(per) * 1e3:.1f} / "
+          f"{statistics.median(per) * 1e3:.1f} / {max(per) * 1e3:.1f} |")
+    print(f"| prompt buckets (eager, up to {buckets[-1]}) | {len(buckets)} | {t_buckets:.2f} | |")
+
+    print("\n| prompt tokens | bucket | now: first call | now: median | unpadded: first call | unpadded: median "
+          "| chain mask: median | graph at first use (before, <= 64) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    gen = torch.Generator().manual_seed(0)
     for L in lengths:
         n = L - 1
-        toks = torch.randint(0, 1000, (n,))
-        pos = torch.arange(n)
-        last = torch.tensor([n - 1])
+        ids = torch.randint(0, 1000, (L,), generator=gen).tolist()
+        toks, pos, last = torch.tensor(ids[:-1]), torch.arange(n), torch.tensor([n - 1])
+        now_first = wall_ms(lambda: _prefill(graphed, ids), 1)
+        now = wall_ms(lambda: _prefill(graphed, ids), a.reps)
+        first = wall_ms(lambda: graphed.forward_eager(toks, pos, 0, None, logits_rows=last, causal=True), 1)
         causal = wall_ms(lambda: graphed.forward_eager(toks, pos, 0, None, logits_rows=last, causal=True), a.reps)
         mask = chain_mask(0, n)
         chain = wall_ms(lambda: model.forward(toks, pos, 0, mask, logits_rows=last), a.reps)
@@ -81,7 +95,8 @@ def main():
             fresh = GraphedModel(model)
             lazy = f"{wall_ms(lambda: fresh.forward(toks, pos, 0, mask, logits_rows=last), 1):.1f}"
             del fresh
-        print(f"| {L} | {causal:.2f} | {chain:.2f} | {lazy} |", flush=True)
+        print(f"| {L} | {prompt_bucket(n, S)} | {now_first:.2f} | {now:.2f} | {first:.2f} | {causal:.2f} | "
+              f"{chain:.2f} | {lazy} |", flush=True)
 
 
 if __name__ == "__main__":

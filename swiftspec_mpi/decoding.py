@@ -17,21 +17,44 @@ from swiftspec_mpi.cuda_graphs import logits_argmax, logits_topk_logprobs
 from swiftspec_mpi.model import chain_mask
 
 
+def prompt_bucket(n: int, max_slots: int) -> int:
+    """The length a GPU prompt forward of n tokens is padded to: a multiple of 16 up to 256,
+    of 64 up to 1024, then of 256; n itself if that would not fit in max_slots."""
+    step = 16 if n <= 256 else 64 if n <= 1024 else 256
+    b = -(-n // step) * step
+    return b if b <= max_slots else n
+
+
+def prompt_buckets(max_slots: int, upto: int = 4096) -> list[int]:
+    """Every bucket length up to min(max_slots, upto): what the warm-up runs once."""
+    out, n = [], 1
+    while True:
+        b = prompt_bucket(n, max_slots)
+        if b != prompt_bucket(n, 1 << 62) or b > upto:     # past max_slots, or past upto
+            return out
+        out.append(b)
+        n = b + 1
+
+
 def _prefill(model, prompt_ids: list[int]) -> int:
     """Forward prompt[:-1] into slots [0, P). Returns P = len(prompt) - 1.
 
-    Always the eager forward (`forward_eager` of a CUDA-graph wrapper): a prompt's length is
-    new every time, and capturing a graph for it would cost far more than the forward (a
-    capture in a request was 0.13-0.23 s of TTFT for a 15-token prompt on an H200), and with
-    the causal flag, so a GPU runs SDPA's flash kernel without building a mask. Its logits
-    are not needed (the last prompt token is the first step's root): one row is computed."""
+    Always the eager forward (`forward_eager` of a CUDA-graph wrapper), with the causal flag
+    (SDPA's causal kernel, no mask). On a GPU the prompt is padded at its end to
+    `prompt_bucket` tokens: the first eager forward of a new length costs ~50 ms more than the
+    next ones on an H200 (8B shape; docs/benchmarks.md), and the warm-up has run every bucket
+    once. Padding is harmless: the real rows do not see the later padded ones (causal), whose
+    KV lands in slots [P, bucket) that the decode steps overwrite before anything attends to
+    them. The logits are not needed (the last prompt token is the first step's root): one row
+    is computed. (A CUDA graph per prompt length, as before, cost a capture per new length.)"""
     n = len(prompt_ids) - 1
     if n > 0:
-        tokens = torch.tensor(prompt_ids[:-1], dtype=torch.long, device=model_device(model))
-        positions = torch.arange(n, dtype=torch.long, device=tokens.device)
+        dev = model_device(model)
+        m = prompt_bucket(n, model.max_slots) if dev.type == "cuda" else n
+        tokens = torch.tensor(list(prompt_ids[:-1]) + [0] * (m - n), dtype=torch.long, device=dev)
+        positions = torch.arange(m, dtype=torch.long, device=dev)
         forward = getattr(model, "forward_eager", model.forward)
-        forward(tokens, positions, 0, None, logits_rows=torch.tensor([n - 1], device=tokens.device),
-                causal=True)
+        forward(tokens, positions, 0, None, logits_rows=torch.tensor([n - 1], device=dev), causal=True)
     return n
 
 

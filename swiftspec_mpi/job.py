@@ -789,10 +789,6 @@ def profile_expansions(ctx) -> int:
     return max(1, min(cfg.max_depth, int(t_target[bs] // max(t_draft[w], 1e-9))))
 
 
-# prompt lengths whose eager forward the warm-up runs once (cuBLAS / SDPA kernels loaded)
-PREFILL_WARM_LENGTHS = (16, 128)
-
-
 def warm_graphs(ctx, loop_forward) -> None:
     """GPU only: capture the CUDA graph of every forward shape the decode loops can ask for,
     then freeze the graphed models (a later capture is counted as late, see GraphedModel).
@@ -800,8 +796,9 @@ def warm_graphs(ctx, loop_forward) -> None:
     The loops' shapes: the target verifies 1..bs nodes (fewer while the draft tree is small;
     1 in `ar`), the draft expands 1..w leaves, and 2 when it fills a KV hole (the last accepted
     token + the new root). Every rank of a group runs the same list (bs and w are the group's
-    decision), so their collectives pair up. The eager prompt forward is run once at a few
-    lengths too. Records the captures and their time in ctx.scratch["graphs"]."""
+    decision), so their collectives pair up. The eager prompt forward is run once at every
+    prompt bucket length (decoding.prompt_buckets). Records the captures and the time in
+    ctx.scratch["graphs"]."""
     cfg = ctx.cfg
     models = [(m, sizes) for m, sizes in
               ((ctx.target, range(1, cfg.verify_size + 1)),
@@ -810,18 +807,21 @@ def warm_graphs(ctx, loop_forward) -> None:
     if not models:
         return
     import torch
+
+    from swiftspec_mpi.decoding import prompt_buckets
     t0 = time.perf_counter()
+    buckets = 0
     for model, sizes in models:
         for n in sizes:
             if n <= model.max_slots:
                 loop_forward(model, n)
-        for n in PREFILL_WARM_LENGTHS:
-            n = min(n, model.max_slots)
+        buckets += len(prompt_buckets(model.max_slots))
+        for n in prompt_buckets(model.max_slots):
             model.forward_eager(torch.zeros(n, dtype=torch.long), torch.arange(n), 0, None,
                                 logits_rows=torch.tensor([n - 1]), causal=True)
         model.freeze()
     torch.cuda.synchronize()
-    ctx.scratch["graphs"] = {"captured": sum(len(m.static) for m, _ in models),
+    ctx.scratch["graphs"] = {"captured": sum(len(m.static) for m, _ in models), "prompt_buckets": buckets,
                              "warm_s": round(time.perf_counter() - t0, 3)}
 
 

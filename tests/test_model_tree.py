@@ -143,3 +143,34 @@ def test_causal_prompt_equals_chain_mask(model, n):
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="mask is required"):
         model.forward(more, torch.arange(n, n + 3), n, None, causal=True)
+
+
+def test_prompt_buckets():
+    from swiftspec_mpi.decoding import prompt_bucket, prompt_buckets
+    assert [prompt_bucket(n, 4096) for n in (1, 16, 17, 256, 257, 1024, 1025, 4000)] == \
+        [16, 16, 32, 256, 320, 1024, 1280, 4096]
+    assert prompt_bucket(90, 95) == 90                      # the bucket (96) would not fit
+    b = prompt_buckets(4160)
+    assert len(b) == 40 and b[:3] == [16, 32, 48] and b[-1] == 4096 and b == sorted(set(b))
+    assert all(prompt_bucket(n, 4160) in b for n in range(1, 4097))
+    assert prompt_buckets(300)[-1] == 256 and prompt_buckets(10) == []
+
+
+def test_padded_prompt_leaves_the_real_rows_alone(model):
+    """What _prefill does on a GPU: the prompt padded at its end (token 0) to its bucket. The
+    real rows' KV and the next step's logits equal those of the unpadded prompt (the padded
+    rows come later, so causal attention hides them; their KV slots are rewritten by the next
+    forward before anything attends to them)."""
+    n, m = 21, 32
+    g = torch.Generator().manual_seed(9)
+    toks = torch.randint(1, VOCAB, (n,), generator=g)
+    nxt = torch.randint(1, VOCAB, (2,), generator=g)
+    model.forward(toks, torch.arange(n), 0, None, causal=True)
+    kv_ref = [(kc[:n].clone(), vc[:n].clone()) for *_, kc, vc in model.layers]
+    ref = model.forward(nxt, torch.arange(n, n + 2), n, chain_mask(n, 2)).clone()
+    padded = torch.cat([toks, torch.zeros(m - n, dtype=torch.long)])
+    model.forward(padded, torch.arange(m), 0, None, logits_rows=torch.tensor([n - 1]), causal=True)
+    for (kr, vr), (*_, kc, vc) in zip(kv_ref, model.layers):
+        assert torch.allclose(kc[:n], kr, atol=TOL, rtol=0) and torch.allclose(vc[:n], vr, atol=TOL, rtol=0)
+    got = model.forward(nxt, torch.arange(n, n + 2), n, chain_mask(n, 2))
+    assert torch.allclose(got, ref, atol=TOL, rtol=0)
