@@ -88,7 +88,9 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
                             f"{cfg.max_new_tokens} it needs {need} positions but the models' context "
                             f"is {limit}; shorten the prompt or lower --max-new-tokens")
         longest = max(longest, len(req.ids))
-    need_slots = longest + cfg.max_new_tokens + margin
+    # room for the longest prompt padded to its bucket as well (GPU prompt forwards, decoding._prefill)
+    from swiftspec_mpi.decoding import prompt_bucket
+    need_slots = max(longest + cfg.max_new_tokens + margin, prompt_bucket(longest - 1, limit))
     if cfg.max_context is not None and cfg.max_context < longest + cfg.max_new_tokens + C.max_verify_size(cfg):
         raise UserError(f"--max-context {cfg.max_context} cannot hold the longest prompt ({longest} "
                         f"tokens) plus --max-new-tokens {cfg.max_new_tokens}; raise it to at least "

@@ -101,3 +101,18 @@ def test_dummy_load_format_takes_shape_names(tmp_path):
                  prompt="hi", max_new_tokens=4, out=str(tmp_path / "o.h5"), device="cpu")
     cfg = job.prepare_config(flags, None, world_size=2)
     assert (cfg.target, cfg.draft, cfg.load_format) == ("qwen2.5-1.5b", "qwen2.5-0.5b", "dummy")
+
+
+def test_default_kv_slots_hold_the_padded_prompt(tmp_path):
+    """The default --max-context holds the longest prompt plus the new tokens and the tree, and
+    at least that prompt padded to its bucket (what a GPU prompt forward writes)."""
+    from swiftspec_mpi import job
+    from swiftspec_mpi.decoding import prompt_bucket
+    for words, new in ((3, 4), (300, 400), (515, 4)):     # 515 words: ~1030 tokens, bucket 1280
+        flags = dict(load_format="dummy", target="qwen2.5-1.5b", draft="qwen2.5-0.5b", mode="async",
+                     prompt=" ".join(["word"] * words), max_new_tokens=new, out=str(tmp_path / "o.h5"),
+                     device="cpu")
+        cfg = job.prepare_config(flags, None, world_size=2)
+        n = len(cfg.requests[0].ids)
+        assert cfg.max_context >= n + new + 16 and cfg.max_context >= prompt_bucket(n - 1, 1 << 30), \
+            (words, new, n, cfg.max_context)
