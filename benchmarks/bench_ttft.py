@@ -5,14 +5,16 @@ captures and first-call costs out of requests.
 
 One random model at the named shape (bf16), one process. Prints Markdown tables:
   1. warm-up, as `job.warm_graphs` does before the first request: the graphs a greedy verify
-     loop replays (argmax read-back, N = 1 .. bs), then one eager forward per prompt bucket
-     (`decoding.prompt_buckets`);
+     loop replays (argmax read-back, N = 1 .. bs), then per prompt bucket
+     (`decoding.prompt_buckets`) a prompt graph (up to cuda_graphs.PROMPT_GRAPH_MAX tokens) or
+     one eager forward;
   2. per prompt length, wall ms of the prompt's forward (prompt[:-1] into slots 0.., a device
      sync at the end), the first call (what a request with a new length pays) and the median of
      --reps later calls:
-     - "now": `decoding._prefill`, the engine's path: the eager causal forward padded to the
-       prompt's bucket;
-     - "unpadded": the same forward at the exact length (the length's first call pays extra);
+     - "now": `decoding._prefill`, the engine's path: padded to the prompt's bucket, the prompt
+       graph of that bucket replayed (eager above PROMPT_GRAPH_MAX);
+     - "unpadded eager": the eager causal forward at the exact length (the length's first call
+       pays extra);
      - "chain mask": the eager forward with an explicit bool mask (the previous path for prompts
        over 64 tokens), median;
      - "graph at first use": the previous path for prompts up to 64 tokens, a CUDA graph of that
@@ -46,7 +48,7 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
     from swiftspec_mpi.comm import SingleComm
-    from swiftspec_mpi.cuda_graphs import GraphedModel
+    from swiftspec_mpi.cuda_graphs import PROMPT_GRAPH_MAX, GraphedModel
     from swiftspec_mpi.decoding import _prefill, prompt_bucket, prompt_buckets
     from swiftspec_mpi.dummy import dummy_model
     from swiftspec_mpi.model import chain_mask
@@ -66,17 +68,20 @@ def main():
     t_graphs = time.perf_counter() - t0
     t0 = time.perf_counter()
     buckets = prompt_buckets(S)
-    for n in buckets:
-        graphed.forward_eager(torch.zeros(n, dtype=torch.long), torch.arange(n), 0, None,
-                              logits_rows=torch.tensor([n - 1]), causal=True)
+    for n in buckets:                       # as job.warm_graphs
+        if n <= PROMPT_GRAPH_MAX:
+            graphed.capture_prompt(n)
+        else:
+            graphed.forward_prompt([0] * n, n - 1)
     torch.cuda.synchronize()
     t_buckets = time.perf_counter() - t0
     print("\n| warm-up | count | seconds | ms each (min / median / max) |\n|---|---:|---:|---|")
     print(f"| graphs (argmax, N = 1..{a.bs}) | {a.bs} | {t_graphs:.2f} | {min(per) * 1e3:.1f} / "
           f"{statistics.median(per) * 1e3:.1f} / {max(per) * 1e3:.1f} |")
-    print(f"| prompt buckets (eager, up to {buckets[-1]}) | {len(buckets)} | {t_buckets:.2f} | |")
+    print(f"| prompt buckets (graphs up to {PROMPT_GRAPH_MAX}, eager above; up to {buckets[-1]}) | "
+          f"{len(buckets)} | {t_buckets:.2f} | |")
 
-    print("\n| prompt tokens | bucket | now: first call | now: median | unpadded: first call | unpadded: median "
+    print("\n| prompt tokens | bucket | now: first call | now: median | unpadded eager: first call | unpadded eager: median "
           "| chain mask: median | graph at first use (before, <= 64) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)

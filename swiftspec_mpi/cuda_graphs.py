@@ -122,6 +122,51 @@ class _Static:
         self.done.record(stream)
 
 
+class _PromptGraph:
+    """A captured prompt forward of m tokens into slots [0, m): `Transformer.forward` with
+    causal=True (SDPA's causal kernel) and one logits row, which is not read. The tokens and
+    that row's index live in one pinned int64 buffer [m + 1] copied to its device twin before
+    each replay. Prompt graphs share one memory pool: nothing a replay leaves in it is read
+    afterwards (the logits are discarded; the KV goes to the model's own cache), and replays
+    run one at a time on one stream, so any order is safe."""
+
+    def __init__(self, model, m: int, pool):
+        dev = model.device
+        self.m = m
+        self.host = torch.zeros(m + 1, dtype=torch.int64, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros(m + 1, dtype=torch.int64, device=dev)
+        self.positions = torch.arange(m, dtype=torch.int64, device=dev)
+        self.done = torch.cuda.Event()
+        self.graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):                 # warm up (cuBLAS / SDPA choices, workspaces)
+                self._forward(model)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().synchronize()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self._forward(model)
+
+    def _forward(self, model):
+        model.forward(self.dev[:self.m], self.positions, 0, None, logits_rows=self.dev[self.m:], causal=True)
+
+    def run(self, ids, row: int) -> None:
+        """ids: m token ids (the prompt, padded); row: the logits row computed (not read)."""
+        self.done.synchronize()                # the previous replay's copy read the buffer
+        self.host_np[:self.m] = ids
+        self.host_np[self.m] = row
+        self.dev.copy_(self.host, non_blocking=True)
+        self.graph.replay()
+        self.done.record(torch.cuda.current_stream())
+
+
+# prompt lengths up to which the warm-up captures a prompt graph per bucket (above: eager; the
+# 8B prompt forward is host-bound below ~300 tokens and GPU-bound from ~1k)
+PROMPT_GRAPH_MAX = 1024
+
+
 class GraphedModel:
     """A GPU `Transformer` whose decode-sized forwards replay CUDA graphs, one per (N, read-back).
 
@@ -129,12 +174,15 @@ class GraphedModel:
     every shape its loops can use while it warms up (`job.warm_graphs`), then calls `freeze()`:
     a capture after that happened inside a request, which it should not (a capture costs tens
     of milliseconds and allocates), so it is counted in `late_captures` (the trace's ranks
-    table reports it). Prompts never go through a graph: `forward_eager`."""
+    table reports it). Prompts (`forward_prompt`) replay a prompt graph of their padded length
+    when the warm-up captured one (`capture_prompt`), else run eagerly; never captured in a request."""
 
     def __init__(self, model, max_graph_tokens: int = 64):
         self.model = model
         self.max_graph_tokens = max_graph_tokens
         self.static: dict[tuple, _Static] = {}
+        self.prompt_graphs: dict[int, _PromptGraph] = {}
+        self.prompt_pool = None
         self.frozen = False
         self.late_captures = 0
 
@@ -143,8 +191,30 @@ class GraphedModel:
         self.frozen = True
 
     def forward_eager(self, tokens, positions, start: int, mask, logits_rows=None, causal: bool = False):
-        """Transformer.forward itself (torch ops, no graph): for prompts, whose length varies."""
+        """Transformer.forward itself (torch ops, no graph)."""
         return self.model.forward(tokens, positions, start, mask, logits_rows, causal=causal)
+
+    @torch.inference_mode()
+    def capture_prompt(self, m: int) -> None:
+        """Capture the prompt graph of m tokens (warm-up only; it writes KV slots [0, m))."""
+        if m not in self.prompt_graphs:
+            if self.prompt_pool is None:
+                self.prompt_pool = torch.cuda.graph_pool_handle()
+            self.prompt_graphs[m] = _PromptGraph(self.model, m, self.prompt_pool)
+
+    @torch.inference_mode()
+    def forward_prompt(self, ids, row: int) -> None:
+        """A prompt at slot 0: ids (m token ids, already padded) -> KV in slots [0, m). The
+        logits of row `row` are computed and dropped. The prompt graph of m tokens if captured,
+        else the eager forward."""
+        pg = self.prompt_graphs.get(len(ids))
+        if pg is not None:
+            pg.run(ids, row)
+            return
+        dev = self.model.device
+        tokens = torch.as_tensor(np.asarray(ids, dtype=np.int64)).to(dev, non_blocking=True)
+        self.model.forward(tokens, torch.arange(len(ids), device=dev), 0, None,
+                           logits_rows=torch.tensor([row], device=dev), causal=True)
 
     def __getattr__(self, name):          # cfg, max_slots, device, comm, dtype, compact_kv ...
         return getattr(self.model, name)

@@ -39,22 +39,26 @@ def prompt_buckets(max_slots: int, upto: int = 4096) -> list[int]:
 def _prefill(model, prompt_ids: list[int]) -> int:
     """Forward prompt[:-1] into slots [0, P). Returns P = len(prompt) - 1.
 
-    Always the eager forward (`forward_eager` of a CUDA-graph wrapper), with the causal flag
-    (SDPA's causal kernel, no mask). On a GPU the prompt is padded at its end to
-    `prompt_bucket` tokens: the first eager forward of a new length costs ~50 ms more than the
-    next ones on an H200 (8B shape; docs/benchmarks.md), and the warm-up has run every bucket
-    once. Padding is harmless: the real rows do not see the later padded ones (causal), whose
-    KV lands in slots [P, bucket) that the decode steps overwrite before anything attends to
-    them. The logits are not needed (the last prompt token is the first step's root): one row
-    is computed. (A CUDA graph per prompt length, as before, cost a capture per new length.)"""
+    `Transformer.forward` with the causal flag (SDPA's causal kernel, no mask). On a GPU the
+    prompt is padded at its end to `prompt_bucket` tokens, and the CUDA-graph wrapper replays
+    the prompt graph the warm-up captured for that length (`GraphedModel.forward_prompt`; eager
+    above cuda_graphs.PROMPT_GRAPH_MAX, each bucket run once by the warm-up, since the first
+    eager forward of a new length costs ~50 ms more than the next ones on an H200). Padding is
+    harmless: the real rows do not see the later padded ones (causal), whose KV lands in slots
+    [P, bucket) that the decode steps overwrite before anything attends to them. The logits are
+    not needed (the last prompt token is the first step's root): one row is computed. (A graph
+    captured per exact prompt length, as before, cost a capture in each request.)"""
     n = len(prompt_ids) - 1
     if n > 0:
         dev = model_device(model)
         m = prompt_bucket(n, model.max_slots) if dev.type == "cuda" else n
-        tokens = torch.tensor(list(prompt_ids[:-1]) + [0] * (m - n), dtype=torch.long, device=dev)
-        positions = torch.arange(m, dtype=torch.long, device=dev)
-        forward = getattr(model, "forward_eager", model.forward)
-        forward(tokens, positions, 0, None, logits_rows=torch.tensor([n - 1], device=dev), causal=True)
+        ids = list(prompt_ids[:-1]) + [0] * (m - n)
+        graphed = getattr(model, "forward_prompt", None)
+        if graphed is not None:                # CUDA-graph wrapper: its prompt graph of m tokens
+            graphed(ids, n - 1)
+        else:
+            model.forward(torch.tensor(ids, dtype=torch.long, device=dev), torch.arange(m, device=dev), 0,
+                          None, logits_rows=torch.tensor([n - 1], device=dev), causal=True)
     return n
 
 

@@ -810,9 +810,9 @@ def warm_graphs(ctx, loop_forward) -> None:
     The loops' shapes: the target verifies 1..bs nodes (fewer while the draft tree is small;
     1 in `ar`), the draft expands 1..w leaves, and 2 when it fills a KV hole (the last accepted
     token + the new root). Every rank of a group runs the same list (bs and w are the group's
-    decision), so their collectives pair up. The eager prompt forward is run once at every
-    prompt bucket length (decoding.prompt_buckets). Records the captures and the time in
-    ctx.scratch["graphs"]."""
+    decision), so their collectives pair up. Every prompt bucket length (decoding.prompt_buckets)
+    gets a prompt graph up to cuda_graphs.PROMPT_GRAPH_MAX tokens, and one eager forward above.
+    Records the captures and the time in ctx.scratch["graphs"]."""
     cfg = ctx.cfg
     models = [(m, sizes) for m, sizes in
               ((ctx.target, range(1, cfg.verify_size + 1)),
@@ -822,6 +822,7 @@ def warm_graphs(ctx, loop_forward) -> None:
         return
     import torch
 
+    from swiftspec_mpi.cuda_graphs import PROMPT_GRAPH_MAX
     from swiftspec_mpi.decoding import prompt_buckets
     t0 = time.perf_counter()
     buckets = 0
@@ -831,11 +832,14 @@ def warm_graphs(ctx, loop_forward) -> None:
                 loop_forward(model, n)
         buckets += len(prompt_buckets(model.max_slots))
         for n in prompt_buckets(model.max_slots):
-            model.forward_eager(torch.zeros(n, dtype=torch.long), torch.arange(n), 0, None,
-                                logits_rows=torch.tensor([n - 1]), causal=True)
+            if n <= PROMPT_GRAPH_MAX:
+                model.capture_prompt(n)
+            else:
+                model.forward_prompt([0] * n, n - 1)      # eager: its first call paid here
         model.freeze()
     torch.cuda.synchronize()
     ctx.scratch["graphs"] = {"captured": sum(len(m.static) for m, _ in models), "prompt_buckets": buckets,
+                             "prompt_graphs": sum(len(m.prompt_graphs) for m, _ in models),
                              "warm_s": round(time.perf_counter() - t0, 3)}
 
 

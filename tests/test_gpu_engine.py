@@ -154,10 +154,14 @@ def test_graphed_argmax_and_topk_equal_reads_of_the_logits(in_graph_copy, monkey
     assert all(st.in_graph_copy == in_graph_copy for st in graphed.static.values())
 
 
-def test_graphed_model_freeze_and_eager_prompt():
-    """GraphedModel: the prompt path (forward_eager, causal) never captures a graph and gives
-    the chain-masked forward's logits; a capture after freeze() is counted as late, one per
-    new shape; a replayed shape is not."""
+def test_graphed_model_prompts_and_freeze():
+    """GraphedModel's prompt path: the eager causal forward gives the chain-masked forward's
+    logits and captures nothing; a prompt graph per padded length (sharing one memory pool),
+    replayed in any order with new tokens, leaves the eager forward's KV; a length without a
+    prompt graph runs eagerly, even after freeze(); a decode capture after freeze() is counted
+    as late, one per new shape, a replayed shape is not."""
+    import numpy as np
+
     from swiftspec_mpi import kernels
     from swiftspec_mpi.comm import SingleComm
     from swiftspec_mpi.cuda_graphs import GraphedModel
@@ -170,22 +174,43 @@ def test_graphed_model_freeze_and_eager_prompt():
     model.load_weights(RandomSource(cfg, "cuda", torch.bfloat16, seed=5))
     graphed = GraphedModel(model)
     gen = torch.Generator().manual_seed(6)
-    for n in (5, 40, 300):                          # short prompts used to capture a graph each
+    for n in (5, 40, 300):
         toks = torch.randint(0, 5000, (n,), generator=gen)
         last = torch.tensor([n - 1])
         ref = model.forward(toks, torch.arange(n), 0, chain_mask(0, n), logits_rows=last).float().clone()
         got = graphed.forward_eager(toks, torch.arange(n), 0, None, logits_rows=last, causal=True).float()
         assert (got - ref).abs().max().item() <= 3e-2 * ref.abs().max().item(), n
-    assert graphed.static == {} and graphed.late_captures == 0
+    assert graphed.static == {} and graphed.prompt_graphs == {} and graphed.late_captures == 0
+
+    def kv(m):
+        return torch.cat([torch.cat([kc[:m], vc[:m]]).float().flatten() for *_, kc, vc in model.layers])
+
+    for m in (16, 64, 208):
+        graphed.capture_prompt(m)
+    for m in (64, 16, 208, 16, 64):                 # any order, new tokens every time
+        ids = torch.randint(0, 5000, (m,), generator=gen).tolist()
+        graphed.forward_prompt(ids, m - 3)
+        got = kv(m).clone()
+        model.forward(torch.tensor(ids), torch.arange(m), 0, None, causal=True)
+        ref = kv(m)
+        assert (got - ref).abs().max().item() <= 3e-2 * ref.abs().max().item(), m
+    graphed.freeze()
+    ids = torch.randint(0, 5000, (24,), generator=gen).tolist()
+    graphed.forward_prompt(ids, 23)                 # no prompt graph of 24: eager
+    got = kv(24).clone()
+    model.forward(torch.tensor(ids), torch.arange(24), 0, None, causal=True)
+    assert torch.equal(got, kv(24))
+    assert sorted(graphed.prompt_graphs) == [16, 64, 208] and graphed.late_captures == 0
     start = 300
     toks, pos, mask = torch.tensor([7]), torch.tensor([start]), chain_mask(start, 1)
+    graphed.frozen = False
     graphed.forward_argmax(toks, pos, start, mask)
     graphed.freeze()
     graphed.forward_argmax(toks, pos, start, mask)     # replayed: not a capture
     assert graphed.late_captures == 0
     graphed.forward_argmax(torch.tensor([7, 8]), torch.tensor([start, start + 1]), start, chain_mask(start, 2))
     graphed.forward_topk_logprobs(toks, pos, start, mask, 4)
-    assert graphed.late_captures == 2 and len(graphed.static) == 3
+    assert graphed.late_captures == 2 and len(graphed.static) == 3 and np.all(np.isfinite(kv(8).cpu().numpy()))
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2+ GPUs")
