@@ -59,6 +59,8 @@ def _prefill(model, prompt_ids: list[int]) -> int:
         else:
             model.forward(torch.tensor(ids, dtype=torch.long, device=dev), torch.arange(m, device=dev), 0,
                           None, logits_rows=torch.tensor([n - 1], device=dev), causal=True)
+        if dev.type == "cuda":   # the trace's prefill event then covers the GPU work, not its launch
+            torch.cuda.current_stream(dev).synchronize()
     return n
 
 
