@@ -241,6 +241,14 @@ def _stats_cell(st: dict | None) -> str:
     return f"{_f(st['mean_ms'])} / {_f(st['p50_ms'])} / {_f(st['p95_ms'])} (n={st['count']})"
 
 
+def describe_warmup(graphs: dict | None) -> str:
+    """env_json["graphs"] (job.warm_graphs, rank 0's models) -> one cell, '-' when absent."""
+    if not graphs:
+        return "-"
+    return (f"{_f(graphs.get('warm_s'), 1)} s: {graphs.get('captured', 0)} step graphs, "
+            f"{graphs.get('prompt_graphs', 0)} prompt graphs / {graphs.get('prompt_buckets', 0)} prompt lengths")
+
+
 def table_rows(summaries: list[dict]) -> list[tuple[str, list[str]]]:
     """(row label, one cell per file); '' label = section header."""
     rows: list[tuple[str, list[str]]] = []
@@ -257,6 +265,8 @@ def table_rows(summaries: list[dict]) -> list[tuple[str, list[str]]]:
     rows.append(("complete", col(lambda s: "yes" if s["complete"] else f"NO ({s['exit_status'] or '?'})")))
     rows.append(("ranks (groups)", col(groups)))
     rows.append(("GPU shared by", col(lambda s: describe_gpu_sharing((s.get("env") or {}).get("gpu_sharing")))))
+    if any((s.get("env") or {}).get("graphs") for s in summaries):
+        rows.append(("GPU warm-up (rank 0)", col(lambda s: describe_warmup((s.get("env") or {}).get("graphs")))))
     rows.append(("requests", col(lambda s: str(s["n_requests"]))))
     rows.append(("new tokens", col(lambda s: str(s["new_tokens"]))))
     rows.append(("request seconds", col(lambda s: _f(s["seconds"], 3))))

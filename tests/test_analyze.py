@@ -300,7 +300,9 @@ def test_reader_reads_engine_writer(tmp_path):
     ranks[0] = (0, 0, 0, 1, b"host", b"cuda:0", 0, 0)
     ranks[1] = (1, 1, 0, 1, b"host", b"cuda:0", 3, 2)
     path = str(tmp_path / "engine.h5")
-    trace.write_trace(path, mode="async", config_json="{\"mode\": \"async\"}", env={"world_size": 2},
+    graphs = {"captured": 16, "prompt_buckets": 30, "prompt_graphs": 28, "warm_s": 4.196}
+    trace.write_trace(path, mode="async", config_json="{\"mode\": \"async\"}",
+                      env={"world_size": 2, "graphs": graphs},
                       requests=[req], events=events, ranks=ranks, complete=True, exit_status="ok")
     t = read_trace(path)
     assert t.warnings == [] and t.mode == "async" and t.complete and t.config == {"mode": "async"}
@@ -314,4 +316,6 @@ def test_reader_reads_engine_writer(tmp_path):
     s = analyze.summarize(t)
     assert s["events_dropped"] == 3 and s["mean_accepted_length"] == pytest.approx(1.5)
     assert s["late_graph_captures"] == 2
-    assert ("CUDA graphs captured in requests", ["2"]) in analyze.table_rows([s])
+    rows = analyze.table_rows([s])
+    assert ("CUDA graphs captured in requests", ["2"]) in rows
+    assert ("GPU warm-up (rank 0)", ["4.2 s: 16 step graphs, 28 prompt graphs / 30 prompt lengths"]) in rows
