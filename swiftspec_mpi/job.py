@@ -810,9 +810,10 @@ def warm_graphs(ctx, loop_forward) -> None:
     The loops' shapes: the target verifies 1..bs nodes (fewer while the draft tree is small;
     1 in `ar`), the draft expands 1..w leaves, and 2 when it fills a KV hole (the last accepted
     token + the new root). Every rank of a group runs the same list (bs and w are the group's
-    decision), so their collectives pair up. Every prompt bucket length (decoding.prompt_buckets)
-    gets a prompt graph up to cuda_graphs.PROMPT_GRAPH_MAX tokens, and one eager forward above.
-    Records the captures and the time in ctx.scratch["graphs"]."""
+    decision), so their collectives pair up. The padded length of each of the job's prompts
+    (decoding.prompt_bucket; every rank has the same requests) gets a prompt graph up to
+    cuda_graphs.PROMPT_GRAPH_MAX tokens, one eager forward above. Records the captures and the
+    time in ctx.scratch["graphs"]."""
     cfg = ctx.cfg
     models = [(m, sizes) for m, sizes in
               ((ctx.target, range(1, cfg.verify_size + 1)),
@@ -823,15 +824,17 @@ def warm_graphs(ctx, loop_forward) -> None:
     import torch
 
     from swiftspec_mpi.cuda_graphs import PROMPT_GRAPH_MAX
-    from swiftspec_mpi.decoding import prompt_buckets
+    from swiftspec_mpi.decoding import prompt_bucket
     t0 = time.perf_counter()
+    lengths = {len(r.ids) - 1 for r in cfg.requests if len(r.ids) > 1}   # what _prefill forwards
     buckets = 0
     for model, sizes in models:
         for n in sizes:
             if n <= model.max_slots:
                 loop_forward(model, n)
-        buckets += len(prompt_buckets(model.max_slots))
-        for n in prompt_buckets(model.max_slots):
+        padded = sorted({prompt_bucket(n, model.max_slots) for n in lengths})
+        buckets += len(padded)
+        for n in padded:
             if n <= PROMPT_GRAPH_MAX:
                 model.capture_prompt(n)
             else:
