@@ -41,6 +41,7 @@ OUT=${OUT:-runs/interactive-${SLURM_JOB_ID:-local}-$(date +%Y%m%d-%H%M%S).h5}   
 SRUN_MPI=${SRUN_MPI:-pmi2}                  # pmi2 for MPICH (the mpich wheel, default); pmix for Open MPI
 MPS=${MPS:-auto}                            # CUDA MPS daemon for ranks that share a GPU (jobs/mps.sh): auto = when
                                             # the allocation has more tasks than GPUs, 1 = always, 0 = never
+MPS_PROBE=${MPS_PROBE:-1}                   # 1: a daemon we start is first tried by one CUDA client (stopped if it fails), 0: no check
 if [[ -z ${SWIFTSPEC_VENV+set} ]]; then     # venv with swiftspec-mpi: default the checkout's .venv if present
     here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
     [[ -x $here/.venv/bin/swiftspec ]] && SWIFTSPEC_VENV=$here/.venv

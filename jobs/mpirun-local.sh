@@ -34,6 +34,7 @@ OUT=${OUT:-runs/swiftspec-local-$(date +%Y%m%d-%H%M%S).h5}   # HDF5 trace
 OVERWRITE=${OVERWRITE:-0}                   # 1 = replace an existing OUT
 MPS=${MPS:-auto}                            # CUDA MPS daemon for ranks that share a GPU (jobs/mps.sh): auto = when
                                             # NP exceeds the GPUs and DEVICE is not cpu, 1 = always, 0 = never
+MPS_PROBE=${MPS_PROBE:-1}                   # 1: a daemon we start is first tried by one CUDA client (stopped if it fails), 0: no check
 if [[ -z ${SWIFTSPEC_VENV+set} ]]; then     # venv with swiftspec-mpi: default the checkout's .venv if present
     here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
     [[ -x $here/.venv/bin/swiftspec ]] && SWIFTSPEC_VENV=$here/.venv

@@ -13,13 +13,36 @@
 #   mps_exec mpiexec -n 2 ...        # or, as the script's last command: exec the launcher, or
 #                                    # run it and stop the daemon after it when we started one
 #
-# MPS=1 starts one whenever nvidia-cuda-mps-control is on PATH, MPS=0 never. A daemon that
+# MPS=1 starts one whenever nvidia-cuda-mps-control is on PATH, MPS=0 never. A daemon we start
+# is first tried by one CUDA client (MPS_PROBE=1, the default); if that fails, it is stopped and
+# the job runs without MPS, with a warning. A daemon that
 # already listens where CUDA clients look (CUDA_MPS_PIPE_DIRECTORY, default /tmp/nvidia-mps: a
 # site-wide one) is used as it is. Ours keeps its pipe and log folders under
 # ${TMPDIR:-/tmp}/swiftspec-mps-<job id or pid>/ (/tmp when TMPDIR is long; the log stays).
 
 MPS=${MPS:-auto}                            # auto | 1 | 0 (see above)
+MPS_PROBE=${MPS_PROBE:-1}                   # 1: check that a CUDA client can use the daemon we start
 _mps_started=0
+
+# Can a CUDA client use the MPS daemon? Its server starts lazily, at the first client, and can
+# still fail there (a GPU held by another MPS server or in a mode MPS may not use): then every
+# rank's CUDA init would fail. One client of our own first: the primary context of the first
+# visible GPU through the driver API (python3's ctypes, ~0.3 s). Silent; status 0 when it worked.
+_mps_probe() {
+    python3 - 2>/dev/null <<'PY'
+import ctypes, sys
+try:
+    cu = ctypes.CDLL("libcuda.so.1")
+except OSError:
+    sys.exit(1)
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+ok = cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0 \
+    and cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
+if ok:
+    cu.cuDevicePrimaryCtxRelease_v2(dev)
+sys.exit(0 if ok else 1)
+PY
+}
 
 # The GPUs this job may use: the entries of CUDA_VISIBLE_DEVICES, else what nvidia-smi lists.
 mps_gpu_count() {
@@ -60,6 +83,14 @@ mps_start() {   # NRANKS NGPUS
     if nvidia-cuda-mps-control -d; then
         _mps_started=1
         trap mps_stop EXIT
+        if [[ $MPS_PROBE == 1 ]] && ! _mps_probe; then
+            echo "mps.sh: warning: the CUDA MPS daemon started but a CUDA client could not use it" \
+                 "(log: $CUDA_MPS_LOG_DIRECTORY); running without MPS: ranks that share a GPU will take" \
+                 "turns on it (MPS=0 skips the daemon, MPS_PROBE=0 this check)" >&2
+            mps_stop 2>/dev/null
+            unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+            return 0
+        fi
         echo "mps.sh: started a CUDA MPS daemon for $nranks ranks on $ngpus GPU(s) (pipe $CUDA_MPS_PIPE_DIRECTORY)" >&2
     else
         echo "mps.sh: warning: nvidia-cuda-mps-control -d failed (log: $CUDA_MPS_LOG_DIRECTORY);" \

@@ -514,7 +514,9 @@ class Job:
 
         cfg, ctx, topo = self.cfg, self.ctx, self.topo
         acceptor = Acceptor(cfg.temperature, cfg.sampling_rule, cfg.seed)
-        self.last_write = time.perf_counter()   # the first checkpoint comes after some decoding
+        # the file exists from here on (a run in progress shows up), written before any request
+        # so that none pays the write; the next checkpoint comes after some decoding
+        self.write(complete=False, status="running", events=None)
         leader_of_verify = topo.role == ROLE_VERIFY and topo.is_leader
         for req in cfg.requests:
             ctx.check_stop()

@@ -259,6 +259,7 @@ def test_generate_gpu_template_starts_mps_for_shared_gpus(slurm_cluster, base_en
         JOBS / "generate-gpu.sbatch", cwd=workdir,
         options=["--gpus-per-node=1", "--ntasks-per-node=2", "--cpus-per-task=1"],
         export={**base_env, "DEVICE": "cpu", "THREADS": "1", "DRAFT_RANKS": "1", "TMPDIR": str(tmp_path),
+                "MPS_PROBE": "0",   # the stand-in daemon serves no CUDA client
                 "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OUT": f"runs/mps-{tmp_path.name}.h5"})
     info = slurm_cluster.wait_job(job, timeout=JOB_TIMEOUT)
     assert_completed(slurm_cluster, job, info)
@@ -391,7 +392,7 @@ def test_bench_time_limit_signal(slurm_cluster, base_env, tmp_path):
     (ar,) = result["systems"]
     assert ar["system"] == "ar" and ar["status"] != "ok", ar
     trace = read_trace(out_dir / "ar.h5")
-    assert trace["root"]["exit_status"] == "interrupted" and not bool(trace["root"]["complete"])
+    assert trace["root"]["exit_status"] == "interrupted" and not bool(trace["root"]["complete"]), log
     assert (out_dir / "bench.md").is_file()
 
 
@@ -418,6 +419,7 @@ def test_mpirun_local_starts_and_stops_mps(tiny, tmp_path):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "PMI_", "HYDRA_", "CUDA_MPS_"))}
     env.update(tiny, SWIFTSPEC_VENV=str(VENV), NP="2", MODE="async", PROMPT=PROMPTS[1], MPS="1",
+               MPS_PROBE="0",   # the stand-in daemon serves no CUDA client
                MAX_NEW_TOKENS=str(MAX_NEW), THREADS="1", OUT=str(tmp_path / "mps.h5"), TMPDIR=str(tmp_path),
                PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
     r = subprocess.run([str(JOBS / "mpirun-local.sh")], env=env, cwd=tmp_path, capture_output=True,
@@ -452,3 +454,35 @@ def test_mpirun_local_without_slurm(tiny, tmp_path):
     assert sorted(trace["ranks"]["role"].tolist()) == [0, 1]
     req = trace["requests"][0]
     assert req["prompt_text"] == PROMPTS[1] and 1 <= len(req["output_ids"]) <= MAX_NEW
+
+
+def _libcuda_loads() -> bool:
+    import ctypes
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(_libcuda_loads(), reason="a CUDA driver is present: the probe's outcome depends on the GPU")
+def test_mps_daemon_no_client_can_use_is_stopped(tiny, tmp_path):
+    """mps.sh tries a daemon it started with one CUDA client (MPS_PROBE=1, the default). Here no
+    client can work (no CUDA driver), as on a node whose MPS server cannot start: the daemon is
+    stopped again, the job runs without it (the ranks see none) and says so once."""
+    bin_dir, log = fake_mps_control(tmp_path)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "PMI_", "HYDRA_", "CUDA_MPS_", "MPS"))}
+    env.update(tiny, SWIFTSPEC_VENV=str(VENV), NP="2", MODE="async", PROMPT=PROMPTS[1], MPS="1",
+               MAX_NEW_TOKENS=str(MAX_NEW), THREADS="1", OUT=str(tmp_path / "probe.h5"), TMPDIR=str(tmp_path),
+               PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
+    r = subprocess.run([str(JOBS / "mpirun-local.sh")], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=JOB_TIMEOUT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    start, quit_ = log.read_text().splitlines()
+    assert start.startswith("start ") and quit_ == "quit"
+    assert not Path(start.split()[1]).exists()
+    assert r.stderr.count("the CUDA MPS daemon started but a CUDA client could not use it") == 1, r.stderr
+    assert "started a CUDA MPS daemon for" not in r.stderr and "stopped the CUDA MPS daemon" not in r.stderr
+    env_json = json.loads(read_trace(tmp_path / "probe.h5")["root"]["env_json"])
+    assert env_json["gpu_sharing"]["mps_daemon"] == [False, False], env_json["gpu_sharing"]
