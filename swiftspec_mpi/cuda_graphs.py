@@ -5,7 +5,8 @@ max_slots, device, comm). A forward of N new tokens (N <= max_graph_tokens) repl
 `Transformer.forward_graphable` captured once for that N: the inputs are written into one
 pinned host buffer, which the graph itself copies to its static device twin as its first node
 (`_Static`), the context length reaches the fused tree-attention kernel as a device scalar, and
-nothing is allocated. Larger N (prefill) runs eagerly.
+nothing is allocated. Larger N runs eagerly. Prompts have their own graphs (`_PromptGraph`, one
+per padded prompt length that the warm-up prepared, `forward_prompt`), or run eagerly.
 
 What the engine reads back can be reduced inside the same graph, so that a step costs one
 launch and one sync, the result copied into pinned host memory by the graph's last node:
