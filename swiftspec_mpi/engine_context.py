@@ -30,6 +30,22 @@ class EngineContext:
         if self.stop_flag:
             raise Interrupted()
 
+    def check_stop_together(self) -> None:
+        """check_stop at a point that every rank of the group reaches in step (the top of a
+        request, of a step of `ar` / `sync`): the ranks agree first (the max of their flags), so
+        that all of them leave there. One rank leaving alone, its signal a moment before the
+        others', would leave them blocked in the group's next collective, rank 0 among them
+        before it could write the file."""
+        if self.topo.group.Get_size() == 1:
+            self.check_stop()
+            return
+        from mpi4py import MPI
+        flag = self.scratch.setdefault("stop_vote", np.zeros(1, dtype=np.int32))
+        flag[0] = 1 if self.stop_flag else 0
+        self.topo.group.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+        if flag[0]:
+            raise Interrupted()
+
     def bcast(self, buf: np.ndarray) -> np.ndarray:
         """Broadcast a preallocated numpy buffer from the group leader (no-op for 1 rank)."""
         if self.topo.group.Get_size() > 1:

@@ -34,7 +34,7 @@ def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, 
     root = int(prompt_ids[-1])
     step = 0
     while True:
-        ctx.check_stop()
+        ctx.check_stop_together()
         t_step = clock.now()
         if draft is None:
             tokens, parents = np.array([root], dtype=np.int64), np.array([-1], dtype=np.int32)

@@ -519,7 +519,7 @@ class Job:
         self.write(complete=False, status="running", events=None)
         leader_of_verify = topo.role == ROLE_VERIFY and topo.is_leader
         for req in cfg.requests:
-            ctx.check_stop()
+            ctx.check_stop_together()
             result = tracker = None
             if leader_of_verify:
                 result = RequestResult(req.index, req.category, req.prompt, list(req.ids))

@@ -419,6 +419,30 @@ def test_sigterm_writes_partial_file_and_exits_4(models, prompts, tmp_path):
     assert len(read_root(out)["events"]) > 0
 
 
+def test_sigterm_to_one_rank_of_a_group_stops_the_group_together(models, prompts, tmp_path):
+    """`ar` on 2 ranks (one tensor-parallel group), SIGTERM to rank 1 only (a signal that reaches
+    the ranks a moment apart, at its extreme): the group agrees to stop at the next step, so
+    rank 0 is not left blocked in a collective and writes the partial file; both exit 4."""
+    out = tmp_path / "one.h5"
+    args = ["--target", models["target"], "--mode", "ar", "--prompts", prompts, "--max-new-tokens",
+            str(NEW_TOKENS), "--ignore-eos", "--out", str(out), "--quiet"]
+    job = Job(2, args)
+    try:
+        job.wait_file(out, min_requests=1)
+        pids = job.wait_ranks(2)
+        os.kill(pids[1], signal.SIGTERM)
+        t_sig = time.monotonic()
+        rc = job.finish(timeout=90)
+        after = time.monotonic() - t_sig
+    finally:
+        job.kill()
+    report = job.report()
+    assert rc == EXIT_INTERRUPTED, report
+    assert after < 15.0, report        # not the 20 s a rank waits for a peer that never comes
+    assert job.stderr.count("interrupted (signal); writing what was generated") == 1, report
+    check_partial_file(out, r"^interrupted$", "interrupted")
+
+
 def test_hung_draft_rank_is_reported_by_rank_and_role_after_peer_timeout(models, prompts, tmp_path):
     """SIGSTOP: the draft rank is alive but silent (the launcher sees nothing wrong). The verify
     leader's deadline (--peer-timeout) names it, writes the file and aborts the job."""
