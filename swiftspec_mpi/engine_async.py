@@ -25,11 +25,11 @@ from mpi4py import MPI
 from swiftspec_mpi.decoding import Acceptor, DraftSide, OutputTracker, TargetSide
 from swiftspec_mpi.engine_context import EngineContext, comm_seconds, decide, make_topk_share
 from swiftspec_mpi.errors import PeerError
-from swiftspec_mpi.protocol import TAG_RESULT, TAG_TREE, LeaderChannel, wait_for
+from swiftspec_mpi.protocol import MSG_STOP, TAG_RESULT, TAG_TREE, Interrupted, LeaderChannel, wait_for
 from swiftspec_mpi.sent_tree import reroot_sent_tree
 from swiftspec_mpi.trace import KIND
 
-ACT_EXPAND, ACT_SEND, ACT_RESULT = 1, 2, 3
+ACT_EXPAND, ACT_SEND, ACT_RESULT, ACT_STOP = 1, 2, 3, 4
 
 
 def send_size(cfg) -> int:
@@ -102,6 +102,10 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
     chan = ctx.scratch.setdefault("chan", LeaderChannel(bs, send_size(cfg)))
     target = TargetSide(ctx.target)
     decision = np.zeros(3 + 2 * bs, dtype=np.int64)   # see engine_context.decide
+    # the tree the group verifies, broadcast by the leader: not chan.tree, which is the leader's
+    # receive buffer for the draft's next tree (a message arriving during the broadcast would
+    # land in the buffer being broadcast)
+    step_tree = ctx.scratch.setdefault("step_tree", np.zeros_like(chan.tree))
 
     t0, c0 = clock.now(), comm_seconds(ctx.target)
     target.prefill(prompt_ids)
@@ -113,13 +117,17 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
     step = 0
     while True:
         tw = clock.now()
-        if leader:
-            tokens, parents = inbox.next_tree(committed, bs, wait_what)
-            chan.pack_tree(request, step, target.P, tokens, parents)
-        else:
-            ctx.check_stop()
-        ctx.bcast(chan.tree)
-        _req, _seq, root_pos, tokens, parents = chan.unpack_tree()
+        if leader:   # a stop signal: the leader tells the group, which leaves together
+            try:
+                tokens, parents = inbox.next_tree(committed, bs, wait_what)
+                ctx.check_stop()
+                chan.pack_tree(request, step, target.P, tokens, parents, out=step_tree)
+            except Interrupted:
+                step_tree[0] = MSG_STOP
+        ctx.bcast(step_tree)
+        if step_tree[0] == MSG_STOP:
+            raise Interrupted()
+        _req, _seq, root_pos, tokens, parents = chan.unpack_tree(step_tree)
         if root_pos != target.P:
             raise PeerError(f"verify group out of step: tree at position {root_pos}, "
                             f"target KV at {target.P}")
@@ -141,7 +149,10 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
             topo.inter.Send(chan.pack_result(request, step, accepted, done), dest=0, tag=TAG_RESULT)
             rec.record(KIND["send"], request, step, ts, clock.now(), a)
             if done:
-                inbox.drain_until_ack(committed)
+                try:
+                    inbox.drain_until_ack(committed)
+                except Interrupted:   # the group stops together at the next request's check
+                    pass
             else:
                 committed.extend(int(t) for t in accepted)
                 inbox.advance(accepted)
@@ -173,11 +184,13 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     seq = 0
     n_expand = 0
     while True:
-        # 1. the leader decides what the whole group does next
+        # 1. the leader decides what the whole group does next (a stop signal included: the
+        #    group then leaves together, none of it blocked in a collective)
         if leader:
-            ctx.check_stop()
             leaves = None
-            if result_req.Test():
+            if ctx.stop_flag:
+                action = ACT_STOP
+            elif result_req.Test():
                 action = ACT_RESULT
             elif owe_tree and draft.root_expanded():
                 action = ACT_SEND
@@ -187,10 +200,13 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
                     action = ACT_EXPAND
                 else:   # tree (or KV) full: nothing to do but wait for the next verdict
                     tw = clock.now()
-                    wait_for(result_req, cfg.peer_timeout, "verify result from rank 0 (verify leader)",
-                             ctx.stop_flag, ctx.watch)
+                    try:
+                        wait_for(result_req, cfg.peer_timeout, "verify result from rank 0 (verify leader)",
+                                 ctx.stop_flag, ctx.watch)
+                        action = ACT_RESULT
+                    except Interrupted:
+                        action = ACT_STOP
                     rec.record(KIND["wait"], request, n_expand, tw, clock.now())
-                    action = ACT_RESULT
             control[0] = action
             if action == ACT_RESULT:
                 r_req, _r_step, accepted, done = chan.unpack_result()
@@ -206,6 +222,8 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
         ctx.bcast(control)
         action = int(control[0])
         # 2. every rank of the group applies it
+        if action == ACT_STOP:
+            raise Interrupted()
         if action == ACT_RESULT:
             if control[2]:
                 return

@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from swiftspec_mpi.errors import PeerError
 
-MSG_TREE, MSG_RESULT = 1, 2
+MSG_TREE, MSG_RESULT, MSG_STOP = 1, 2, 3   # MSG_STOP: a group leader's "we stop here" to its group
 TAG_TREE, TAG_RESULT, TAG_ABORT = 11, 12, 99
 HEADER = 5
 
@@ -110,17 +110,18 @@ class LeaderChannel:
 
     # -- packing -------------------------------------------------------------------------------
     def pack_tree(self, request: int, seq: int, root_pos: int, tokens: np.ndarray,
-                  parents: np.ndarray) -> np.ndarray:
+                  parents: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Into `out` (shaped like self.tree) or self.tree."""
         n = len(tokens)
-        b = self.tree
+        b = self.tree if out is None else out
         b[:HEADER] = (MSG_TREE, request, seq, n, root_pos)
         b[HEADER:HEADER + n] = tokens
         b[HEADER + self.m:HEADER + self.m + n] = parents
         return b
 
-    def unpack_tree(self) -> tuple[int, int, int, np.ndarray, np.ndarray]:
-        """-> (request, seq, root_pos, tokens int64[n], parents int32[n])."""
-        b = self.tree
+    def unpack_tree(self, buf: np.ndarray | None = None) -> tuple[int, int, int, np.ndarray, np.ndarray]:
+        """-> (request, seq, root_pos, tokens int64[n], parents int32[n]) from `buf` or self.tree."""
+        b = self.tree if buf is None else buf
         if b[0] != MSG_TREE:
             raise PeerError(f"protocol error: expected a tree message, got kind {b[0]}")
         n = int(b[3])

@@ -396,11 +396,14 @@ def test_sigkill_of_draft_rank_ends_job_and_keeps_finished_requests(models, prom
     assert sum(r["stop_reason"] == "max_new_tokens" for r in reqs) >= 1
 
 
-def test_sigterm_writes_partial_file_and_exits_4(models, prompts, tmp_path):
-    """mpiexec (hydra) forwards SIGTERM to every rank, as Slurm does at the time limit."""
+@pytest.mark.parametrize("n", [2, 3])
+def test_sigterm_writes_partial_file_and_exits_4(models, prompts, tmp_path, n):
+    """mpiexec (hydra) forwards SIGTERM to every rank, as Slurm does at the time limit. With 3
+    ranks the verify group has 2 (tensor parallel): its leader tells the other to stop with the
+    step's tree broadcast, so neither is left in a collective."""
     out = tmp_path / "term.h5"
     out.write_bytes(b"an older file, replaced because of --overwrite")
-    job = Job(2, gen_args(models, prompts, out, "--overwrite"))
+    job = Job(n, gen_args(models, prompts, out, "--overwrite", "--draft-ranks", "1"))
     try:
         job.wait_file(out, min_requests=1)
         job.proc.send_signal(signal.SIGTERM)
