@@ -43,6 +43,7 @@ class Job:
     def __init__(self, n: int, args: list[str], *, env: dict | None = None,
                  fault: str | None = None):
         self.tag = uuid.uuid4().hex
+        self.n = n
         e = dict(os.environ)
         for k in [k for k in e if k.startswith("SLURM_")]:
             del e[k]                  # a test run inside a Slurm job must not look like a step
@@ -124,6 +125,19 @@ class Job:
             self.seconds = time.monotonic() - self.t0
             self.ended_at = time.time()
         return f"exit {self.proc.returncode}\nstdout:\n{self.stdout[-2000:]}\nstderr:\n{self.stderr[-4000:]}"
+
+    def signal_mid_run(self, out, sig: int, rank: int | None = None) -> tuple[int, float]:
+        """Once `out` holds a finished request, send `sig` to world rank `rank` (None: to
+        mpiexec, which forwards it to every rank, as Slurm does) and wait for the end.
+        -> (exit code, seconds from the signal to the end)."""
+        self.wait_file(out, min_requests=1)
+        if rank is None:
+            self.proc.send_signal(sig)
+        else:
+            os.kill(self.wait_ranks(self.n)[rank], sig)
+        t = time.monotonic()
+        rc = self.finish(timeout=90)
+        return rc, time.monotonic() - t
 
     def finish(self, timeout: float = 180) -> int:
         """Wait for the end; -> exit code. A job still alive after `timeout` is killed (the

@@ -378,12 +378,7 @@ def test_sigkill_of_draft_rank_ends_job_and_keeps_finished_requests(models, prom
     out = tmp_path / "killed.h5"
     job = Job(2, gen_args(models, prompts, out))
     try:
-        job.wait_file(out, min_requests=1)
-        pids = job.wait_ranks(2)
-        os.kill(pids[1], signal.SIGKILL)
-        t_kill = time.monotonic()
-        rc = job.finish(timeout=90)
-        after = time.monotonic() - t_kill
+        rc, after = job.signal_mid_run(out, signal.SIGKILL, rank=1)
     finally:
         job.kill()
     report = job.report()
@@ -405,11 +400,7 @@ def test_sigterm_writes_partial_file_and_exits_4(models, prompts, tmp_path, n):
     out.write_bytes(b"an older file, replaced because of --overwrite")
     job = Job(n, gen_args(models, prompts, out, "--overwrite", "--draft-ranks", "1"))
     try:
-        job.wait_file(out, min_requests=1)
-        job.proc.send_signal(signal.SIGTERM)
-        t_sig = time.monotonic()
-        rc = job.finish(timeout=90)
-        after = time.monotonic() - t_sig
+        rc, after = job.signal_mid_run(out, signal.SIGTERM)
     finally:
         job.kill()
     report = job.report()
@@ -431,12 +422,7 @@ def test_sigterm_to_one_rank_of_a_group_stops_the_group_together(models, prompts
             str(NEW_TOKENS), "--ignore-eos", "--out", str(out), "--quiet"]
     job = Job(2, args)
     try:
-        job.wait_file(out, min_requests=1)
-        pids = job.wait_ranks(2)
-        os.kill(pids[1], signal.SIGTERM)
-        t_sig = time.monotonic()
-        rc = job.finish(timeout=90)
-        after = time.monotonic() - t_sig
+        rc, after = job.signal_mid_run(out, signal.SIGTERM, rank=1)
     finally:
         job.kill()
     report = job.report()

@@ -412,18 +412,25 @@ read -r cmd; echo "$cmd" >> {log}; rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
     return bin_dir, log
 
 
+def mpirun_local_with_fake_mps(tiny, tmp_path: Path, out: Path, **extra):
+    """jobs/mpirun-local.sh, `async` on 2 ranks, MPS=1, the stand-in nvidia-cuda-mps-control on
+    PATH, `extra` added to the environment. -> (completed process, the stand-in's log, env)."""
+    bin_dir, log = fake_mps_control(tmp_path)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "PMI_", "HYDRA_", "CUDA_MPS_", "MPS"))}
+    env.update(tiny, SWIFTSPEC_VENV=str(VENV), NP="2", MODE="async", PROMPT=PROMPTS[1], MPS="1",
+               MAX_NEW_TOKENS=str(MAX_NEW), THREADS="1", OUT=str(out), TMPDIR=str(tmp_path),
+               PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", **extra)
+    r = subprocess.run([str(JOBS / "mpirun-local.sh")], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=JOB_TIMEOUT)
+    return r, log, env
+
+
 def test_mpirun_local_starts_and_stops_mps(tiny, tmp_path):
     """jobs/mpirun-local.sh MPS=1: a per-run MPS daemon (a stand-in here) is started before the
     ranks, which see it (the trace's gpu_sharing.mps_daemon), and stopped after them."""
-    bin_dir, log = fake_mps_control(tmp_path)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "PMI_", "HYDRA_", "CUDA_MPS_"))}
-    env.update(tiny, SWIFTSPEC_VENV=str(VENV), NP="2", MODE="async", PROMPT=PROMPTS[1], MPS="1",
-               MPS_PROBE="0",   # the stand-in daemon serves no CUDA client
-               MAX_NEW_TOKENS=str(MAX_NEW), THREADS="1", OUT=str(tmp_path / "mps.h5"), TMPDIR=str(tmp_path),
-               PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
-    r = subprocess.run([str(JOBS / "mpirun-local.sh")], env=env, cwd=tmp_path, capture_output=True,
-                       text=True, timeout=JOB_TIMEOUT)
+    r, log, env = mpirun_local_with_fake_mps(tiny, tmp_path, tmp_path / "mps.h5",
+                                             MPS_PROBE="0")   # the stand-in serves no CUDA client
     assert r.returncode == 0, r.stdout + r.stderr
     start, quit_ = log.read_text().splitlines()
     pipe = start.split()[1]
@@ -470,14 +477,7 @@ def test_mps_daemon_no_client_can_use_is_stopped(tiny, tmp_path):
     """mps.sh tries a daemon it started with one CUDA client (MPS_PROBE=1, the default). Here no
     client can work (no CUDA driver), as on a node whose MPS server cannot start: the daemon is
     stopped again, the job runs without it (the ranks see none) and says so once."""
-    bin_dir, log = fake_mps_control(tmp_path)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "PMI_", "HYDRA_", "CUDA_MPS_", "MPS"))}
-    env.update(tiny, SWIFTSPEC_VENV=str(VENV), NP="2", MODE="async", PROMPT=PROMPTS[1], MPS="1",
-               MAX_NEW_TOKENS=str(MAX_NEW), THREADS="1", OUT=str(tmp_path / "probe.h5"), TMPDIR=str(tmp_path),
-               PATH=f"{bin_dir}{os.pathsep}{env['PATH']}")
-    r = subprocess.run([str(JOBS / "mpirun-local.sh")], env=env, cwd=tmp_path, capture_output=True,
-                       text=True, timeout=JOB_TIMEOUT)
+    r, log, _env = mpirun_local_with_fake_mps(tiny, tmp_path, tmp_path / "probe.h5")
     assert r.returncode == 0, r.stdout + r.stderr
     start, quit_ = log.read_text().splitlines()
     assert start.startswith("start ") and quit_ == "quit"
