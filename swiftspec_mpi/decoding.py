@@ -26,7 +26,8 @@ def prompt_bucket(n: int, max_slots: int) -> int:
 
 
 def prompt_buckets(max_slots: int, upto: int = 4096) -> list[int]:
-    """Every bucket length up to min(max_slots, upto): what the warm-up runs once."""
+    """Every bucket length up to min(max_slots, upto) (benchmarks/bench_ttft.py prepares them all;
+    the engine's warm-up only those of its job's prompts)."""
     out, n = [], 1
     while True:
         b = prompt_bucket(n, max_slots)
@@ -42,8 +43,9 @@ def _prefill(model, prompt_ids: list[int]) -> int:
     `Transformer.forward` with the causal flag (SDPA's causal kernel, no mask). On a GPU the
     prompt is padded at its end to `prompt_bucket` tokens, and the CUDA-graph wrapper replays
     the prompt graph the warm-up captured for that length (`GraphedModel.forward_prompt`; eager
-    above cuda_graphs.PROMPT_GRAPH_MAX, each bucket run once by the warm-up, since the first
-    eager forward of a new length costs ~50 ms more than the next ones on an H200). Padding is
+    above cuda_graphs.PROMPT_GRAPH_MAX, each such length of the job run once by the warm-up,
+    since the first eager forward of a new length costs ~50 ms more than the next ones on an
+    H200). Padding is
     harmless: the real rows do not see the later padded ones (causal), whose KV lands in slots
     [P, bucket) that the decode steps overwrite before anything attends to them. The logits are
     not needed (the last prompt token is the first step's root): one row is computed. (A graph
@@ -149,7 +151,7 @@ class DraftSide:
         positions, mask = self.tree.masks(leaves, self.kv_used + n)
         tokens = torch.from_numpy(self.tree.tokens_of(leaves))
         ids, lps = draft_topk(self.model, self.topk, tokens, torch.from_numpy(positions), self.kv_used,
-                                  torch.from_numpy(mask))
+                              torch.from_numpy(mask))
         if share is not None:
             ids, lps = share(ids, lps)
         self.tree.expand(leaves, ids, lps)
@@ -181,7 +183,7 @@ class DraftSide:
         tokens = torch.tensor([last_committed, int(self.tree.token[0])], dtype=torch.long)
         positions = torch.tensor([P - 1, P], dtype=torch.long)
         ids, lps = draft_topk(self.model, self.topk, tokens, positions, P - 1, chain_mask(P - 1, 2),
-                                  logits_row=1)      # the root's row
+                              logits_row=1)      # the root's row
         if share is not None:
             ids, lps = share(ids, lps)
         root = np.zeros(1, dtype=np.int32)
@@ -191,7 +193,7 @@ class DraftSide:
 
 
 def draft_topk(model, k: int, tokens, positions, start: int, mask,
-                   logits_row: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+               logits_row: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(ids int64[n, k], log-probs float32[n, k]): the top-k of log_softmax of each row's logits
     (only row `logits_row`'s, [1, k], if given), inside the CUDA graph when the model has one
     (GraphedModel.forward_topk_logprobs)."""
