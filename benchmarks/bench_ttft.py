@@ -91,8 +91,8 @@ def main():
         toks, pos, last = torch.tensor(ids[:-1]), torch.arange(n), torch.tensor([n - 1])
         now_first = wall_ms(lambda: _prefill(graphed, ids), 1)
         now = wall_ms(lambda: _prefill(graphed, ids), a.reps)
-        first = wall_ms(lambda: graphed.forward_eager(toks, pos, 0, None, logits_rows=last, causal=True), 1)
-        causal = wall_ms(lambda: graphed.forward_eager(toks, pos, 0, None, logits_rows=last, causal=True), a.reps)
+        first = wall_ms(lambda: model.forward(toks, pos, 0, None, logits_rows=last, causal=True), 1)
+        causal = wall_ms(lambda: model.forward(toks, pos, 0, None, logits_rows=last, causal=True), a.reps)
         mask = chain_mask(0, n)
         chain = wall_ms(lambda: model.forward(toks, pos, 0, mask, logits_rows=last), a.reps)
         lazy = "-"

@@ -191,10 +191,6 @@ class GraphedModel:
         """Warm-up is over: from now on a capture is counted as late (it still happens)."""
         self.frozen = True
 
-    def forward_eager(self, tokens, positions, start: int, mask, logits_rows=None, causal: bool = False):
-        """Transformer.forward itself (torch ops, no graph)."""
-        return self.model.forward(tokens, positions, start, mask, logits_rows, causal=causal)
-
     @torch.inference_mode()
     def capture_prompt(self, m: int) -> None:
         """Capture the prompt graph of m tokens (warm-up only; it writes KV slots [0, m))."""
@@ -205,17 +201,13 @@ class GraphedModel:
 
     @torch.inference_mode()
     def forward_prompt(self, ids, row: int) -> None:
-        """A prompt at slot 0: ids (m token ids, already padded) -> KV in slots [0, m). The
-        logits of row `row` are computed and dropped. The prompt graph of m tokens if captured,
-        else the eager forward."""
+        """Transformer.forward_prompt, replayed from the prompt graph of len(ids) tokens when
+        the warm-up captured one."""
         pg = self.prompt_graphs.get(len(ids))
-        if pg is not None:
+        if pg is None:
+            self.model.forward_prompt(ids, row)
+        else:
             pg.run(ids, row)
-            return
-        dev = self.model.device
-        tokens = torch.as_tensor(np.asarray(ids, dtype=np.int64)).to(dev, non_blocking=True)
-        self.model.forward(tokens, torch.arange(len(ids), device=dev), 0, None,
-                           logits_rows=torch.tensor([row], device=dev), causal=True)
 
     def __getattr__(self, name):          # cfg, max_slots, device, comm, dtype, compact_kv ...
         return getattr(self.model, name)

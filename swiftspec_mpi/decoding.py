@@ -55,12 +55,7 @@ def _prefill(model, prompt_ids: list[int]) -> int:
         dev = model_device(model)
         m = prompt_bucket(n, model.max_slots) if dev.type == "cuda" else n
         ids = list(prompt_ids[:-1]) + [0] * (m - n)
-        graphed = getattr(model, "forward_prompt", None)
-        if graphed is not None:                # CUDA-graph wrapper: its prompt graph of m tokens
-            graphed(ids, n - 1)
-        else:
-            model.forward(torch.tensor(ids, dtype=torch.long, device=dev), torch.arange(m, device=dev), 0,
-                          None, logits_rows=torch.tensor([n - 1], device=dev), causal=True)
+        model.forward_prompt(ids, n - 1)       # a CUDA-graph wrapper: its prompt graph of m tokens
         if dev.type == "cuda":   # the trace's prefill event then covers the GPU work, not its launch
             torch.cuda.current_stream(dev).synchronize()
     return n

@@ -444,6 +444,14 @@ class Transformer(torch.nn.Module):
             x = x.index_select(0, logits_rows.to(dev))
         return self._logits(x)
 
+    def forward_prompt(self, ids: list[int], row: int) -> None:
+        """A prompt at slot 0: ids (m token ids, padded or not) -> their KV in slots [0, m), with
+        SDPA's causal kernel; the logits of row `row` are computed and dropped (the CUDA-graph
+        wrapper replays a captured prompt graph instead: GraphedModel.forward_prompt)."""
+        dev = self.device
+        self.forward(torch.tensor(ids, dtype=torch.long, device=dev), torch.arange(len(ids), device=dev), 0,
+                     None, logits_rows=torch.tensor([row], device=dev), causal=True)
+
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, write_kv, attend) -> torch.Tensor:
         """Embedding + every decoder layer -> hidden states [N, hidden] (before the final norm).
         `write_kv(kc, vc, k [N, nkv_l, hd], v)` stores the new tokens' KV in one layer's buffers;
