@@ -309,16 +309,21 @@ __device__ __forceinline__ void piece_pv(const __nv_bfloat16* vs, int base, int 
 // A warp's partial (rows g, g + 8 of its row tile) into shared memory after its last piece: the
 // row sums completed over the 4 lanes of a row, then part_m / part_l [NW][16] and part_o
 // [NW][16][D] (fp32) at the warp's slot.
+// Row sums completed over the 4 lanes (qd = lane & 3) that hold a row's columns.
+__device__ __forceinline__ void quad_row_sums(float (&l)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+}
+
 template <int D>
 __device__ __forceinline__ void store_warp_partial(float* part_o, float* part_m, float* part_l, int warp, int lane,
                                                    const float (&m_run)[2], float (&l_run)[2],
                                                    const float (&o)[D / 8][4]) {
   const int g = lane >> 2, qd = lane & 3;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-  }
+  quad_row_sums(l_run);
   if (qd == 0) {
     part_m[warp * 16 + g] = m_run[0];
     part_m[warp * 16 + g + 8] = m_run[1];
@@ -1420,6 +1425,7 @@ using tree_attn::mma_bf16;
 using tree_attn::pack_bf16;
 using tree_attn::piece_softmax;
 using tree_attn::piece_pv;
+using tree_attn::quad_row_sums;
 using tree_attn2::mbar_init;
 using tree_attn2::mbar_wait;
 using tree_attn2::cp_async_mbar_arrive;
@@ -1627,11 +1633,7 @@ __device__ __forceinline__ void body(
   }
 
   // 6. Block combine. Warp row maxima first; the barrier also ends every use of the K/V ring.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-    l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-  }
+  quad_row_sums(l_run);
   if (qd == 0) {
     pm[warp * 16 + g] = m_run[0];
     pm[warp * 16 + g + 8] = m_run[1];
