@@ -1,10 +1,12 @@
 #!/bin/bash
-# swiftspec-mpi: one prompt, interactively, with the text streamed to your terminal.
+# swiftspec-mpi interactively: a chat session on models loaded once (no prompt given), or one
+# prompt; the text is streamed to your terminal.
 #
 # On a cluster: get an allocation, then run this inside it (it launches the ranks with srun):
 #
 #   salloc --nodes=1 --ntasks=2 --cpus-per-task=4 --time=00:30:00      # a shell inside the allocation
-#   jobs/interactive.sh "Explain speculative decoding in two sentences."
+#   jobs/interactive.sh                  # a session: type a prompt, Enter; /reset, /help; Ctrl-D ends
+#   jobs/interactive.sh "Explain speculative decoding in two sentences."   # one prompt
 #   MODE=ar jobs/interactive.sh "Same prompt, plain decoding, to compare tokens/s"
 #   exit                                                                # give the allocation back
 #
@@ -17,14 +19,18 @@
 #
 #   .venv/bin/mpiexec -n 2 .venv/bin/swiftspec run --mode async --prompt "Hello"
 #
-# Usage: jobs/interactive.sh [PROMPT] [more `swiftspec run` flags...]
+# Usage: jobs/interactive.sh [PROMPT|-] [more `swiftspec run` flags...]
 # Every rank runs `swiftspec run`; world rank 0 (the verify leader) prints the text as it is accepted.
+# Without a PROMPT (or with "-") the ranks run `swiftspec run --interactive`: srun hands your
+# terminal's input to task 0 only (--input=0), which reads one prompt a line until end of input
+# (Ctrl-D) or /exit; with CHAT=1 the prompts form one conversation. A program can pipe its
+# prompts in the same way: printf '%s\n' "first" "second" | jobs/interactive.sh
 set -euo pipefail
 
 # ---------------------------------------------------------------------------------------------
 # Knobs (environment variables). Empty = the engine's own default.
 # ---------------------------------------------------------------------------------------------
-PROMPT=${1:-${PROMPT:-Explain speculative decoding in two sentences.}}   # the text to continue
+PROMPT=${1:-${PROMPT:--}}                   # the text to continue; "-" = a session on standard input
 shift $(( $# > 0 ? 1 : 0 ))                 # the rest of the arguments go to swiftspec run as they are
 SWIFTSPEC_TARGET=${SWIFTSPEC_TARGET:-}      # target model: HF folder, .gguf file or registry name (empty: embedded default)
 SWIFTSPEC_DRAFT=${SWIFTSPEC_DRAFT:-}        # draft model, same forms (empty: embedded default)
@@ -58,9 +64,14 @@ command -v swiftspec >/dev/null || die "no swiftspec on PATH; install swiftspec-
 ntasks=${SLURM_NTASKS:-1}
 mkdir -p "$(dirname "$OUT")"
 
-args=(run --mode "$MODE" --prompt "$PROMPT" --max-new-tokens "$MAX_NEW_TOKENS"
-      --temperature "$TEMPERATURE" --seed "$SEED" --dtype "$DTYPE" --device "$DEVICE"
-      --threads "$THREADS" --out "$OUT")
+if [[ $PROMPT == - ]]; then
+    args=(run --interactive); input=(--input=0)    # stdin to task 0 (rank 0) only
+else
+    args=(run --prompt "$PROMPT"); input=()
+fi
+args+=(--mode "$MODE" --max-new-tokens "$MAX_NEW_TOKENS"
+       --temperature "$TEMPERATURE" --seed "$SEED" --dtype "$DTYPE" --device "$DEVICE"
+       --threads "$THREADS" --out "$OUT")
 [[ -n $SWIFTSPEC_TARGET ]] && args+=(--target "$SWIFTSPEC_TARGET")
 [[ -n $SWIFTSPEC_DRAFT ]] && args+=(--draft "$SWIFTSPEC_DRAFT")
 [[ $MODE == async && -n $DRAFT_RANKS ]] && args+=(--draft-ranks "$DRAFT_RANKS")
@@ -75,4 +86,4 @@ source "$(dirname "${BASH_SOURCE[0]}")/mps.sh"
 # SIGINT to the ranks (without it srun only prints task states and needs a second Ctrl-C), the
 # engine finishes the step, writes OUT and exits; a second Ctrl-C makes srun kill them at once.
 mps_exec srun --mpi="$SRUN_MPI" --ntasks="$ntasks" --cpus-per-task="${SLURM_CPUS_PER_TASK:-1}" \
-    --unbuffered --kill-on-bad-exit=1 --quit-on-interrupt swiftspec "${args[@]}"
+    --unbuffered --kill-on-bad-exit=1 --quit-on-interrupt "${input[@]}" swiftspec "${args[@]}"

@@ -16,6 +16,7 @@ from pathlib import Path
 from swiftspec_mpi.errors import UserError
 
 MODES = ("async", "sync", "ar")
+INTERACTIVE_CONTEXT = 4096    # default KV slots of an --interactive session (prompts unknown ahead)
 DTYPES = ("float32", "bfloat16", "float16")
 FUSED_GEMM_MODES = ("pdl", "cublas", "auto")     # SWIFTSPEC_FUSED_GEMM, read by fused_ops.py
 _SWITCH_WORDS = ("0", "1", "false", "true", "no", "yes", "off", "on")
@@ -47,6 +48,7 @@ class RunConfig:
     # prompts and stopping
     prompt: str | None = None
     prompts: str | None = None         # JSONL file
+    interactive: bool = False          # prompts from rank 0's stdin, one request each (interactive.py)
     chat: bool = False
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)
@@ -223,6 +225,8 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         cfg.draft_ranks = 0
     if cfg.prompt is not None and cfg.prompts is not None:
         raise UserError("give either --prompt or --prompts, not both")
+    if cfg.interactive and (cfg.prompt is not None or cfg.prompts is not None):
+        raise UserError("--interactive reads the prompts from standard input; drop --prompt / --prompts")
     if cfg.prompt is not None and not cfg.prompt:
         raise UserError("--prompt is empty; give some text")
     return cfg

@@ -54,7 +54,9 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
     C.check_output_path_default(cfg)
     # cheap checks that need no model first (fail fast); then the models' configs and headers
     C.check_output_path(cfg)
-    if cfg.prompts is not None:
+    if cfg.interactive:
+        cfg.requests = []            # they come from standard input (interactive.PromptSource)
+    elif cfg.prompts is not None:
         cfg.requests = C.read_prompts_file(cfg.prompts)
     else:
         cfg.requests = [C.Request(0, cfg.prompt if cfg.prompt is not None else DEFAULT_PROMPT)]
@@ -95,7 +97,15 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
         raise UserError(f"--max-context {cfg.max_context} cannot hold the longest prompt ({longest} "
                         f"tokens) plus --max-new-tokens {cfg.max_new_tokens}; raise it to at least "
                         f"{longest + cfg.max_new_tokens + C.max_verify_size(cfg)}")
-    if cfg.max_context is None:
+    if cfg.interactive:
+        if cfg.max_context is None:
+            cfg.max_context = min(limit, max(C.INTERACTIVE_CONTEXT, cfg.max_new_tokens + margin + 256))
+        if interactive_room(cfg) < 16:
+            raise UserError(f"--max-context {cfg.max_context} leaves {max(0, interactive_room(cfg))} tokens "
+                            f"for a prompt after --max-new-tokens {cfg.max_new_tokens} and the tree's "
+                            f"{margin} slots; raise --max-context (the models allow {limit}) or lower "
+                            "--max-new-tokens")
+    elif cfg.max_context is None:
         cfg.max_context = need_slots
     check_memory(cfg, tcfg, dcfg, world_size, ranks_on_node)
     return cfg
@@ -377,6 +387,12 @@ def one_line(message) -> str:
     return " ".join(str(message).splitlines())
 
 
+def interactive_room(cfg: C.RunConfig) -> int:
+    """Prompt tokens an --interactive turn may have: the KV slots less the new tokens and the
+    tree's margin (with --chat, the oldest turns are left out to stay within it)."""
+    return cfg.max_context - cfg.max_new_tokens - tree_margin(cfg)
+
+
 def tree_margin(cfg: C.RunConfig) -> int:
     """KV slots beyond the committed tokens: the verify tree, or the draft's expanded nodes."""
     return C.max_verify_size(cfg) + 2 * C.max_tree_width(cfg) + \
@@ -518,7 +534,13 @@ class Job:
         # so that none pays the write; the next checkpoint comes after some decoding
         self.write(complete=False, status="running", events=None)
         leader_of_verify = topo.role == ROLE_VERIFY and topo.is_leader
-        for req in cfg.requests:
+        source = None
+        if cfg.interactive:
+            from swiftspec_mpi.interactive import PromptSource
+            source = PromptSource(self.world, cfg, ctx.tokenizer, self.stop_flag, self.watch,
+                                  interactive_room(cfg))
+            source.banner()
+        for req in (cfg.requests if source is None else iter(source.next, None)):
             ctx.check_stop_together()
             result = tracker = None
             if leader_of_verify:
@@ -542,7 +564,12 @@ class Job:
                 result.t_end = ctx.clock.now()
                 tracker.finish()
                 self.tracker = None
-                self.maybe_checkpoint()
+                if source is None:
+                    self.maybe_checkpoint()
+            if source is not None:
+                source.finished(result)
+                if self.rank == 0:     # between turns the user reads: the write costs nothing
+                    self.write(complete=False, status="running", events=None)
 
     # -- output ----------------------------------------------------------------------------------
     def maybe_checkpoint(self) -> None:
@@ -813,8 +840,9 @@ def warm_graphs(ctx, loop_forward) -> None:
     1 in `ar`), the draft expands 1..w leaves, and 2 when it fills a KV hole (the last accepted
     token + the new root). Every rank of a group runs the same list (bs and w are the group's
     decision), so their collectives pair up. The padded length of each of the job's prompts
-    (decoding.prompt_bucket; every rank has the same requests) gets a prompt graph up to
-    cuda_graphs.PROMPT_GRAPH_MAX tokens, one eager forward above. Records the captures and the
+    (decoding.prompt_bucket; every rank has the same requests; in an --interactive session every
+    bucket up to the room for a turn) gets a prompt graph up to cuda_graphs.PROMPT_GRAPH_MAX
+    tokens, one eager forward above. Records the captures and the
     time in ctx.scratch["graphs"]."""
     cfg = ctx.cfg
     models = [(m, sizes) for m, sizes in
@@ -826,7 +854,7 @@ def warm_graphs(ctx, loop_forward) -> None:
     import torch
 
     from swiftspec_mpi.cuda_graphs import PROMPT_GRAPH_MAX
-    from swiftspec_mpi.decoding import prompt_bucket
+    from swiftspec_mpi.decoding import prompt_bucket, prompt_buckets
     t0 = time.perf_counter()
     lengths = {len(r.ids) - 1 for r in cfg.requests if len(r.ids) > 1}   # what _prefill forwards
     buckets = 0
@@ -834,7 +862,11 @@ def warm_graphs(ctx, loop_forward) -> None:
         for n in sizes:
             if n <= model.max_slots:
                 loop_forward(model, n)
-        padded = sorted({prompt_bucket(n, model.max_slots) for n in lengths})
+        if cfg.interactive:     # prompts unknown: every length a turn may have
+            padded = prompt_buckets(model.max_slots, prompt_bucket(max(1, interactive_room(cfg) - 1),
+                                                                   model.max_slots))
+        else:
+            padded = sorted({prompt_bucket(n, model.max_slots) for n in lengths})
         buckets += len(padded)
         for n in padded:
             if n <= PROMPT_GRAPH_MAX:

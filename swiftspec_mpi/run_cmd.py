@@ -2,6 +2,7 @@
 
     mpiexec -n 2 swiftspec run --mode async --draft-ranks 1 --prompt "def fib(n):"
     srun --mpi=pmi2 -n 4 swiftspec run --prompts prompts.jsonl --out run.h5   (MPICH; pmix for Open MPI)
+    mpiexec -n 2 swiftspec run --interactive --chat     (a session: prompts typed on rank 0's stdin)
 
 Modes: async (SwiftSpec: draft and verify groups in parallel), sync (serial tree speculation on
 one group), ar (plain autoregressive decoding of the target). Rank 0 validates everything before
@@ -43,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--prompt", help="one prompt text")
     q.add_argument("--prompts", help="JSONL file: {\"prompt\": TEXT} or Spec-Bench {\"turns\": [...], "
                                      "\"category\": ...} per line; decoded one after another")
+    q.add_argument("--interactive", action="store_true", default=None,
+                   help="read prompts from standard input (rank 0), one request each, until end of "
+                        "input or /exit; with --chat they form one conversation (/help lists the commands)")
     q.add_argument("--chat", action="store_true", default=None,
                    help="wrap prompts in the target's chat template")
     q.add_argument("--max-new-tokens", type=int, help="tokens to generate per prompt (default 128)")
@@ -65,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--max-depth", type=int, help="deepest tree level (default 16)")
     t.add_argument("--tree-capacity", type=int, help="tree nodes (default 1024)")
     t.add_argument("--max-context", type=int, help="KV slots per model (default: longest prompt + "
-                                                   "new tokens + tree margin)")
+                                                   "new tokens + tree margin; --interactive: 4096)")
     o = p.add_argument_group("output and robustness")
     o.add_argument("--out", help="HDF5 trace path (default runs/swiftspec-<SLURM_JOB_ID|time>.h5)")
     o.add_argument("--overwrite", action="store_true", default=None, help="replace an existing --out")
@@ -77,8 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "dtype", "mode", "draft_ranks",
-               "threads", "device", "prompt", "prompts", "chat", "max_new_tokens", "stop", "stop_token_ids",
-               "ignore_eos", "temperature", "seed", "sampling_rule", "tree_width", "tree_topk",
+               "threads", "device", "prompt", "prompts", "interactive", "chat", "max_new_tokens", "stop",
+               "stop_token_ids", "ignore_eos", "temperature", "seed", "sampling_rule", "tree_width", "tree_topk",
                "verify_size", "expansions", "max_depth", "tree_capacity", "max_context", "out",
                "overwrite", "peer_timeout", "quiet")
 

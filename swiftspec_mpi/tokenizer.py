@@ -136,14 +136,20 @@ class TextTokenizer:
     def apply_chat_template(self, user_text: str) -> str:
         """Render the chat template (sandboxed jinja2, as transformers does) for one user turn,
         with add_generation_prompt=True. Without a template, returns user_text unchanged."""
+        return self.render_conversation([{"role": "user", "content": user_text}])
+
+    def render_conversation(self, messages: list[dict]) -> str:
+        """The chat template over `messages` ([{"role": "user" | "assistant" | "system",
+        "content": str}, ...], ending with a user turn), add_generation_prompt=True: the prompt
+        text of the conversation's next reply. Without a template, the contents joined by
+        newlines (a plain transcript to continue)."""
         if not self.chat_template:
-            return user_text
+            return "\n".join(m["content"] for m in messages)
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         bos = self.tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.tok.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
-        return self._template.render(messages=[{"role": "user", "content": user_text}],
-                                     add_generation_prompt=True, bos_token=bos or "",
+        return self._template.render(messages=messages, add_generation_prompt=True, bos_token=bos or "",
                                      eos_token=eos or "", tools=None, documents=None)
 
     def fingerprint(self) -> str:

@@ -41,7 +41,7 @@ class Job:
     environment (SWIFTSPEC_TEST_TAG) so the test can find their pids in /proc."""
 
     def __init__(self, n: int, args: list[str], *, env: dict | None = None,
-                 fault: str | None = None):
+                 fault: str | None = None, stdin=None):
         self.tag = uuid.uuid4().hex
         self.n = n
         e = dict(os.environ)
@@ -54,8 +54,8 @@ class Job:
             else [sys.executable, "-m", "swiftspec_mpi"]
         self.cmd = [MPIEXEC, "-n", str(n), *entry, "run", "--threads", "1", *args]
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, env=e, stdin=stdin, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
         self.stdout = self.stderr = ""
         self.seconds = None
         self.ended_at = None       # time.time() when the job was seen ending
