@@ -50,6 +50,7 @@ class TextTokenizer:
     decode(ids, skip_special_tokens=True) -> str.
     apply_chat_template(user_text) -> str: the prompt text for one user turn (the template's
     generation prompt appended); the text itself when the model has no template.
+    render_conversation(messages) -> str: the same for a whole conversation (--interactive --chat).
     """
 
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], bos_token_id: int | None = None,

@@ -285,6 +285,21 @@ def test_interactive_under_salloc(slurm_cluster, base_env, workdir, generated):
     assert ref["text"].strip()[:20] in r.stdout, r.stdout   # streamed to the terminal
 
 
+def test_interactive_session_under_salloc(slurm_cluster, base_env, workdir, generated):
+    """salloc -n 2 jobs/interactive.sh with no prompt: a session; srun hands the piped input to
+    task 0 only (--input=0), which answers each line and ends at the end of the input."""
+    out = workdir / "runs" / "session.h5"
+    r = slurm_cluster.run(["salloc", "-n", "2", "-c", "1", str(JOBS / "interactive.sh")],
+                          timeout=JOB_TIMEOUT, check=False, cwd=workdir, input=f"{PROMPTS[0]}\n{PROMPTS[1]}\n",
+                          extra_env={**base_env, "OUT": str(out), "CHAT": "0", "MODE": "async"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    trace = read_trace(out)
+    assert bool(trace["root"]["complete"]) and trace["root"]["mode"] == "async"
+    ref = read_trace(generated["ar"]["h5"])["requests"]
+    assert [q["output_ids"] for q in trace["requests"]] == [q["output_ids"] for q in ref[:2]]
+    assert "interactive session" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("how", ["scancel", "time-limit-signal"])
 def test_cancel_leaves_partial_trace(slurm_cluster, base_env, tmp_path, how):
     """Mid-run SIGTERM: the ranks finish their step, write a partial trace (complete=False,
