@@ -56,7 +56,8 @@ TREE_ATTENTION_V4_VARIANTS = ((4, 2, 8, 32), (4, 2, 16, 32), (4, 2, 8, 64), (2, 
 # The version 4 configs that tree_attention_configs lists: every variant with all its stages used,
 # and the candidates for N <= 8 at 1k-4k also with `early`.
 TREE_ATTENTION_V4_CONFIGS = tuple((st, st, mt, nw, pw, 0) for st, mt, nw, pw in TREE_ATTENTION_V4_VARIANTS) \
-    + ((4, 4, 2, 8, 32, 1), (4, 4, 2, 8, 64, 1), (2, 2, 2, 8, 32, 1), (4, 4, 1, 4, 32, 1))
+    + ((4, 4, 2, 8, 32, 1), (4, 4, 2, 8, 64, 1), (2, 2, 2, 8, 32, 1), (4, 4, 1, 4, 32, 1)) \
+    + ((2, 4, 1, 4, 32, 0), (2, 4, 2, 8, 32, 0))     # the short-context defaults (2 tiles a split)
 _TA4_COMBINE_ITEMS = 32      # float4 outputs per tree_attention4_combine block (x 4 split groups)
 _TA4_PARTS = "all"           # benchmark-only knob: "main" / "combine" launches only that kernel
 _TA3_WORKSPACES: dict = {}   # device index -> (partial O fp32, partial (m, l) fp32, counters int32)
@@ -342,13 +343,25 @@ def tree_attention_cluster_config(rows: int, max_len: int) -> tuple[int, ...]:
     return 16, 2, 1 if rows <= 32 else 4
 
 
-def tree_attention_config(rows: int, max_len: int) -> tuple[int, ...]:
-    """Config used by default for `rows` = N * (H / Hkv) query rows per KV head and a mask of
+def tree_attention_config(rows: int, max_len: int, head_dim: int = 128) -> tuple[int, ...]:
+    """Config used by default for `rows` = N * (H / Hkv) query rows per KV head, a mask of
     `max_len` columns (the largest context the call may see; a graph captured over a static
-    [N, max_slots] mask gets the long-context choice). A 3-tuple (cluster, stages, row_tiles)
-    is the version 1 kernel, a 4-tuple (cluster, stages, row_tiles, warps) version 2, a 5-tuple
-    (tiles_per_split, stages, row_tiles, warps, combine) version 3, a 6-tuple (tiles_per_split,
-    stages, row_tiles, warps, piece, early) version 4.
+    [N, max_slots] mask gets the long-context choice) and `head_dim`. A 3-tuple (cluster, stages,
+    row_tiles) is the version 1 kernel, a 4-tuple (cluster, stages, row_tiles, warps) version 2,
+    a 5-tuple (tiles_per_split, stages, row_tiles, warps, combine) version 3, a 6-tuple
+    (tiles_per_split, stages, row_tiles, warps, piece, early) version 4.
+
+    Up to 32 rows and 1.5k slots (2.25k at head_dim 64) the choice comes from timing the configs
+    inside the whole decode step (ninth session, 2026-12-01, benchmarks/bench_attention_in_step.py:
+    the step graph of the 8B / 1B shapes, N = 1 and 8, one graph per config, alternating rounds),
+    not from chains of attention calls as the sweeps below: there the attention's neighbours (the
+    QKV GEMV before it, the O GEMV after it, both streaming weights) change the ranking. Version 4
+    with 2 tiles per split and a 4-tile ring wins everywhere in that range: 2/4/1/4/32/0, and
+    2/4/2/8/32/0 for 17..32 rows at head_dim 128 (and 1.5k-2.25k slots at 64). 8B step, device ms,
+    old default -> new: 640 slots 4.149 -> 4.120 (N = 1), 4.345 -> 4.314 (N = 8); 1152 slots
+    4.220 -> 4.157, 4.481 -> 4.340; 1B: 1152 slots 0.894 -> 0.877, 0.971 -> 0.955 (N = 8,
+    2/4/1/4/32/0); 2176 slots 0.890 -> 0.878, 0.991 -> 0.966. At 2k-4k slots for the 8B and 4k
+    for the 1B the long-context defaults below stayed the best in the same measurement.
 
     Version 4 (second sweep of 2026-12-01, same run as the old defaults; µs plain / PDL) for 17..32
     rows up to 8k slots: 2/2/1/4/32/0 at 1k (N = 8: 7.55 / 6.74 vs 8.18 / 7.76 for version 2's
@@ -378,9 +391,11 @@ def tree_attention_config(rows: int, max_len: int) -> tuple[int, ...]:
         return 8, 2, 2, 4, 1
     if rows > 128 and max_len > 2048:
         return 8, 2, 4, 4, 1
-    if rows <= 32 and 768 < max_len <= 8192:
-        if max_len <= 1536:
-            return 2, 2, 1, 4, 32, 0
+    if rows <= 32 and (max_len <= 1536 or (head_dim <= 64 and max_len <= 2304)):
+        if rows <= 16 or (head_dim <= 64 and max_len <= 1536):
+            return 2, 4, 1, 4, 32, 0
+        return 2, 4, 2, 8, 32, 0
+    if rows <= 32 and max_len <= 8192:
         return (4, 4, 1, 4, 32, 0) if rows <= 16 else (4, 4, 2, 8, 32, 0)
     return tree_attention_cluster_config(rows, max_len)
 
@@ -442,7 +457,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                uses the per-device workspace (tree_attention_workspace), so calls on different
                streams must not overlap. row_tiles 1, 2 or 4 (m16 row tiles per block); cluster
                = KV splits per KV head. The listed ones: tree_attention_configs(). Default:
-               tree_attention_config(N * H // Hkv, mask.shape[1]).
+               tree_attention_config(N * H // Hkv, mask.shape[1], D).
       pdl:     launch with programmatic dependent launch: the launch overlaps the previous
                kernel's tail; the kernel waits for that kernel before reading anything, then lets
                the next kernel of the stream launch.
@@ -487,7 +502,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     G = H // Hkv
     R = N * G
     default = config is None
-    config = tuple(tree_attention_config(R, mask.shape[1]) if config is None else config)
+    config = tuple(tree_attention_config(R, mask.shape[1], D) if config is None else config)
     if len(config) == 3:
         cs, st, mt = config
         if (cs, st) not in TREE_ATTENTION_VARIANTS or mt not in (1, 2, 4):

@@ -67,17 +67,24 @@ def test_tree_attention_default_configs_are_listed():
     defaults of the benchmarked shapes are the ones docs/benchmarks.md gives (2026-12-01, version 4 at N <= 8 for 1k-4k)."""
     listed = set(kernels.tree_attention_configs())
     for rows in (1, 4, 12, 16, 17, 24, 32, 33, 48, 64, 128, 129, 192, 256):
-        for max_len in (40, 1024, 2048, 2049, 4096, 8192, 8193, 16384, 65536):
-            cfg = kernels.tree_attention_config(rows, max_len)
-            assert cfg in listed, (rows, max_len, cfg)
+        for max_len in (40, 1024, 1536, 1537, 2048, 2049, 2304, 2305, 4096, 8192, 8193, 16384, 65536):
+            for head_dim in (64, 128):
+                cfg = kernels.tree_attention_config(rows, max_len, head_dim)
+                assert cfg in listed, (rows, max_len, head_dim, cfg)
             assert kernels.tree_attention_cluster_config(rows, max_len) in listed
-    expect = {(32, 1024): (2, 2, 1, 4, 32, 0), (32, 4096): (4, 4, 2, 8, 32, 0), (32, 16384): (8, 2, 2, 4, 1),
-              (4, 4096): (4, 4, 1, 4, 32, 0), (256, 4096): (8, 2, 4, 4, 1), (256, 16384): (8, 2, 4, 4, 1),
-              (4, 1024): (2, 2, 1, 4, 32, 0), (8, 1152): (2, 2, 1, 4, 32, 0), (4, 2048): (4, 4, 1, 4, 32, 0),
-              (4, 512): (8, 4, 1, 4), (32, 768): (8, 4, 2, 4),
-              (32, 2048): (4, 4, 2, 8, 32, 0), (16, 8192): (4, 4, 1, 4, 32, 0)}
-    for (rows, max_len), cfg in expect.items():
-        assert kernels.tree_attention_config(rows, max_len) == cfg
+    # (rows, max_len, head_dim): the defaults measured inside the step (ninth session) up to 1.5k
+    # slots (2.25k at head_dim 64), the earlier sweeps' beyond
+    expect = {(32, 1024, 128): (2, 4, 2, 8, 32, 0), (32, 4096, 128): (4, 4, 2, 8, 32, 0),
+              (32, 16384, 128): (8, 2, 2, 4, 1), (4, 4096, 128): (4, 4, 1, 4, 32, 0),
+              (256, 4096, 128): (8, 2, 4, 4, 1), (256, 16384, 128): (8, 2, 4, 4, 1),
+              (4, 1024, 128): (2, 4, 1, 4, 32, 0), (8, 1152, 128): (2, 4, 1, 4, 32, 0),
+              (4, 2048, 128): (4, 4, 1, 4, 32, 0), (4, 512, 128): (2, 4, 1, 4, 32, 0),
+              (32, 768, 128): (2, 4, 2, 8, 32, 0), (32, 2048, 128): (4, 4, 2, 8, 32, 0),
+              (16, 8192, 128): (4, 4, 1, 4, 32, 0), (32, 1152, 64): (2, 4, 1, 4, 32, 0),
+              (32, 2176, 64): (2, 4, 2, 8, 32, 0), (4, 2176, 64): (2, 4, 1, 4, 32, 0),
+              (4, 4096, 64): (4, 4, 1, 4, 32, 0), (64, 1024, 128): (8, 4, 4)}
+    for (rows, max_len, head_dim), cfg in expect.items():
+        assert kernels.tree_attention_config(rows, max_len, head_dim) == cfg, (rows, max_len, head_dim)
 
 
 # ------------------------------------------------------------------------------- helpers
