@@ -42,6 +42,13 @@
 // no runtime divisions, Q through shared memory), 4-16 warps per block, one block partial and a
 // wider combine kernel (their own headers say how).
 //
+// Defaults since the ninth session (2026-12-01): up to 1.5k slots (2.25k at head_dim 64) and 32
+// rows, version 4 with 2 tiles per split, a 4-tile ring and the early trigger (2/4/1/4/32/1,
+// 2/4/2/8/32/1), chosen by timing the configs inside the whole decode step
+// (benchmarks/bench_attention_in_step.py), where the QKV and O GEMVs around the attention stream
+// weights: the chains of attention calls below ranked them differently. 8B step at 1152 slots:
+// 4.22 -> 4.09 ms device (N = 1), 4.48 -> 4.30 (N = 8); kernels.tree_attention_config says more.
+//
 // Measured 2026-12-01, second session (H200, copy bandwidth 4.15 TB/s, launch floor 0.88 us per
 // graph node, 0.79 with PDL; `python3 benchmarks/bench_kernels_gpu.py --only attention --parts
 // --versions 2,3,4`; old default and version 4 in the same run), us plain (PDL):
@@ -1411,7 +1418,8 @@ extern "C" __global__ void __launch_bounds__(128) tree_attention3_combine(
 // and the combine kernel ~2.2 us as its own graph node.
 // Tried and not kept: an L2 prefetch of the block's K/V before griddepcontrol.wait (prefetch.
 // global.L2, bounded by a relaxed read of n_valid): 4k PDL 11.81 vs 10.99 us without, neutral at
-// 1k. Kept as a config flag but not a default: `early` (no gain: 4k 10.77 vs 10.85 us PDL). Slower:
+// 1k. `early` (no gain in a chain of attention calls: 4k 10.77 vs 10.85 us PDL) pays inside the
+// step, where the next kernel is the O GEMV: the short-context defaults use it. Slower:
 // 16 warps per block (4k 13.46 us), 2 tiles per split (256 blocks, 14.11), 64-slot pieces (12.18).
 // ============================================================================================
 namespace tree_attn4 {

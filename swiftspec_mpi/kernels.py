@@ -57,7 +57,7 @@ TREE_ATTENTION_V4_VARIANTS = ((4, 2, 8, 32), (4, 2, 16, 32), (4, 2, 8, 64), (2, 
 # and the candidates for N <= 8 at 1k-4k also with `early`.
 TREE_ATTENTION_V4_CONFIGS = tuple((st, st, mt, nw, pw, 0) for st, mt, nw, pw in TREE_ATTENTION_V4_VARIANTS) \
     + ((4, 4, 2, 8, 32, 1), (4, 4, 2, 8, 64, 1), (2, 2, 2, 8, 32, 1), (4, 4, 1, 4, 32, 1)) \
-    + ((2, 4, 1, 4, 32, 0), (2, 4, 2, 8, 32, 0))     # the short-context defaults (2 tiles a split)
+    + ((2, 4, 1, 4, 32, 1), (2, 4, 2, 8, 32, 1))     # the short-context defaults (2 tiles a split)
 _TA4_COMBINE_ITEMS = 32      # float4 outputs per tree_attention4_combine block (x 4 split groups)
 _TA4_PARTS = "all"           # benchmark-only knob: "main" / "combine" launches only that kernel
 _TA3_WORKSPACES: dict = {}   # device index -> (partial O fp32, partial (m, l) fp32, counters int32)
@@ -356,12 +356,16 @@ def tree_attention_config(rows: int, max_len: int, head_dim: int = 128) -> tuple
     the step graph of the 8B / 1B shapes, N = 1 and 8, one graph per config, alternating rounds),
     not from chains of attention calls as the sweeps below: there the attention's neighbours (the
     QKV GEMV before it, the O GEMV after it, both streaming weights) change the ranking. Version 4
-    with 2 tiles per split and a 4-tile ring wins everywhere in that range: 2/4/1/4/32/0, and
-    2/4/2/8/32/0 for 17..32 rows at head_dim 128 (and 1.5k-2.25k slots at 64). 8B step, device ms,
+    with 2 tiles per split and a 4-tile ring wins everywhere in that range: 2/4/1/4/32, and
+    2/4/2/8/32 for 17..32 rows at head_dim 128 (and 1.5k-2.25k slots at 64). 8B step, device ms,
     old default -> new: 640 slots 4.149 -> 4.120 (N = 1), 4.345 -> 4.314 (N = 8); 1152 slots
     4.220 -> 4.157, 4.481 -> 4.340; 1B: 1152 slots 0.894 -> 0.877, 0.971 -> 0.955 (N = 8,
-    2/4/1/4/32/0); 2176 slots 0.890 -> 0.878, 0.991 -> 0.966. At 2k-4k slots for the 8B and 4k
-    for the 1B the long-context defaults below stayed the best in the same measurement.
+    2/4/1/4/32); 2176 slots 0.890 -> 0.878, 0.991 -> 0.966; 384 slots: within +-0.01 of the old
+    version 2 defaults. At 2k-4k slots for the 8B and 4k for the 1B the long-context defaults
+    below stayed the best in the same measurement. With these configs the combine kernel's early
+    trigger (`early` = 1: the O GEMV's blocks launch during the attention) pays in the step, the
+    same bits: 8B 4.119 -> 4.090 (N = 1), 4.315 -> 4.303 (N = 8); 1B 0.869 -> 0.858, 0.954 ->
+    0.944 (1152 slots), where with the old 2/2/1/4/32 it cost 0.07 ms.
 
     Version 4 (second sweep of 2026-12-01, same run as the old defaults; µs plain / PDL) for 17..32
     rows up to 8k slots: 2/2/1/4/32/0 at 1k (N = 8: 7.55 / 6.74 vs 8.18 / 7.76 for version 2's
@@ -393,8 +397,8 @@ def tree_attention_config(rows: int, max_len: int, head_dim: int = 128) -> tuple
         return 8, 2, 4, 4, 1
     if rows <= 32 and (max_len <= 1536 or (head_dim <= 64 and max_len <= 2304)):
         if rows <= 16 or (head_dim <= 64 and max_len <= 1536):
-            return 2, 4, 1, 4, 32, 0
-        return 2, 4, 2, 8, 32, 0
+            return 2, 4, 1, 4, 32, 1
+        return 2, 4, 2, 8, 32, 1
     if rows <= 32 and max_len <= 8192:
         return (4, 4, 1, 4, 32, 0) if rows <= 16 else (4, 4, 2, 8, 32, 0)
     return tree_attention_cluster_config(rows, max_len)
