@@ -42,9 +42,10 @@
 // no runtime divisions, Q through shared memory), 4-16 warps per block, one block partial and a
 // wider combine kernel (their own headers say how).
 //
-// Defaults since the ninth session (2026-12-01): up to 1.5k slots (2.25k at head_dim 64) and 32
-// rows, version 4 with 2 tiles per split, a 4-tile ring and the early trigger (2/4/1/4/32/1,
-// 2/4/2/8/32/1), chosen by timing the configs inside the whole decode step
+// Defaults since the eighth GPU session (2026-12-01): up to 1.5k slots (2.25k at head_dim 64) and
+// 32 rows, version 4 with 2 tiles per split, a 4-tile ring and the early trigger (2/4/1/4/32/1,
+// 2/4/2/8/32/1; beyond, up to 8k, 4/4/1/4/32/1 and 4/4/2/8/32/1), chosen by timing the configs
+// inside the whole decode step
 // (benchmarks/bench_attention_in_step.py), where the QKV and O GEMVs around the attention stream
 // weights: the chains of attention calls below ranked them differently. 8B step at 1152 slots:
 // 4.22 -> 4.09 ms device (N = 1), 4.48 -> 4.30 (N = 8); kernels.tree_attention_config says more.

@@ -352,7 +352,7 @@ def tree_attention_config(rows: int, max_len: int, head_dim: int = 128) -> tuple
     (tiles_per_split, stages, row_tiles, warps, piece, early) version 4.
 
     Up to 32 rows and 1.5k slots (2.25k at head_dim 64) the choice comes from timing the configs
-    inside the whole decode step (ninth session, 2026-12-01, benchmarks/bench_attention_in_step.py:
+    inside the whole decode step (eighth GPU session, 2026-12-01, benchmarks/bench_attention_in_step.py:
     the step graph of the 8B / 1B shapes, N = 1 and 8, one graph per config, alternating rounds),
     not from chains of attention calls as the sweeps below: there the attention's neighbours (the
     QKV GEMV before it, the O GEMV after it, both streaming weights) change the ranking. Version 4
@@ -365,7 +365,9 @@ def tree_attention_config(rows: int, max_len: int, head_dim: int = 128) -> tuple
     below stayed the best in the same measurement. With these configs the combine kernel's early
     trigger (`early` = 1: the O GEMV's blocks launch during the attention) pays in the step, the
     same bits: 8B 4.119 -> 4.090 (N = 1), 4.315 -> 4.303 (N = 8); 1B 0.869 -> 0.858, 0.954 ->
-    0.944 (1152 slots), where with the old 2/2/1/4/32 it cost 0.07 ms.
+    0.944 (1152 slots), where with the old 2/2/1/4/32 it cost 0.07 ms; and so it does for the
+    long-context 4/4/1/4/32 and 4/4/2/8/32 below: 8B 4.158 -> 4.140, 4.360 -> 4.347 (2176 slots),
+    4.255 -> 4.234, 4.535 -> 4.520 (4224 slots); 1B 0.893 -> 0.890, 0.995 -> 0.985 (4224).
 
     Version 4 (second sweep of 2026-12-01, same run as the old defaults; µs plain / PDL) for 17..32
     rows up to 8k slots: 2/2/1/4/32/0 at 1k (N = 8: 7.55 / 6.74 vs 8.18 / 7.76 for version 2's
@@ -400,7 +402,7 @@ def tree_attention_config(rows: int, max_len: int, head_dim: int = 128) -> tuple
             return 2, 4, 1, 4, 32, 1
         return 2, 4, 2, 8, 32, 1
     if rows <= 32 and max_len <= 8192:
-        return (4, 4, 1, 4, 32, 0) if rows <= 16 else (4, 4, 2, 8, 32, 0)
+        return (4, 4, 1, 4, 32, 1) if rows <= 16 else (4, 4, 2, 8, 32, 1)
     return tree_attention_cluster_config(rows, max_len)
 
 
