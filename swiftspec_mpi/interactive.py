@@ -20,7 +20,10 @@ With --chat the prompts form one conversation: each is the next user turn, and t
 earlier turns and its own replies through its chat template. When the conversation no longer fits
 the KV cache (--max-context, less the new tokens and the tree's room), its oldest turns are left
 out. Without --chat every prompt stands alone. Each request ends with a one-line summary on
-stderr, and the HDF5 trace (--out) is rewritten after each one.
+stderr, and the HDF5 trace (--out) is rewritten after each one. Ctrl-C (SIGINT) or SIGTERM ends
+the session at once like any job: the trace keeps the answers so far, exit code 4. (A Ctrl-C that
+ends only the answer in progress cannot ride on SIGINT: MPICH's mpiexec aborts the job at the
+second one, and srun --quit-on-interrupt ends the step.)
 """
 from __future__ import annotations
 
@@ -181,7 +184,6 @@ class PromptSource:
         self.user_text = ""        # the turn in flight (rank 0), for the conversation
         if self.rank == 0:
             self.reader = LineReader(sys.stdin.fileno() if fd is None else fd, stop_flag, watch)
-            self.tty = os.isatty(self.reader.fd)
 
     # -- rank 0 --------------------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -196,8 +198,9 @@ class PromptSource:
     def _read_request(self) -> Request | None:
         from swiftspec_mpi.protocol import Interrupted
         while True:
-            if self.tty:
-                print("> ", end="", file=self.err, flush=True)
+            # always: under mpiexec / srun rank 0's stdin and stderr are pipes even when the
+            # user types at a terminal (checked with hydra under a pty), so isatty cannot tell
+            print("> ", end="", file=self.err, flush=True)
             try:
                 kind, text = read_turn(self.reader.readline)
             except Interrupted:
