@@ -1,5 +1,6 @@
 # swiftspec-mpi: two commands for a fresh machine (Debian, Python 3.11):
 #   make run    # venv + embedded Qwen2.5-Coder 0.5B->1.5B pair + an async run under mpiexec
+#   make chat   # the same models, an interactive chat session (type, Enter; Ctrl-D ends)
 #   make test   # venv + the test suite (the command CI runs)
 # Every target (re)creates .venv idempotently from requirements/cpu.txt and the project files.
 
@@ -13,7 +14,7 @@ DTYPE ?= bfloat16
 PROMPT ?= Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation.
 PYTEST_ARGS ?=
 
-.PHONY: run test venv models bench clean
+.PHONY: run chat test venv models bench clean
 
 $(VENV)/.installed: requirements/cpu.txt setup.py setup.cfg pyproject.toml scheduler/tree.pyx
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,6 +33,11 @@ run: models
 	$(BIN)/mpiexec -n $(NP) $(BIN)/swiftspec run --mode async --chat --dtype $(DTYPE) \
 	    --max-new-tokens $(MAX_NEW_TOKENS) --prompt "$(PROMPT)" --out runs/run.h5 --overwrite
 	$(BIN)/swiftspec analyze runs/run.h5
+
+chat: models
+	mkdir -p runs
+	$(BIN)/mpiexec -n $(NP) $(BIN)/swiftspec run --interactive --mode async --chat --dtype $(DTYPE) \
+	    --max-new-tokens $(MAX_NEW_TOKENS) --out runs/chat.h5 --overwrite
 
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
