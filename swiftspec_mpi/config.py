@@ -31,6 +31,8 @@ class Request:
     category: str = ""
     ids: list[int] = field(default_factory=list)
     question_id: object = None     # the file's "question_id" (Spec-Bench), else its line number
+    max_new_tokens: int | None = None   # this request's limit (<= the run's; --serve), None: the run's
+    stop: list[str] = field(default_factory=list)   # its own stop strings, besides the run's
 
 
 @dataclass
@@ -49,6 +51,7 @@ class RunConfig:
     prompt: str | None = None
     prompts: str | None = None         # JSONL file
     interactive: bool = False          # prompts from rank 0's stdin, one request each (interactive.py)
+    serve: str | None = None           # "[HOST:]PORT": an OpenAI-style HTTP endpoint on rank 0 (server.py)
     chat: bool = False
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)
@@ -227,9 +230,31 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         raise UserError("give either --prompt or --prompts, not both")
     if cfg.interactive and (cfg.prompt is not None or cfg.prompts is not None):
         raise UserError("--interactive reads the prompts from standard input; drop --prompt / --prompts")
+    if cfg.serve is not None:
+        if cfg.interactive or cfg.prompt is not None or cfg.prompts is not None:
+            raise UserError("--serve takes its prompts from HTTP requests; drop --interactive / --prompt / --prompts")
+        parse_serve_address(cfg.serve)
     if cfg.prompt is not None and not cfg.prompt:
         raise UserError("--prompt is empty; give some text")
     return cfg
+
+
+def parse_serve_address(spec: str) -> tuple[str, int]:
+    """--serve "[HOST:]PORT" -> (host, port); host 127.0.0.1 when not given, port 0 = any free one."""
+    host, _, port = str(spec).rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        p = int(port)
+    except ValueError:
+        p = -1
+    if not 0 <= p <= 65535:
+        raise UserError(f"--serve {spec!r}: give [HOST:]PORT, e.g. --serve 8000 or --serve 0.0.0.0:8000")
+    return host, p
+
+
+def requests_stream_in(cfg: "RunConfig") -> bool:
+    """The prompts arrive while the job runs (--interactive, --serve), not all known at the start."""
+    return bool(cfg.interactive) or cfg.serve is not None
 
 
 def check_environment() -> None:

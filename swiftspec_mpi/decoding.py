@@ -250,8 +250,9 @@ class OutputTracker:
     """Appends committed tokens to a request's output, applies stop conditions, streams text."""
 
     def __init__(self, result, tokenizer, eos_ids, max_new_tokens: int, stop: list[str],
-                 stream: bool):
+                 stream: bool, sink=None):
         from swiftspec_mpi.tokenizer import StreamDecoder
+        self.sink = sink        # callable(text piece) instead of stdout (an HTTP response; --serve)
         self.result = result
         self.tokenizer = tokenizer
         self.eos = set(eos_ids)
@@ -274,7 +275,9 @@ class OutputTracker:
             piece = self.decoder.push([t])
             if piece:
                 self.text += piece
-                if self.stream:
+                if self.sink is not None:
+                    self.sink(piece)
+                elif self.stream:
                     sys.stdout.write(piece)
                     sys.stdout.flush()
             if self.stop and any(s in self.text[-(len(s) + len(piece) + 8):] for s in self.stop):
@@ -288,6 +291,6 @@ class OutputTracker:
     def finish(self) -> None:
         ids = [t for t in self.result.output_ids if t not in self.eos]
         self.result.text = self.tokenizer.decode(ids)
-        if self.stream:
+        if self.stream and self.sink is None:
             sys.stdout.write("\n")
             sys.stdout.flush()

@@ -166,28 +166,83 @@ class Conversation:
             self.turns.append((user_text, reply))
 
 
-class PromptSource:
-    """World rank 0 reads the next request; every rank gets it (`next()`), None at the end.
+class SharedRequests:
+    """Requests that arrive while the job runs: world rank 0 gets the next one (`_read_request`,
+    a subclass's), every rank receives it from `next()` (None at the end). The other ranks wait
+    in a polled nonblocking broadcast; a signal seen by rank 0 while it waits is shared too, so
+    every rank stops together (Interrupted). Subclasses: PromptSource (stdin), server.HttpSource."""
 
-    Rank 0 handles the commands and the too-long turns itself (a line on stderr) and only
-    shares prompts; the other ranks wait in a polled nonblocking broadcast. A signal seen by
-    rank 0 while it waits for input is shared too, so every rank stops together (Interrupted)."""
-
-    def __init__(self, world, cfg, tokenizer, stop_flag, watch, room: int, fd: int | None = None,
-                 err=None):
+    def __init__(self, world, cfg, tokenizer, stop_flag, watch, room: int, err=None):
         self.world, self.cfg, self.tokenizer = world, cfg, tokenizer
         self.stop_flag, self.watch, self.room = stop_flag, watch, room
         self.rank = world.Get_rank()
         self.err = err or sys.stderr
         self.index = 0
+
+    def say(self, text: str) -> None:
+        print(text, file=self.err, flush=True)
+
+    def banner(self) -> None:
+        """Rank 0: one line on stderr when the requests may come."""
+
+    def _read_request(self) -> Request | None:
+        raise NotImplementedError
+
+    def stream_sink(self):
+        """Rank 0: where the request in flight streams its text (None: stdout, unless --quiet)."""
+        return None
+
+    def finished(self, result) -> None:
+        """Every rank, after a request (`result` on rank 0 only)."""
+
+    def _share(self, kind: int, payload: bytes) -> None:
+        header = np.array([kind, len(payload)], dtype=np.int64)
+        self.world.Ibcast(header, root=0).Wait()    # the others wait in Ibcast: a nonblocking
+        if payload:                                 # collective matches only its own kind
+            self.world.Bcast(np.frombuffer(payload, dtype=np.uint8).copy(), root=0)
+
+    def next(self) -> Request | None:
+        """The next request on every rank, or None when the job is over."""
+        from swiftspec_mpi.protocol import Interrupted
+        if self.rank == 0:
+            try:
+                req = self._read_request()
+            except Interrupted:
+                self._share(_KIND_STOP, b"")
+                raise
+            if req is None:
+                self._share(_KIND_END, b"")
+                return None
+            self._share(_KIND_REQUEST, pickle.dumps(req))
+            return req
+        header = np.zeros(2, dtype=np.int64)
+        pending = self.world.Ibcast(header, root=0)
+        spins = 0
+        while not pending.Test():       # rank 0 decides when the job stops: no timeout here
+            spins += 1
+            if spins > 2000:
+                time.sleep(_IDLE_SLEEP_S)
+        kind, nbytes = int(header[0]), int(header[1])
+        if kind == _KIND_STOP:
+            raise Interrupted()
+        if kind == _KIND_END:
+            return None
+        buf = np.zeros(nbytes, dtype=np.uint8)
+        self.world.Bcast(buf, root=0)
+        return pickle.loads(buf.tobytes())
+
+
+class PromptSource(SharedRequests):
+    """An --interactive session: rank 0 reads the prompts from its standard input and handles
+    the commands and the too-long turns itself (a line on stderr)."""
+
+    def __init__(self, world, cfg, tokenizer, stop_flag, watch, room: int, fd: int | None = None,
+                 err=None):
+        super().__init__(world, cfg, tokenizer, stop_flag, watch, room, err)
         self.conversation = Conversation(cfg.chat)
         self.user_text = ""        # the turn in flight (rank 0), for the conversation
         if self.rank == 0:
             self.reader = LineReader(sys.stdin.fileno() if fd is None else fd, stop_flag, watch)
-
-    # -- rank 0 --------------------------------------------------------------------------------
-    def say(self, text: str) -> None:
-        print(text, file=self.err, flush=True)
 
     def banner(self) -> None:
         if self.rank == 0:
@@ -196,16 +251,11 @@ class PromptSource:
                      f"prompt tokens and {self.cfg.max_new_tokens} new tokens a turn.\n{HELP}")
 
     def _read_request(self) -> Request | None:
-        from swiftspec_mpi.protocol import Interrupted
         while True:
             # always: under mpiexec / srun rank 0's stdin and stderr are pipes even when the
             # user types at a terminal (checked with hydra under a pty), so isatty cannot tell
             print("> ", end="", file=self.err, flush=True)
-            try:
-                kind, text = read_turn(self.reader.readline)
-            except Interrupted:
-                self._share(_KIND_STOP, b"")
-                raise
+            kind, text = read_turn(self.reader.readline)
             if kind == "exit":
                 return None
             if kind == "reset":
@@ -231,39 +281,6 @@ class PromptSource:
                 req = Request(self.index, text, INTERACTIVE_CATEGORY, ids, question_id=self.index)
                 self.index += 1
                 return req
-
-    def _share(self, kind: int, payload: bytes) -> None:
-        header = np.array([kind, len(payload)], dtype=np.int64)
-        self.world.Ibcast(header, root=0).Wait()    # the others wait in Ibcast: a nonblocking
-        if payload:                                 # collective matches only its own kind
-            self.world.Bcast(np.frombuffer(payload, dtype=np.uint8).copy(), root=0)
-
-    # -- every rank ----------------------------------------------------------------------------
-    def next(self) -> Request | None:
-        """The next request on every rank, or None when the session is over."""
-        from swiftspec_mpi.protocol import Interrupted
-        if self.rank == 0:
-            req = self._read_request()
-            if req is None:
-                self._share(_KIND_END, b"")
-                return None
-            self._share(_KIND_REQUEST, pickle.dumps(req))
-            return req
-        header = np.zeros(2, dtype=np.int64)
-        pending = self.world.Ibcast(header, root=0)
-        spins = 0
-        while not pending.Test():       # rank 0 decides when the session stops: no timeout here
-            spins += 1
-            if spins > 2000:
-                time.sleep(_IDLE_SLEEP_S)
-        kind, nbytes = int(header[0]), int(header[1])
-        if kind == _KIND_STOP:
-            raise Interrupted()
-        if kind == _KIND_END:
-            return None
-        buf = np.zeros(nbytes, dtype=np.uint8)
-        self.world.Bcast(buf, root=0)
-        return pickle.loads(buf.tobytes())
 
     def finished(self, result) -> None:
         """Rank 0, after a request: remember the reply (--chat) and print the summary line."""

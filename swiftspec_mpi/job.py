@@ -54,8 +54,8 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
     C.check_output_path_default(cfg)
     # cheap checks that need no model first (fail fast); then the models' configs and headers
     C.check_output_path(cfg)
-    if cfg.interactive:
-        cfg.requests = []            # they come from standard input (interactive.PromptSource)
+    if C.requests_stream_in(cfg):
+        cfg.requests = []            # they come from stdin or HTTP (interactive.py, server.py)
     elif cfg.prompts is not None:
         cfg.requests = C.read_prompts_file(cfg.prompts)
     else:
@@ -97,7 +97,7 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
         raise UserError(f"--max-context {cfg.max_context} cannot hold the longest prompt ({longest} "
                         f"tokens) plus --max-new-tokens {cfg.max_new_tokens}; raise it to at least "
                         f"{longest + cfg.max_new_tokens + C.max_verify_size(cfg)}")
-    if cfg.interactive:
+    if C.requests_stream_in(cfg):
         if cfg.max_context is None:
             cfg.max_context = min(limit, max(C.INTERACTIVE_CONTEXT, cfg.max_new_tokens + margin + 256))
         if interactive_room(cfg) < 16:
@@ -105,6 +105,8 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
                             f"for a prompt after --max-new-tokens {cfg.max_new_tokens} and the tree's "
                             f"{margin} slots; raise --max-context (the models allow {limit}) or lower "
                             "--max-new-tokens")
+        if cfg.serve is not None:
+            check_port_free(cfg.serve)
     elif cfg.max_context is None:
         cfg.max_context = need_slots
     check_memory(cfg, tcfg, dcfg, world_size, ranks_on_node)
@@ -387,6 +389,18 @@ def one_line(message) -> str:
     return " ".join(str(message).splitlines())
 
 
+def check_port_free(spec: str) -> None:
+    """--serve: rank 0 can bind the address (checked before any rank loads weights)."""
+    import socket
+    host, port = C.parse_serve_address(spec)
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise UserError(f"--serve {spec}: cannot listen on {host}:{port} ({exc.strerror or exc}); "
+                        "choose another port (or 0 for any free one)") from None
+
+
 def interactive_room(cfg: C.RunConfig) -> int:
     """Prompt tokens an --interactive turn may have: the KV slots less the new tokens and the
     tree's margin (with --chat, the oldest turns are left out to stay within it)."""
@@ -539,6 +553,11 @@ class Job:
             from swiftspec_mpi.interactive import PromptSource
             source = PromptSource(self.world, cfg, ctx.tokenizer, self.stop_flag, self.watch,
                                   interactive_room(cfg))
+        elif cfg.serve is not None:
+            from swiftspec_mpi.server import HttpSource
+            source = HttpSource(self.world, cfg, ctx.tokenizer, self.stop_flag, self.watch,
+                                interactive_room(cfg))
+        if source is not None:
             source.banner()
         for req in (cfg.requests if source is None else iter(source.next, None)):
             ctx.check_stop_together()
@@ -549,8 +568,9 @@ class Job:
                 self.results.append(result)
                 eos = (() if cfg.ignore_eos else tuple(ctx.tokenizer.eos_token_ids)) + \
                     tuple(cfg.stop_token_ids)
-                tracker = OutputTracker(result, ctx.tokenizer, eos, cfg.max_new_tokens, cfg.stop,
-                                        stream=not cfg.quiet)
+                sink = source.stream_sink() if source is not None else None
+                tracker = OutputTracker(result, ctx.tokenizer, eos, req.max_new_tokens or cfg.max_new_tokens,
+                                        list(cfg.stop) + list(req.stop), stream=not cfg.quiet, sink=sink)
                 acceptor.start_request(req.index, cfg.max_new_tokens, cfg.verify_size)
                 self.tracker = tracker
             if cfg.mode == "async":
@@ -862,7 +882,7 @@ def warm_graphs(ctx, loop_forward) -> None:
         for n in sizes:
             if n <= model.max_slots:
                 loop_forward(model, n)
-        if cfg.interactive:     # prompts unknown: every length a turn may have
+        if C.requests_stream_in(cfg):     # prompts unknown: every length a turn may have
             padded = prompt_buckets(model.max_slots, prompt_bucket(max(1, interactive_room(cfg) - 1),
                                                                    model.max_slots))
         else:
