@@ -300,6 +300,46 @@ def test_interactive_session_under_salloc(slurm_cluster, base_env, workdir, gene
     assert "interactive session" in r.stderr, r.stderr
 
 
+def test_generate_template_serves_http_until_scancel(slurm_cluster, base_env, tmp_path, generated):
+    """SERVE=PORT: generate.sbatch runs `swiftspec run --serve`; a completion over HTTP equals the
+    batch `ar` job's output text; scancel ends it with exit 4 and the answered request in the trace."""
+    import socket
+    import urllib.request
+    with socket.socket() as s_:
+        s_.bind(("127.0.0.1", 0))
+        port = s_.getsockname()[1]
+    out = tmp_path / "runs" / "served.h5"
+    job = slurm_cluster.submit(JOBS / "generate.sbatch", cwd=tmp_path, options=["--ntasks=2"],
+                               export={**base_env, "MODE": "async", "SERVE": str(port), "OUT": str(out)})
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        state = slurm_cluster.job(job)["JobState"]
+        assert state in ("PENDING", "RUNNING"), f"{state}\n" + job_log(slurm_cluster, job)
+        assert time.monotonic() < deadline, "the server never answered\n" + job_log(slurm_cluster, job)
+        time.sleep(0.3)
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": MAX_NEW}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        answer = json.loads(r.read())
+    ref = read_trace(generated["ar"]["h5"])["requests"][0]
+    slurm_cluster.run(["scancel", str(job)], timeout=30)
+    info = slurm_cluster.wait_job(job, timeout=120)
+    log = slurm_cluster.job_output(job)
+    assert f"swiftspec exited with status {EXIT_INTERRUPTED}" in log, log
+    assert "--serve" in log and "serving http://127.0.0.1:" in log, log
+    trace = read_trace(out)
+    assert trace["root"]["exit_status"] == "interrupted" and len(trace["requests"]) == 1, info
+    assert trace["requests"][0]["output_ids"] == ref["output_ids"]
+    assert answer["choices"][0]["text"] == trace["requests"][0]["text"]
+
+
 @pytest.mark.parametrize("how", ["scancel", "time-limit-signal"])
 def test_cancel_leaves_partial_trace(slurm_cluster, base_env, tmp_path, how):
     """Mid-run SIGTERM: the ranks finish their step, write a partial trace (complete=False,
