@@ -250,9 +250,10 @@ class OutputTracker:
     """Appends committed tokens to a request's output, applies stop conditions, streams text."""
 
     def __init__(self, result, tokenizer, eos_ids, max_new_tokens: int, stop: list[str],
-                 stream: bool, sink=None):
+                 stream: bool, sink=None, abandoned=None):
         from swiftspec_mpi.tokenizer import StreamDecoder
         self.sink = sink        # callable(text piece) instead of stdout (an HTTP response; --serve)
+        self.abandoned = abandoned   # callable() -> True when nobody reads the answer any more
         self.result = result
         self.tokenizer = tokenizer
         self.eos = set(eos_ids)
@@ -285,6 +286,9 @@ class OutputTracker:
                 return taken, True
             if len(self.result.output_ids) >= self.max_new:
                 self.result.stop_reason = "max_new_tokens"
+                return taken, True
+            if self.abandoned is not None and self.abandoned():   # the HTTP client left (--serve)
+                self.result.stop_reason = "cancelled"
                 return taken, True
         return taken, False
 

@@ -192,6 +192,10 @@ class SharedRequests:
         """Rank 0: where the request in flight streams its text (None: stdout, unless --quiet)."""
         return None
 
+    def abandoned(self):
+        """Rank 0: a callable that says the request in flight has lost its reader (None: never)."""
+        return None
+
     def finished(self, result) -> None:
         """Every rank, after a request (`result` on rank 0 only)."""
 

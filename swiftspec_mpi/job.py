@@ -570,7 +570,8 @@ class Job:
                     tuple(cfg.stop_token_ids)
                 sink = source.stream_sink() if source is not None else None
                 tracker = OutputTracker(result, ctx.tokenizer, eos, req.max_new_tokens or cfg.max_new_tokens,
-                                        list(cfg.stop) + list(req.stop), stream=not cfg.quiet, sink=sink)
+                                        list(cfg.stop) + list(req.stop), stream=not cfg.quiet, sink=sink,
+                                        abandoned=source.abandoned() if source is not None else None)
                 acceptor.start_request(req.index, cfg.max_new_tokens, cfg.verify_size)
                 self.tracker = tracker
             if cfg.mode == "async":
@@ -611,7 +612,7 @@ class Job:
             if r.t_end is None:
                 r.t_end = self.ctx.clock.now() if self.ctx else 0.0
                 r.text = self.ctx.tokenizer.decode(r.output_ids) if self.ctx else ""
-                if r.stop_reason not in ("eos", "stop_string", "max_new_tokens"):
+                if r.stop_reason not in ("eos", "stop_string", "max_new_tokens", "cancelled"):
                     r.stop_reason = reason
 
     def write(self, complete: bool, status: str, events, ranks=None) -> None:

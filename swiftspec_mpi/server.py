@@ -15,9 +15,10 @@ says what was used in its "swiftspec" field.
 The engine decodes one request at a time, as it is built to: HTTP requests queue (FIFO) and each
 becomes one request of the job, shared with every rank like an --interactive prompt
 (interactive.SharedRequests). The HDF5 trace is rewritten after each one. SIGTERM / SIGINT stop
-the server like any job (exit code 4, the trace written); a client that disconnects does not
-stop its request (it runs to its end). Bad requests get HTTP 400 with OpenAI's error shape,
-before they reach the queue.
+the server like any job (exit code 4, the trace written). When a streaming client disconnects,
+its request ends at the next token (stop reason "cancelled"), so the queue moves on; a
+non-streaming one is only noticed when its answer is written. Bad requests get HTTP 400 with
+OpenAI's error shape, before they reach the queue.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class Pending:
         self.max_tokens, self.stop, self.stream = max_tokens, stop, stream
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        self.gone = False                            # the client closed the connection
         self.events: queue.Queue = queue.Queue()     # ("text", piece) ..., then ("done", result)
 
     def push_text(self, piece: str) -> None:        # the engine's thread (rank 0's main loop)
@@ -155,6 +157,10 @@ class HttpSource(SharedRequests):
     def stream_sink(self):
         return self.current.push_text if self.current is not None else None
 
+    def abandoned(self):
+        p = self.current
+        return (lambda: p.gone) if p is not None else None
+
     def finished(self, result) -> None:
         if self.rank == 0 and self.current is not None:
             self.current.done(result)
@@ -218,7 +224,7 @@ def _handler_class(source: HttpSource):
                 else:
                     self._whole(p)
             except (BrokenPipeError, ConnectionResetError):
-                pass                              # the client left; the request runs to its end
+                p.gone = True                     # the engine ends the request at its next token
 
         def _wait_result(self, p: Pending, on_text=None):
             while True:

@@ -26,6 +26,7 @@ from swiftspec_mpi.server import cut_at_stop
 pytestmark = pytest.mark.mpi
 PROMPTS = ["Write a haiku about message passing.", "def add(a, b):"]
 NEW = 24
+LONG = 3000          # the server's --max-new-tokens: a long answer to walk away from
 
 
 def free_port() -> int:
@@ -77,7 +78,7 @@ def test_server_answers_like_the_batch_run_streams_queues_and_stops(tiny_pair, b
     out = tmp_path / "serve.h5"
     port = free_port()
     job = Job(2, ["--serve", f"127.0.0.1:{port}", "--target", tiny_pair[0], "--draft", tiny_pair[1],
-                  "--mode", "async", "--max-new-tokens", str(NEW), "--ignore-eos", "--out", str(out)])
+                  "--mode", "async", "--max-new-tokens", str(LONG), "--ignore-eos", "--out", str(out)])
     try:
         deadline = time.monotonic() + 150
         while True:
@@ -116,7 +117,7 @@ def test_server_answers_like_the_batch_run_streams_queues_and_stops(tiny_pair, b
         # two at once: queued, both answered in full
         got = {}
         threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, call(port, "/v1/completions",
-                                                                                {"prompt": PROMPTS[i]})))
+                                                                                {"prompt": PROMPTS[i], "max_tokens": NEW})))
                    for i in (0, 1)]
         for t in threads:
             t.start()
@@ -124,8 +125,26 @@ def test_server_answers_like_the_batch_run_streams_queues_and_stops(tiny_pair, b
             t.join(120)
         assert [got[i][1]["choices"][0]["text"] for i in (0, 1)] == batch_texts
 
+        # a streaming client that leaves after the first event: its request ends early
+        # ("cancelled"), and the next one is answered at once
+        conn = socket.create_connection(("127.0.0.1", port))
+        body = json.dumps({"prompt": PROMPTS[1], "stream": True}).encode()
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        got_bytes = b""
+        conn.settimeout(60)
+        while b"data: " not in got_bytes:          # the headers come first, then the events
+            chunk = conn.recv(4096)
+            assert chunk, got_bytes
+            got_bytes += chunk
+        conn.close()
+        t = time.monotonic()
+        status, r = call(port, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": NEW})
+        assert status == 200 and r["choices"][0]["text"] == batch_texts[0]
+        left = time.monotonic() - t
+
         # refusals: 400 with OpenAI's error shape, 404
-        for raw in (b"{bad", json.dumps({"prompt": ""}).encode(), json.dumps({"prompt": "x", "max_tokens": NEW + 1}).encode(),
+        for raw in (b"{bad", json.dumps({"prompt": ""}).encode(), json.dumps({"prompt": "x", "max_tokens": LONG + 1}).encode(),
                     json.dumps({"prompt": "x", "stop": [3]}).encode()):
             status, e = call(port, "/v1/completions", raw=raw)
             assert status == 400 and e["error"]["type"] == "invalid_request_error", (raw, e)
@@ -140,7 +159,9 @@ def test_server_answers_like_the_batch_run_streams_queues_and_stops(tiny_pair, b
     root = read_root(out)
     assert root["exit_status"] == "interrupted"
     reqs = read_requests(out)
-    assert len(reqs) == 7 and {q["category"] for q in reqs} == {"server"}
+    assert len(reqs) == 9 and {q["category"] for q in reqs} == {"server"}
+    assert reqs[7]["stop_reason"] == "cancelled" and len(reqs[7]["output_ids"]) < LONG, reqs[7]["stop_reason"]
+    assert left < 30, left
     assert "serving http://127.0.0.1:" in job.stderr
 
 
