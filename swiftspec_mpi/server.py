@@ -260,14 +260,13 @@ def _handler_class(source: HttpSource):
             self.end_headers()
             self.close_connection = True
             hold = max((len(s) for s in p.stop), default=1) - 1     # a stop string may be starting
-            state = {"seen": "", "sent": 0}
+            state = {"seen": "", "sent": 0}                           # text seen / sent so far
 
             def chunk(delta: str | None, finish=None) -> None:
                 if p.kind == "chat":
                     d = {} if delta is None else {"content": delta}
-                    if state["sent"] == 0 and delta is not None and not state.get("role"):
+                    if delta is not None and state["sent"] == 0:      # the first content chunk
                         d["role"] = "assistant"
-                        state["role"] = True
                     choice = {"index": 0, "delta": d, "finish_reason": finish}
                     obj = "chat.completion.chunk"
                 else:

@@ -67,3 +67,12 @@ def write_prompts(path, prompts: list[str]) -> str:
         for p in prompts:
             f.write(json.dumps({"prompt": p}) + "\n")
     return str(path)
+
+
+def batch_ar(target: str, folder, prompts: list[str], new_tokens: int) -> list[dict]:
+    """The reference of the streamed-request tests: `ar` on one rank over `prompts` (greedy,
+    --ignore-eos, `new_tokens` each) -> read_requests of its trace."""
+    out = Path(folder) / "ar.h5"
+    run_swiftspec(1, ["--target", target, "--mode", "ar", "--prompts", write_prompts(Path(folder) / "p.jsonl", prompts),
+                      "--max-new-tokens", str(new_tokens), "--ignore-eos", "--out", str(out), "--quiet"])
+    return read_requests(out)

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from engine_helpers import MPIEXEC, env_for_tests, read_outputs, read_requests, read_root, run_swiftspec, \
-    write_prompts
+from engine_helpers import MPIEXEC, env_for_tests, read_outputs, read_requests, read_root, run_swiftspec
+from engine_helpers import batch_ar as batch_ar_run
 from reliability_helpers import Job
 
 from swiftspec_mpi.interactive import Conversation, LineReader, TurnTooLong, read_turn
@@ -120,11 +120,7 @@ def session(n: int, args: list[str], stdin: str, timeout: float = 240):
 
 @pytest.fixture(scope="module")
 def batch_ar(tiny_pair, tmp_path_factory):
-    d = tmp_path_factory.mktemp("batch")
-    out = d / "ar.h5"
-    run_swiftspec(1, ["--target", tiny_pair[0], "--mode", "ar", "--prompts", write_prompts(d / "p.jsonl", PROMPTS),
-                      "--max-new-tokens", str(NEW), "--ignore-eos", "--out", str(out), "--quiet"])
-    return read_outputs(out)
+    return [q["output_ids"] for q in batch_ar_run(tiny_pair[0], tmp_path_factory.mktemp("batch"), PROMPTS, NEW)]
 
 
 @pytest.mark.mpi

@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from engine_helpers import read_requests, read_root, run_swiftspec, write_prompts
+from engine_helpers import batch_ar, read_requests, read_root, run_swiftspec
 from reliability_helpers import Job
 
 from swiftspec_mpi.server import cut_at_stop
@@ -67,11 +67,7 @@ def test_cut_at_stop():
 
 @pytest.fixture(scope="module")
 def batch_texts(tiny_pair, tmp_path_factory):
-    d = tmp_path_factory.mktemp("batch")
-    out = d / "ar.h5"
-    run_swiftspec(1, ["--target", tiny_pair[0], "--mode", "ar", "--prompts", write_prompts(d / "p.jsonl", PROMPTS),
-                      "--max-new-tokens", str(NEW), "--ignore-eos", "--out", str(out), "--quiet"])
-    return [q["text"] for q in read_requests(out)]
+    return [q["text"] for q in batch_ar(tiny_pair[0], tmp_path_factory.mktemp("batch"), PROMPTS, NEW)]
 
 
 def test_server_answers_like_the_batch_run_streams_queues_and_stops(tiny_pair, batch_texts, tmp_path):
