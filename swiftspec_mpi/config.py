@@ -16,7 +16,7 @@ from pathlib import Path
 from swiftspec_mpi.errors import UserError
 
 MODES = ("async", "sync", "ar")
-INTERACTIVE_CONTEXT = 4096    # default KV slots of an --interactive session (prompts unknown ahead)
+INTERACTIVE_CONTEXT = 4096    # default KV slots with --interactive / --serve (prompts unknown ahead)
 DTYPES = ("float32", "bfloat16", "float16")
 FUSED_GEMM_MODES = ("pdl", "cublas", "auto")     # SWIFTSPEC_FUSED_GEMM, read by fused_ops.py
 _SWITCH_WORDS = ("0", "1", "false", "true", "no", "yes", "off", "on")

@@ -52,6 +52,16 @@ class TurnTooLong(Exception):
     """The newest turn alone does not fit the room for a prompt."""
 
 
+def check_while_waiting(stop_flag, watch) -> None:
+    """Rank 0 waiting for the next request (stdin or HTTP): a signal ends the wait
+    (Interrupted), a failing rank's notice is picked up (`watch`)."""
+    from swiftspec_mpi.protocol import Interrupted
+    if stop_flag:
+        raise Interrupted()
+    if watch is not None:
+        watch.check()
+
+
 class LineReader:
     """Lines of a file descriptor, read without blocking past `poll_s`, so that a signal (the
     stop flag) or a failing rank (`watch`) is noticed while the user thinks. -> str without
@@ -65,10 +75,7 @@ class LineReader:
     def readline(self) -> str | None:
         from swiftspec_mpi.protocol import Interrupted
         while b"\n" not in self.buf and not self.eof:
-            if self.stop_flag:
-                raise Interrupted()
-            if self.watch is not None:
-                self.watch.check()
+            check_while_waiting(self.stop_flag, self.watch)
             ready, _, _ = select.select([self.fd], [], [], self.poll_s)
             if ready:
                 chunk = os.read(self.fd, 65536)

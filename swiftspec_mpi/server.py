@@ -30,7 +30,7 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from swiftspec_mpi.config import Request, parse_serve_address
-from swiftspec_mpi.interactive import SharedRequests
+from swiftspec_mpi.interactive import SharedRequests, check_while_waiting
 
 SERVER_CATEGORY = "server"
 _FINISH = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length"}
@@ -138,12 +138,8 @@ class HttpSource(SharedRequests):
         self.pending.put(p)
 
     def _read_request(self) -> Request | None:
-        from swiftspec_mpi.protocol import Interrupted
         while True:
-            if self.stop_flag:
-                raise Interrupted()
-            if self.watch is not None:
-                self.watch.check()
+            check_while_waiting(self.stop_flag, self.watch)
             try:
                 p = self.pending.get(timeout=0.05)
             except queue.Empty:
