@@ -35,11 +35,11 @@ def main():
     ap.add_argument("--n", default="1,8", help="tokens per step (N * H / Hkv rows per KV head: <= 32)")
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
-    from swiftspec_mpi import kernels
-    from swiftspec_mpi.comm import SingleComm
-    from swiftspec_mpi.cuda_graphs import GraphedModel
-    from swiftspec_mpi.dummy import dummy_model
-    from swiftspec_mpi.model import chain_mask
+    from swiftspec_mpi.gpu import kernels
+    from swiftspec_mpi.core.comm import SingleComm
+    from swiftspec_mpi.gpu.graphs import GraphedModel
+    from swiftspec_mpi.model.dummy import dummy_model
+    from swiftspec_mpi.model.transformer import chain_mask
 
     default_rule = kernels.tree_attention_config
     forced = {"cfg": None}

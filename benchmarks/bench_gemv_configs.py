@@ -31,7 +31,7 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--chain", type=int, default=32)
     a = ap.parse_args()
-    from swiftspec_mpi import kernels
+    from swiftspec_mpi.gpu import kernels
     variants = kernels.GEMM_VARIANTS
     copy_bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e12:.2f} TB/s; "

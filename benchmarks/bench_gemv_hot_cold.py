@@ -18,7 +18,7 @@ SHAPES = [("8B o_proj", 4096, 4096), ("8B qkv", 6144, 4096), ("1B o_proj", 2048,
 
 
 def main():
-    from swiftspec_mpi import kernels
+    from swiftspec_mpi.gpu import kernels
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s; us per launch in a PDL chain of 32")
     print("| GEMV | N x K | MB | M | cold (32 weights) us | % of copy BW | hot (1 weight) us | hot / cold |")

@@ -1,5 +1,5 @@
 """Batch-1 step times on one GPU: ours (CUDA graphs + fused tree attention, with and without the
-fused elementwise kernels of swiftspec_mpi.fused_ops) vs eager torch and HF transformers eager,
+fused elementwise kernels of swiftspec_mpi.gpu.fused_ops) vs eager torch and HF transformers eager,
 bf16, random weights at real shapes. Prints a Markdown table.
 
     python benchmarks/bench_gpu_step.py --context 1024 [--shapes llama-3-8b,llama-3.2-1b] [--no-hf]
@@ -97,11 +97,11 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
     with the torch elementwise ops ("graph_nofuse_N") and, if `fused` and available, with the
     fused kernels and cuBLAS GEMMs ("graph_N", the default) and with the timed GEMM choice
     ("graph_auto_N"); plus each one's max relative logit difference to the torch-ops graph."""
-    from swiftspec_mpi import fused_ops
-    from swiftspec_mpi.comm import SingleComm
-    from swiftspec_mpi.cuda_graphs import GraphedModel, graphs_supported, logits_topk_logprobs
-    from swiftspec_mpi.dummy import dummy_model
-    from swiftspec_mpi.model import chain_mask
+    from swiftspec_mpi.gpu import fused_ops
+    from swiftspec_mpi.core.comm import SingleComm
+    from swiftspec_mpi.gpu.graphs import GraphedModel, graphs_supported, logits_topk_logprobs
+    from swiftspec_mpi.model.dummy import dummy_model
+    from swiftspec_mpi.model.transformer import chain_mask
     model, _ = dummy_model(shape, SingleComm(), context + 128, torch.bfloat16, "cuda")
     weight_gb = model.weight_bytes() / 1e9
     step_gb = model.step_read_bytes() / 1e9     # what a step streams: not an untied embedding table
@@ -161,7 +161,7 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
 def hf(shape: str, context: int) -> float:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from swiftspec_mpi.dummy import SHAPES
+    from swiftspec_mpi.model.dummy import SHAPES
     c = SHAPES[shape]
     cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
                       intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
@@ -199,7 +199,7 @@ def main():
                     help="time only the torch-ops graph (also: SWIFTSPEC_FUSED_OPS=0)")
     ap.add_argument("--json", help="also write the raw numbers here")
     a = ap.parse_args()
-    from swiftspec_mpi import fused_ops
+    from swiftspec_mpi.gpu import fused_ops
     fused = not a.no_fused and fused_ops._enabled
     bw = copy_bandwidth()
     rows = {"copy_TBps": bw, "gpu": torch.cuda.get_device_name(), "context": a.context, "torch": torch.__version__}

@@ -28,15 +28,15 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--n", default="1,8")
     a = ap.parse_args()
-    from swiftspec_mpi.comm import SingleComm
-    from swiftspec_mpi.cuda_graphs import GraphedModel
-    from swiftspec_mpi.dummy import dummy_model
-    from swiftspec_mpi.model import chain_mask
+    from swiftspec_mpi.core.comm import SingleComm
+    from swiftspec_mpi.gpu.graphs import GraphedModel
+    from swiftspec_mpi.model.dummy import dummy_model
+    from swiftspec_mpi.model.transformer import chain_mask
     L = a.context
     model, _ = dummy_model(a.shape, SingleComm(), L + 128, torch.bfloat16, "cuda")
     model.forward(torch.randint(0, 1000, (L,), device="cuda"), torch.arange(L, device="cuda"), 0,
                   chain_mask(0, L).to("cuda"))
-    from swiftspec_mpi import cuda_graphs
+    from swiftspec_mpi.gpu import graphs as cuda_graphs
     g_in = GraphedModel(model)                      # the default: copies inside the graph
     g_out = GraphedModel(model)                     # inputs copied from the host (captured below)
     print(f"{a.shape}, context {L}, {torch.cuda.get_device_name()}, torch {torch.__version__}")

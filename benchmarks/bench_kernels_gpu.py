@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from swiftspec_mpi import kernels, nccl_shim  # noqa: E402
+from swiftspec_mpi.gpu import kernels, nccl_shim  # noqa: E402
 
 BF16 = torch.bfloat16
 ROTATE_BYTES = 256 << 20

@@ -31,11 +31,11 @@ import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0),
       "x", torch.cuda.device_count())
 try:
-    from swiftspec_mpi.kernels import import_cupy
+    from swiftspec_mpi.gpu.kernels import import_cupy
     print("cupy", import_cupy().__version__)
 except Exception as e:
     print("cupy missing:", e)
-from swiftspec_mpi import nccl_shim
+from swiftspec_mpi.gpu import nccl_shim
 print("nccl include", nccl_shim.nccl_include_dir(), "lib", nccl_shim.nccl_library_path())
 try:
     print("nccl version", nccl_shim.get_nccl().version())
@@ -49,10 +49,10 @@ echo "== compile (t=${SECONDS}s)"
 # Fill CuPy's kernel cache in parallel with the compile check (each module is one nvcc run).
 (
   for v in "tree_attention:" "gemm_allreduce:" "gemm_allreduce:nccl"; do
-    "$PY" -c "import sys; from swiftspec_mpi import kernels as k; n, v = sys.argv[1].split(':', 1); k._module(n, v, 0)" "$v" &
+    "$PY" -c "import sys; from swiftspec_mpi.gpu import kernels as k; n, v = sys.argv[1].split(':', 1); k._module(n, v, 0)" "$v" &
   done
   if [[ -z "${NO_NCU:-}" ]]; then
-    SWIFTSPEC_KERNELS_LINEINFO=1 "$PY" -c "from swiftspec_mpi import kernels as k; k._module('tree_attention', '', 0)" &
+    SWIFTSPEC_KERNELS_LINEINFO=1 "$PY" -c "from swiftspec_mpi.gpu import kernels as k; k._module('tree_attention', '', 0)" &
   fi
   if [[ -n "${BASELINE:-}" ]]; then
     "$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import bench_kernels_gpu as b; b.Baseline(Path(sys.argv[1]))" "$BASELINE" &

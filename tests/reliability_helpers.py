@@ -310,16 +310,16 @@ def _install_fault(spec: str) -> None:
         return
     nth = int(nth_s)
     if where == "expand":
-        from swiftspec_mpi import decoding as mod
+        from swiftspec_mpi.engine import decoding as mod
         owner, attr = mod.DraftSide, "expand"
     elif where == "verify":
-        from swiftspec_mpi import decoding as mod
+        from swiftspec_mpi.engine import decoding as mod
         owner, attr = mod.TargetSide, "forward_tree"
     elif where == "load":
-        from swiftspec_mpi import checkpoint as mod
+        from swiftspec_mpi.model import load as mod
         owner, attr = mod, "load_model"
     elif where == "validate":
-        from swiftspec_mpi import job as mod
+        from swiftspec_mpi.cli import job as mod
         owner, attr = mod, "prepare_config"
     else:
         raise SystemExit(f"unknown fault point {where!r}")
@@ -335,7 +335,7 @@ def _install_fault(spec: str) -> None:
                 with open(stamp, "w") as f:
                     f.write(repr(time.time()))
             if kind == ["user"]:
-                from swiftspec_mpi.errors import CheckpointError
+                from swiftspec_mpi.core.errors import CheckpointError
                 raise CheckpointError(f"injected user error in {where} (call {calls[0]})")
             raise RuntimeError(f"injected fault in {where} (call {calls[0]})")
         return original(*a, **k)
@@ -349,7 +349,7 @@ def main(argv: list[str]) -> int:
     import faulthandler
     faulthandler.register(signal.SIGUSR1)       # `kill -USR1 PID`: the rank's Python stacks
     _install_fault(argv[1])
-    from swiftspec_mpi.cli import main as cli_main
+    from swiftspec_mpi.cli.main import main as cli_main
     return cli_main(argv[2:])
 
 

@@ -1,6 +1,6 @@
 """Synthetic swiftspec traces for tests, written with h5py straight from docs/trace-format.md.
 
-Independent of swiftspec_mpi.trace (the engine's writer) and of the reader: tests build a run
+Independent of swiftspec_mpi.trace.record (the engine's writer) and of the reader: tests build a run
 with `make_run`, write it with `write`, and recompute expected numbers from the raw arrays that
 `make_run` returns.
 """

@@ -1,7 +1,7 @@
 """`swiftspec analyze` and the trace reader on synthetic files (tests/synthetic_trace.py).
 
 Expected numbers are recomputed here from the raw arrays that make_run returns, with plain
-numpy, never through swiftspec_mpi.analyze's helpers."""
+numpy, never through swiftspec_mpi.trace.analyze's helpers."""
 from __future__ import annotations
 
 import argparse
@@ -16,9 +16,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import synthetic_trace as st  # noqa: E402
 
-from swiftspec_mpi import analyze  # noqa: E402
-from swiftspec_mpi.errors import UserError  # noqa: E402
-from swiftspec_mpi.trace_read import read_trace  # noqa: E402
+from swiftspec_mpi.trace import analyze  # noqa: E402
+from swiftspec_mpi.core.errors import UserError  # noqa: E402
+from swiftspec_mpi.trace.read import read_trace  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -288,8 +288,8 @@ def test_not_a_trace(tmp_path, capsys):
 
 
 def test_reader_reads_engine_writer(tmp_path):
-    """The engine's own writer (swiftspec_mpi.trace) and this reader agree on the schema."""
-    trace = pytest.importorskip("swiftspec_mpi.trace")
+    """The engine's own writer (swiftspec_mpi.trace.record) and this reader agree on the schema."""
+    trace = pytest.importorskip("swiftspec_mpi.trace.record")
     req = trace.RequestResult(index=0, category="qa", prompt_text="hi", prompt_ids=[1, 2, 3],
                               output_ids=[4, 5, 6, 7], text="abcd", t_start=1.0, t_first=1.25, t_end=3.0,
                               stop_reason="eos", steps=[(0, 8, 2, 1.3, 1.5), (1, 8, 1, 1.6, 1.9)])

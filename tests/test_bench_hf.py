@@ -10,22 +10,22 @@ import sys
 import numpy as np
 import pytest
 
-from swiftspec_mpi import bench
-from swiftspec_mpi.errors import UserError
-from swiftspec_mpi.trace_read import read_trace
+from swiftspec_mpi.bench import compare as bench
+from swiftspec_mpi.core.errors import UserError
+from swiftspec_mpi.trace.read import read_trace
 
 MAX_NEW = 12
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    tiny = pytest.importorskip("swiftspec_mpi.tiny")
+    tiny = pytest.importorskip("swiftspec_mpi.model.tiny")
     return tiny.write_tiny_pair(str(tmp_path_factory.mktemp("tiny")), seed=0)
 
 
 @pytest.fixture(scope="module")
 def hf_run(pair, tmp_path_factory):
-    from swiftspec_mpi import hf_baselines as hfb
+    from swiftspec_mpi.bench import hf_baselines as hfb
     out = tmp_path_factory.mktemp("hf")
     prompts = [hfb.Prompt(0, "Write a haiku about the sea.", "writing"),
                hfb.Prompt(1, "What is the capital of France?", "qa"),
@@ -92,11 +92,11 @@ def test_hf_traces_read_back(hf_run, pair):
 def test_tokenizer_fallback_matches_engine(pair, monkeypatch):
     """Without the engine's TextTokenizer, the HF fallback gives the same ids (AutoTokenizer
     would not: it rebuilds a Qwen2 pre-tokenizer)."""
-    from swiftspec_mpi import hf_baselines as hfb
+    from swiftspec_mpi.bench import hf_baselines as hfb
     text = "The vertices of a triangle are at points (0, 0), (-1, 1), and (3, 3). Area?"
     engine = hfb.load_tokenizer(pair[0])
     assert type(engine).__name__ == "TextTokenizer"
-    monkeypatch.setitem(sys.modules, "swiftspec_mpi.tokenizer", None)   # import fails
+    monkeypatch.setitem(sys.modules, "swiftspec_mpi.model.tokenizer", None)   # import fails
     hf = hfb.load_tokenizer(pair[0])
     assert type(hf).__name__ != "TextTokenizer"
     for chat in (False, True):
@@ -104,7 +104,7 @@ def test_tokenizer_fallback_matches_engine(pair, monkeypatch):
 
 
 def test_hf_failure_is_reported(tmp_path):
-    from swiftspec_mpi import hf_baselines as hfb
+    from swiftspec_mpi.bench import hf_baselines as hfb
     empty = tmp_path / "nomodel"
     empty.mkdir()
     res = hfb.run_systems(["hf-greedy"], target=str(empty), draft=str(empty),
@@ -125,7 +125,7 @@ def test_load_prompts_per_category(tmp_path):
     assert [x["index"] for x in p] == list(range(6))
     out = tmp_path / "prompts.jsonl"
     bench.write_prompts(p, str(out))
-    config = pytest.importorskip("swiftspec_mpi.config")
+    config = pytest.importorskip("swiftspec_mpi.core.config")
     reqs = config.read_prompts_file(str(out))   # the engine's parser reads what bench writes
     assert [(r.prompt, r.category) for r in reqs] == [(x["text"], x["category"]) for x in p]
     with pytest.raises(UserError, match="per-category"):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from swiftspec_mpi.cli import SUBCOMMANDS
+from swiftspec_mpi.cli.main import SUBCOMMANDS
 
 BIN = Path(sys.executable).parent
 
@@ -39,7 +39,7 @@ def test_run_help_explains_every_option():
 
 
 def test_toml_config_and_flag_precedence(tmp_path):
-    from swiftspec_mpi.config import load_toml, merge
+    from swiftspec_mpi.core.config import load_toml, merge
     cfg_file = tmp_path / "run.toml"
     cfg_file.write_text('mode = "sync"\nmax-new-tokens = 32\ntemperature = 0.5\nstop = ["###"]\n')
     values = load_toml(str(cfg_file))
@@ -96,7 +96,7 @@ def test_python_m_and_console_script_agree():
 def test_dummy_load_format_takes_shape_names(tmp_path):
     """`--load-format dummy --target SHAPE --draft SHAPE` (the GPU benchmarks): rank
     0's validation accepts shape names (no weight files to check) and keeps them as given."""
-    from swiftspec_mpi import job
+    from swiftspec_mpi.cli import job
     flags = dict(load_format="dummy", target="qwen2.5-1.5b", draft="qwen2.5-0.5b", mode="async",
                  prompt="hi", max_new_tokens=4, out=str(tmp_path / "o.h5"), device="cpu")
     cfg = job.prepare_config(flags, None, world_size=2)
@@ -106,8 +106,8 @@ def test_dummy_load_format_takes_shape_names(tmp_path):
 def test_default_kv_slots_hold_the_padded_prompt(tmp_path):
     """The default --max-context holds the longest prompt plus the new tokens and the tree, and
     at least that prompt padded to its bucket (what a GPU prompt forward writes)."""
-    from swiftspec_mpi import job
-    from swiftspec_mpi.decoding import prompt_bucket
+    from swiftspec_mpi.cli import job
+    from swiftspec_mpi.engine.decoding import prompt_bucket
     for words, new in ((3, 4), (300, 400), (515, 4)):     # 515 words: ~1030 tokens, bucket 1280
         flags = dict(load_format="dummy", target="qwen2.5-1.5b", draft="qwen2.5-0.5b", mode="async",
                      prompt=" ".join(["word"] * words), max_new_tokens=new, out=str(tmp_path / "o.h5"),

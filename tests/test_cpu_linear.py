@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swiftspec_mpi import cpu_linear
+from swiftspec_mpi.model import cpu_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(),
                                 reason="the packed CPU kernel needs AVX2 + FMA")

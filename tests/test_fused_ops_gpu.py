@@ -1,4 +1,4 @@
-"""Fused elementwise kernels (swiftspec_mpi.fused_ops, cuda/fused_ops.cu) against the torch ops they
+"""Fused elementwise kernels (swiftspec_mpi.gpu.fused_ops, cuda/fused_ops.cu) against the torch ops they
 replace in `Transformer._layers`, and `Transformer.forward_graphable` (fused path, eager and in a
 CUDA graph) against `Transformer.forward` on small random models.
 
@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from swiftspec_mpi import fused_ops, kernels  # noqa: E402
+from swiftspec_mpi.gpu import fused_ops, kernels  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernels.available(), reason="needs CuPy, nvcc and an sm_90 GPU")]
@@ -120,8 +120,8 @@ def test_rope_kv_write(gen, N, nh, nkv, D):
 def test_rope_kv_write_matches_model_tables_and_skips_bad_slots(gen):
     """The model's own rope tables (llama3 scaling, bf16) and positions near the end of them;
     a slot outside the cache is not written (no out-of-bounds write)."""
-    from swiftspec_mpi.dummy import SHAPES
-    from swiftspec_mpi.model import Transformer
+    from swiftspec_mpi.model.dummy import SHAPES
+    from swiftspec_mpi.model.transformer import Transformer
     cfg = SHAPES["llama-3.2-1b"].with_layers(1)
     m = Transformer(cfg, max_slots=256, dtype=BF, device="cuda")
     nh, nkv, D, N = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 8
@@ -351,10 +351,10 @@ def test_forward_graphable_fused_matches_forward(shape, comm, rowpar, monkeypatc
         monkeypatch.setattr(fused_ops, "prefer_rowparallel", lambda ws, m: m <= kernels.MAX_GEMM_ROWS and all(
             w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0 and w.is_contiguous() for w in ws))
     monkeypatch.setattr(fused_ops, "_gemm_mode", {"cublas": "cublas", "pdl": "pdl"}.get(rowpar, "auto"))
-    from swiftspec_mpi.comm import SingleComm
-    from swiftspec_mpi.cuda_graphs import GraphedModel
-    from swiftspec_mpi.dummy import SHAPES, RandomSource
-    from swiftspec_mpi.model import Transformer, chain_mask
+    from swiftspec_mpi.core.comm import SingleComm
+    from swiftspec_mpi.gpu.graphs import GraphedModel
+    from swiftspec_mpi.model.dummy import SHAPES, RandomSource
+    from swiftspec_mpi.model.transformer import Transformer, chain_mask
     cfg = SHAPES[shape].with_layers(2)
     c = SingleComm() if comm is None else _ShardComm(*comm)
     S = 1536
@@ -436,9 +436,9 @@ def test_pdl_mode_is_as_accurate_as_cublas(shape, monkeypatch):
     equally close to a float32 model with the same (bf16-valued) weights: 4-layer random model,
     700-token prefix, an 8-node tree, error of each bf16 path vs float32 within 1.25x of the
     other's (plus 1e-3 of the logit scale)."""
-    from swiftspec_mpi.comm import SingleComm
-    from swiftspec_mpi.dummy import SHAPES, RandomSource
-    from swiftspec_mpi.model import Transformer, chain_mask
+    from swiftspec_mpi.core.comm import SingleComm
+    from swiftspec_mpi.model.dummy import SHAPES, RandomSource
+    from swiftspec_mpi.model.transformer import Transformer, chain_mask
     cfg = SHAPES[shape].with_layers(4)
     S, prefix, dev = 1024, 700, "cuda"
     src = RandomSource(cfg, dev, BF, seed=11)
@@ -493,12 +493,12 @@ def test_model_with_fused_allreduce_equals_plain(monkeypatch):
     the bits of the same model on SingleComm (GEMV, no all-reduce), eagerly and replayed from a
     CUDA graph, for 1 and 8 tokens. (The all-reduce of one partial is the identity; the sums
     over ranks are tested by tests/test_kernels_gpu.py::test_gemm_allreduce_multi_gpu.)"""
-    from swiftspec_mpi import nccl_shim
-    from swiftspec_mpi.comm import SingleComm
-    from swiftspec_mpi.cuda_graphs import GraphedModel
-    from swiftspec_mpi.dummy import SHAPES, RandomSource
-    from swiftspec_mpi.model import Transformer, chain_mask
-    from swiftspec_mpi.nccl_comm import NcclGroupComm
+    from swiftspec_mpi.gpu import nccl_shim
+    from swiftspec_mpi.core.comm import SingleComm
+    from swiftspec_mpi.gpu.graphs import GraphedModel
+    from swiftspec_mpi.model.dummy import SHAPES, RandomSource
+    from swiftspec_mpi.model.transformer import Transformer, chain_mask
+    from swiftspec_mpi.gpu.nccl_comm import NcclGroupComm
     if nccl_shim.nccl_include_dir() is None:
         pytest.skip("no NCCL >= 2.28 headers")
     monkeypatch.setattr(fused_ops, "_gemm_mode", "pdl")

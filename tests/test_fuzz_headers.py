@@ -36,9 +36,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from reliability_helpers import gguf_data_start, gguf_spans, safetensors_header_end, write_tiny_gguf
-from swiftspec_mpi import checkpoint, gguf_loader
-from swiftspec_mpi.errors import CheckpointError
-from swiftspec_mpi.job import check_weight_files
+from swiftspec_mpi.model import load as checkpoint, gguf_loader
+from swiftspec_mpi.core.errors import CheckpointError
+from swiftspec_mpi.cli.job import check_weight_files
 
 FUZZ = settings(max_examples=int(os.environ.get("SWIFTSPEC_FUZZ_EXAMPLES", "100")), deadline=None,
                 derandomize=not os.environ.get("SWIFTSPEC_FUZZ_RANDOM"), database=None,

@@ -1,8 +1,8 @@
-"""swiftspec_mpi.gpu_sharing: which ranks share a GPU, whether an MPS daemon serves them, the
+"""swiftspec_mpi.gpu.sharing: which ranks share a GPU, whether an MPS daemon serves them, the
 note rank 0 prints and what the trace records (no GPU needed: the GPU identities are given)."""
 from __future__ import annotations
 
-from swiftspec_mpi import gpu_sharing as gs
+from swiftspec_mpi.gpu import sharing as gs
 
 
 def test_sharing_groups_by_host_and_gpu():

@@ -1,4 +1,4 @@
-"""The byte layout of a CUDA-graph step's inputs (swiftspec_mpi.cuda_graphs.step_input_layout /
+"""The byte layout of a CUDA-graph step's inputs (swiftspec_mpi.gpu.graphs.step_input_layout /
 pack_step_inputs), checked on the CPU with the same tensor views GraphedModel makes of its pinned
 and device buffers: the attention kernel reads the context length as an int32 at the int64
 word's address, the mask starts 16-byte aligned, and only a step's own columns are written."""
@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from swiftspec_mpi.cuda_graphs import pack_step_inputs, step_input_layout  # noqa: E402
+from swiftspec_mpi.gpu.graphs import pack_step_inputs, step_input_layout  # noqa: E402
 
 
 def _views(n: int, S: int):

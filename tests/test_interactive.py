@@ -22,8 +22,8 @@ from engine_helpers import MPIEXEC, env_for_tests, read_outputs, read_requests, 
 from engine_helpers import batch_ar as batch_ar_run
 from reliability_helpers import Job
 
-from swiftspec_mpi.interactive import Conversation, LineReader, TurnTooLong, read_turn
-from swiftspec_mpi.protocol import Interrupted, StopFlag
+from swiftspec_mpi.serve.interactive import Conversation, LineReader, TurnTooLong, read_turn
+from swiftspec_mpi.engine.protocol import Interrupted, StopFlag
 
 PROMPTS = ["Write a haiku about message passing.", "def add(a, b):\n    return"]
 NEW = 24
@@ -149,7 +149,7 @@ def test_piped_session_equals_the_batch_run_and_survives_bad_lines(tiny_pair, ba
 def test_chat_session_carries_the_conversation_and_reset_starts_over(tiny_pair, tmp_path):
     """ar with --chat: the second turn's prompt holds the first turn and its reply; after /reset
     the same first prompt gives the same prompt and output as at the start."""
-    from swiftspec_mpi.tokenizer import TextTokenizer
+    from swiftspec_mpi.model.tokenizer import TextTokenizer
     out = tmp_path / "chat.h5"
     stdin = "Hi there\nAnd then?\n/reset\nHi there\n/exit\nnot read\n"
     r = session(1, ["--target", tiny_pair[0], "--mode", "ar", "--chat", "--max-new-tokens", str(NEW),

@@ -1,4 +1,4 @@
-"""Fused CUDA kernels (swiftspec_mpi.kernels, cuda/*.cu) against float64 references.
+"""Fused CUDA kernels (swiftspec_mpi.gpu.kernels, cuda/*.cu) against float64 references.
 
 GPU tests (`-m gpu`) need CuPy, nvcc and an sm_90 GPU and skip cleanly otherwise. Every check
 draws fresh random inputs, poisons the output with NaN first and requires it fully written.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swiftspec_mpi import kernels, nccl_shim
+from swiftspec_mpi.gpu import kernels, nccl_shim
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_gpu = pytest.mark.skipif(not kernels.available(), reason="needs CuPy, nvcc and an sm_90 GPU")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swiftspec_mpi.hf_loader import SafetensorsSource
-from swiftspec_mpi.model import Transformer, chain_mask
-from swiftspec_mpi.modelconfig import ModelConfig
-from swiftspec_mpi.tiny import random_weights, write_hf_folder
+from swiftspec_mpi.model.hf_loader import SafetensorsSource
+from swiftspec_mpi.model.transformer import Transformer, chain_mask
+from swiftspec_mpi.model.config import ModelConfig
+from swiftspec_mpi.model.tiny import random_weights, write_hf_folder
 
 TOL = 1e-5
 V = 89

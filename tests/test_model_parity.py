@@ -10,9 +10,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from swiftspec_mpi.hf_loader import SafetensorsSource  # noqa: E402
-from swiftspec_mpi.model import Transformer, chain_mask  # noqa: E402
-from swiftspec_mpi.modelconfig import ModelConfig  # noqa: E402
+from swiftspec_mpi.model.hf_loader import SafetensorsSource  # noqa: E402
+from swiftspec_mpi.model.transformer import Transformer, chain_mask  # noqa: E402
+from swiftspec_mpi.model.config import ModelConfig  # noqa: E402
 
 TOL = 1e-4
 VOCAB = 97
@@ -180,7 +180,7 @@ def test_in_out_weight_layout_matches(pair):
 def test_packed_bf16_weights_match_rounded_reference(pair):
     """--dtype bfloat16 on CPU: weights stored bf16 in the packed panels, all math in float32.
     Equals HF in float32 on the same weights rounded to bf16 (norms and biases stay float32)."""
-    from swiftspec_mpi import cpu_linear
+    from swiftspec_mpi.model import cpu_linear
     if not cpu_linear.available():
         pytest.skip("the packed CPU kernel needs AVX2 + FMA")
     hf, _, folder = pair

@@ -14,10 +14,10 @@ import sys
 import pytest
 import torch
 
-from swiftspec_mpi.hf_loader import SafetensorsSource
-from swiftspec_mpi.model import Transformer
-from swiftspec_mpi.modelconfig import ModelConfig
-from swiftspec_mpi.tiny import random_weights, write_hf_folder
+from swiftspec_mpi.model.hf_loader import SafetensorsSource
+from swiftspec_mpi.model.transformer import Transformer
+from swiftspec_mpi.model.config import ModelConfig
+from swiftspec_mpi.model.tiny import random_weights, write_hf_folder
 
 pytestmark = pytest.mark.mpi
 
@@ -128,7 +128,7 @@ def test_tp_equals_single(n, folders, tmp_path):
 
 
 def test_tp_degree_must_divide_heads():
-    from swiftspec_mpi.errors import UserError
+    from swiftspec_mpi.core.errors import UserError
 
     class FakeComm:
         rank, size, seconds = 0, 3, 0.0

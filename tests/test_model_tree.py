@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swiftspec_mpi.hf_loader import SafetensorsSource
-from swiftspec_mpi.model import Transformer, chain_mask
-from swiftspec_mpi.modelconfig import ModelConfig
-from swiftspec_mpi.tiny import random_weights, write_hf_folder
+from swiftspec_mpi.model.hf_loader import SafetensorsSource
+from swiftspec_mpi.model.transformer import Transformer, chain_mask
+from swiftspec_mpi.model.config import ModelConfig
+from swiftspec_mpi.model.tiny import random_weights, write_hf_folder
 
 TOL = 1e-5
 VOCAB = 101
@@ -146,7 +146,7 @@ def test_causal_prompt_equals_chain_mask(model, n):
 
 
 def test_prompt_buckets():
-    from swiftspec_mpi.decoding import prompt_bucket, prompt_buckets
+    from swiftspec_mpi.engine.decoding import prompt_bucket, prompt_buckets
     assert [prompt_bucket(n, 4096) for n in (1, 16, 17, 256, 257, 1024, 1025, 4000)] == \
         [16, 16, 32, 256, 320, 1024, 1280, 4096]
     assert prompt_bucket(90, 95) == 90                      # the bucket (96) would not fit

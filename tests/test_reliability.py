@@ -28,7 +28,7 @@ from engine_helpers import read_requests, read_root, write_prompts
 from reliability_helpers import (Job, copy_model, edit_config, error_lines, gguf_spans,
                                  patch_bytes, run_job, truncate_file, write_other_tokenizer,
                                  write_tiny_gguf)
-from swiftspec_mpi.errors import EXIT_INTERRUPTED, EXIT_RUNTIME_ERROR, EXIT_USER_ERROR
+from swiftspec_mpi.core.errors import EXIT_INTERRUPTED, EXIT_RUNTIME_ERROR, EXIT_USER_ERROR
 
 pytestmark = pytest.mark.mpi
 
@@ -521,7 +521,7 @@ def test_trace_writer_keeps_text_hdf5_cannot_store(tmp_path):
     import h5py
     import numpy as np
 
-    from swiftspec_mpi.trace import EVENT_DTYPE, RANK_DTYPE, RequestResult, write_trace
+    from swiftspec_mpi.trace.record import EVENT_DTYPE, RANK_DTYPE, RequestResult, write_trace
     r = RequestResult(0, "cat\x00", "prompt \ud800 with a lone surrogate", [5, 6], [0, 7, 0],
                       text="a\x00b\x00", t_start=1.0, t_end=2.0, stop_reason="max_new_tokens")
     out = tmp_path / "nul.h5"

@@ -3,7 +3,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from swiftspec_mpi import _tree
-from swiftspec_mpi.sent_tree import reroot_sent_tree
+from swiftspec_mpi.engine.sent_tree import reroot_sent_tree
 
 
 def _grow(seed: int, rounds: int):

@@ -21,7 +21,7 @@ import pytest
 from engine_helpers import batch_ar, read_requests, read_root, run_swiftspec
 from reliability_helpers import Job
 
-from swiftspec_mpi.server import cut_at_stop
+from swiftspec_mpi.serve.http_server import cut_at_stop
 
 pytestmark = pytest.mark.mpi
 PROMPTS = ["Write a haiku about message passing.", "def add(a, b):"]

@@ -9,9 +9,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from swiftspec_mpi.comm import SingleComm  # noqa: E402
-from swiftspec_mpi.dummy import SHAPES, RandomSource  # noqa: E402
-from swiftspec_mpi.model import Transformer  # noqa: E402
+from swiftspec_mpi.core.comm import SingleComm  # noqa: E402
+from swiftspec_mpi.model.dummy import SHAPES, RandomSource  # noqa: E402
+from swiftspec_mpi.model.transformer import Transformer  # noqa: E402
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -13,10 +13,11 @@ import shutil
 import pytest
 import torch
 
-from swiftspec_mpi import checkpoint, cli
-from swiftspec_mpi.errors import CheckpointError, UserError
-from swiftspec_mpi.model import chain_mask
-from swiftspec_mpi.tokenizer import StreamDecoder, TextTokenizer
+from swiftspec_mpi.model import load as checkpoint
+from swiftspec_mpi.cli import main as cli
+from swiftspec_mpi.core.errors import CheckpointError, UserError
+from swiftspec_mpi.model.transformer import chain_mask
+from swiftspec_mpi.model.tokenizer import StreamDecoder, TextTokenizer
 
 
 def _greedy(model, prompt: list[int], n: int) -> list[int]:

@@ -26,7 +26,7 @@ command -v "$NVCC" >/dev/null || { echo "compile_cuda.sh: $NVCC not found (set N
 find_nccl_include() {
   if [[ -n "${NCCL_INCLUDE:-}" ]]; then echo "$NCCL_INCLUDE"; return; fi
   local d
-  d=$("$PYTHON" - "$ROOT/swiftspec_mpi/nccl_shim.py" <<'EOF' 2>/dev/null || true
+  d=$("$PYTHON" - "$ROOT/swiftspec_mpi/gpu/nccl_shim.py" <<'EOF' 2>/dev/null || true
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("nccl_shim", sys.argv[1])
 m = importlib.util.module_from_spec(spec)

@@ -20,7 +20,7 @@ def scenario(model) -> list:
     """Deterministic sequence of forwards exercising every call shape; returns their logits."""
     import torch
 
-    from swiftspec_mpi.model import chain_mask
+    from swiftspec_mpi.model.transformer import chain_mask
     V = model.cfg.vocab_size
     g = torch.Generator().manual_seed(1234)
     out = []
@@ -70,9 +70,9 @@ def main() -> int:
     import torch
     from mpi4py import MPI
 
-    from swiftspec_mpi.comm import MpiGroupComm
-    from swiftspec_mpi.hf_loader import SafetensorsSource
-    from swiftspec_mpi.model import Transformer
+    from swiftspec_mpi.core.comm import MpiGroupComm
+    from swiftspec_mpi.model.hf_loader import SafetensorsSource
+    from swiftspec_mpi.model.transformer import Transformer
 
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD

@@ -1,0 +1,1 @@
+"""Our modes against reference baselines (`swiftspec bench`)."""

@@ -1,0 +1,1 @@
+"""The `swiftspec` command line and the job lifecycle of `swiftspec run`."""

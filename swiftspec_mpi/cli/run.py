@@ -1,0 +1,99 @@
+"""Generate text with speculative decoding on MPI ranks. Every rank of the job runs this:
+
+    mpiexec -n 2 swiftspec run --mode async --draft-ranks 1 --prompt "def fib(n):"
+    srun --mpi=pmi2 -n 4 swiftspec run --prompts prompts.jsonl --out run.h5   (MPICH; pmix for Open MPI)
+    mpiexec -n 2 swiftspec run --interactive --chat     (a session: prompts typed on rank 0's stdin)
+
+Modes: async (SwiftSpec: draft and verify groups in parallel), sync (serial tree speculation on
+one group), ar (plain autoregressive decoding of the target). Rank 0 validates everything before
+heavy work and all ranks exit together with its one-line verdict. Output: one HDF5 trace
+(docs/trace-format.md), rewritten atomically after every request, so a failed or cancelled job
+keeps what it generated.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from swiftspec_mpi.core.config import MODES
+
+DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    S = argparse.SUPPRESS  # flags not given stay absent (None) so the TOML file can supply them
+    m = p.add_argument_group("models")
+    m.add_argument("--target", help="target model: HF folder, .gguf file or registry name "
+                                    "(default: the embedded Qwen2.5-Coder-1.5B)")
+    m.add_argument("--draft", help="draft model: HF folder, .gguf file or registry name (default: the "
+                                   "embedded Qwen2.5-Coder-0.5B; with --draft-layers and no --draft: "
+                                   "the target's first layers)")
+    m.add_argument("--draft-layers", type=int, help="truncate the draft to its first N layers")
+    m.add_argument("--load-format", choices=("auto", "dummy"),
+                   help="dummy: random weights at the checkpoints' shapes (measures step time only)")
+    m.add_argument("--dtype", help="float32 (default) | bfloat16 | float16")
+    g = p.add_argument_group("parallel layout")
+    g.add_argument("--mode", help=f"{' | '.join(MODES)} (default async)")
+    g.add_argument("--draft-ranks", type=int, help="ranks in the draft group (async; default 1, "
+                                                   "world/4 from 8 ranks); the rest verify")
+    g.add_argument("--threads", type=int, help="torch threads per rank (default: the node's cores / "
+                                               "ranks on the node; ranks are pinned to disjoint cores)")
+    g.add_argument("--device", help="auto | cpu | cuda (GPU local_rank %% ngpus)")
+    q = p.add_argument_group("prompts and stopping")
+    q.add_argument("--prompt", help="one prompt text")
+    q.add_argument("--prompts", help="JSONL file: {\"prompt\": TEXT} or Spec-Bench {\"turns\": [...], "
+                                     "\"category\": ...} per line; decoded one after another")
+    q.add_argument("--interactive", action="store_true", default=None,
+                   help="read prompts from standard input (rank 0), one request each, until end of "
+                        "input or /exit; with --chat they form one conversation (/help lists the commands)")
+    q.add_argument("--serve", metavar="[HOST:]PORT",
+                   help="serve OpenAI-style /v1/completions and /v1/chat/completions over HTTP on rank 0 "
+                        "(host 127.0.0.1 unless given; one request at a time, the others queue)")
+    q.add_argument("--chat", action="store_true", default=None,
+                   help="wrap prompts in the target's chat template")
+    q.add_argument("--max-new-tokens", type=int, help="tokens to generate per prompt (default 128)")
+    q.add_argument("--stop", action="append", help="stop string (repeatable)")
+    q.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append",
+                   help="extra token id that ends generation like EOS (repeatable)")
+    q.add_argument("--ignore-eos", action="store_true", default=None,
+                   help="do not stop at EOS (benchmarks)")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--temperature", type=float, help="0 = greedy (default)")
+    s.add_argument("--seed", type=int, help="sampling seed (default 0)")
+    s.add_argument("--sampling-rule", help="coupled (default: reproducible, equals ar's sample) | "
+                                           "residual (EAGLE-style multi-branch rule)")
+    t = p.add_argument_group("token tree")
+    t.add_argument("--tree-width", type=int, help="w: leaves expanded per draft forward (default 8)")
+    t.add_argument("--tree-topk", type=int, help="children added per expanded leaf (default 8)")
+    t.add_argument("--verify-size", type=int, help="bs: tree nodes verified per target pass (default 8)")
+    t.add_argument("--expansions", type=int, help="d: draft expansions per verify step in sync mode "
+                                                  "(default: floor(t_target / t_draft) from a startup profile)")
+    t.add_argument("--max-depth", type=int, help="deepest tree level (default 16)")
+    t.add_argument("--tree-capacity", type=int, help="tree nodes (default 1024)")
+    t.add_argument("--max-context", type=int, help="KV slots per model (default: longest prompt + "
+                                                   "new tokens + tree margin; --interactive: 4096)")
+    o = p.add_argument_group("output and robustness")
+    o.add_argument("--out", help="HDF5 trace path (default runs/swiftspec-<SLURM_JOB_ID|time>.h5)")
+    o.add_argument("--overwrite", action="store_true", default=None, help="replace an existing --out")
+    o.add_argument("--peer-timeout", type=float, help="seconds to wait for a peer rank before failing "
+                                                      "(default 30)")
+    o.add_argument("--quiet", action="store_true", default=None, help="do not stream text to stdout")
+    p.add_argument("--config", help="TOML file with any of these options (flags win)")
+    del S
+
+
+FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "dtype", "mode", "draft_ranks",
+               "threads", "device", "prompt", "prompts", "interactive", "serve", "chat", "max_new_tokens", "stop",
+               "stop_token_ids", "ignore_eos", "temperature", "seed", "sampling_rule", "tree_width", "tree_topk",
+               "verify_size", "expansions", "max_depth", "tree_capacity", "max_context", "out",
+               "overwrite", "peer_timeout", "quiet")
+
+
+def main(args) -> int:
+    from swiftspec_mpi.cli.job import run_job
+    return run_job({name: getattr(args, name, None) for name in FLAG_FIELDS}, args.config)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(os.EX_USAGE)

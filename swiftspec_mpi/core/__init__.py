@@ -1,0 +1,1 @@
+"""Shared by every layer: run config, errors, rank topology, MPI communication."""

@@ -1,0 +1,350 @@
+"""Run configuration: flags + optional TOML file (flags win), validated once on rank 0.
+
+`RunConfig` is a plain dataclass so it pickles for the MPI broadcast and serializes to JSON for
+the HDF5 trace. Validation that needs the file system or the models' config.json (cheap, no
+weights) happens in `validate_on_rank0`; its verdict is broadcast by run_cmd so every rank exits
+together with the same message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swiftspec_mpi.core.errors import UserError
+
+MODES = ("async", "sync", "ar")
+INTERACTIVE_CONTEXT = 4096    # default KV slots with --interactive / --serve (prompts unknown ahead)
+DTYPES = ("float32", "bfloat16", "float16")
+FUSED_GEMM_MODES = ("pdl", "cublas", "auto")     # SWIFTSPEC_FUSED_GEMM, read by fused_ops.py
+_SWITCH_WORDS = ("0", "1", "false", "true", "no", "yes", "off", "on")
+
+
+@dataclass
+class Request:
+    """One prompt to decode; `ids` are its tokens (after the chat template, if any), filled by
+    rank 0's validation."""
+    index: int
+    prompt: str
+    category: str = ""
+    ids: list[int] = field(default_factory=list)
+    question_id: object = None     # the file's "question_id" (Spec-Bench), else its line number
+    max_new_tokens: int | None = None   # this request's limit (<= the run's; --serve), None: the run's
+    stop: list[str] = field(default_factory=list)   # its own stop strings, besides the run's
+
+
+@dataclass
+class RunConfig:
+    # models
+    target: str | None = None          # HF folder, .gguf file or a registry name; None = embedded default
+    draft: str | None = None
+    draft_layers: int | None = None    # truncate the draft to its first N layers (self-speculation)
+    load_format: str = "auto"          # auto | dummy (random weights at the checkpoint's shape)
+    # parallel layout
+    mode: str = "async"
+    draft_ranks: int | None = None     # async: ranks in the draft group (default: 1, or world/4 from 8 ranks)
+    threads: int | None = None         # torch threads per rank (default: cores of the node / ranks on it)
+    device: str = "auto"               # auto | cpu | cuda
+    # prompts and stopping
+    prompt: str | None = None
+    prompts: str | None = None         # JSONL file
+    interactive: bool = False          # prompts from rank 0's stdin, one request each (interactive.py)
+    serve: str | None = None           # "[HOST:]PORT": an OpenAI-style HTTP endpoint on rank 0 (server.py)
+    chat: bool = False
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)   # extra end-of-sequence ids
+    ignore_eos: bool = False
+    # sampling
+    temperature: float = 0.0
+    seed: int = 0
+    sampling_rule: str = "coupled"     # coupled (reproducible in async, equals ar's sample) | residual
+    dtype: str = "float32"
+    # tree shape (SwiftSpec defaults: bs = w = 8)
+    tree_width: int | None = None      # w: leaves expanded per draft forward (None: = bs)
+    tree_topk: int = 8                 # children added per expanded leaf
+    verify_size: int | None = None     # bs: nodes (incl. root) per target pass (None: from profile)
+    expansions: int | None = None      # d: draft expansions per verify step (sync); None = from profile
+    max_depth: int = 16
+    tree_capacity: int = 1024
+    max_context: int | None = None     # KV slots per model; default prompt + new tokens + tree margin
+    # output and robustness
+    out: str | None = None
+    overwrite: bool = False
+    peer_timeout: float = 30.0         # seconds a blocking receive waits for a peer before failing
+    quiet: bool = False                # do not stream text to stdout
+    requests: list[Request] = field(default_factory=list)  # filled by validation
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d.pop("requests")
+        return json.dumps(d, sort_keys=True)
+
+
+# tree sizes the startup profile chooses from (bs = w): the one with the most expected committed
+# tokens per second of target time, expected tokens of an n-node tree taken as a chain with
+# per-token acceptance ACCEPT_PRIOR (the real Qwen pair's draft agrees with its target 83 % of
+# the time); n > 1 only, so speculation always happens
+TREE_SIZES = (2, 4, 8, 16)
+ACCEPT_PRIOR = 0.8
+
+
+def max_verify_size(cfg: "RunConfig") -> int:
+    return cfg.verify_size or max(TREE_SIZES)
+
+
+def max_tree_width(cfg: "RunConfig") -> int:
+    return cfg.tree_width or cfg.verify_size or max(TREE_SIZES)
+
+
+def expected_tokens(n: int, alpha: float = ACCEPT_PRIOR) -> float:
+    return sum(alpha ** i for i in range(n))
+
+
+def choose_tree_size(target_times: dict[int, float]) -> int:
+    """The n with the best expected tokens per target second (ties: the smaller n)."""
+    return max(sorted(target_times), key=lambda n: expected_tokens(n) / target_times[n])
+
+
+def load_toml(path: str) -> dict:
+    import tomllib
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file {path} does not exist; pass an existing TOML file to --config")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"config file {path} is not valid TOML ({exc}); fix the syntax") from None
+    known = {f.name for f in dataclasses.fields(RunConfig)} - {"requests"}
+    out = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise UserError(f"config file {path}: unknown key '{key}'; known keys: {', '.join(sorted(known))}")
+        out[name] = value
+    return out
+
+
+def merge(toml_values: dict, flag_values: dict) -> RunConfig:
+    """Flags that were given (not None) win over the TOML file, which wins over defaults."""
+    values = dict(toml_values)
+    values.update({k: v for k, v in flag_values.items() if v is not None})
+    return RunConfig(**values)
+
+
+def read_prompts_file(path: str) -> list[Request]:
+    """JSONL: one object a line, {"prompt": TEXT} or Spec-Bench's {"turns": [...], "category": ...}.
+
+    Multi-turn Spec-Bench entries use their first turn (each line is one single request)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"prompts file {path} does not exist; pass a JSONL file with one "
+                        '{"prompt": "..."} object per line')
+    requests = []
+    with p.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg}); each line must be one "
+                                'JSON object like {"prompt": "..."}') from None
+            if not isinstance(obj, dict):
+                raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            if isinstance(obj.get("prompt"), str):
+                text = obj["prompt"]
+            elif isinstance(obj.get("turns"), list) and obj["turns"] and isinstance(obj["turns"][0], str):
+                text = obj["turns"][0]
+            else:
+                raise UserError(f"{path}:{lineno}: needs a string field \"prompt\" or a non-empty "
+                                "list of strings \"turns\"")
+            if not text:
+                raise UserError(f"{path}:{lineno}: the prompt is empty")
+            requests.append(Request(len(requests), text, str(obj.get("category", "")),
+                                    question_id=obj.get("question_id", lineno)))
+    if not requests:
+        raise UserError(f"prompts file {path} holds no prompts")
+    return requests
+
+
+def default_draft_ranks(world_size: int) -> int:
+    """The draft model is small: one rank up to 4, then a quarter of the ranks (SwiftSpec used
+    1-2 of 8 GPUs for the draft)."""
+    return 1 if world_size <= 4 else world_size // 4
+
+
+def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
+    """Checks that need no files. Raises UserError with the fix."""
+    if cfg.mode not in MODES:
+        raise UserError(f"unknown mode '{cfg.mode}'; use --mode async, sync or ar")
+    if cfg.dtype not in DTYPES:
+        raise UserError(f"unknown dtype '{cfg.dtype}'; use --dtype float32 or bfloat16")
+    if cfg.sampling_rule not in ("coupled", "residual"):
+        raise UserError(f"unknown sampling rule '{cfg.sampling_rule}'; use coupled or residual")
+    if cfg.load_format not in ("auto", "dummy"):
+        raise UserError(f"unknown load format '{cfg.load_format}'; use auto or dummy")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"unknown device '{cfg.device}'; use auto, cpu or cuda")
+    positive = {"max_new_tokens": cfg.max_new_tokens, "tree_topk": cfg.tree_topk,
+                "max_depth": cfg.max_depth, "tree_capacity": cfg.tree_capacity}
+    for name, value in positive.items():
+        if not isinstance(value, int) or value <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    for name in ("expansions", "threads", "draft_layers", "max_context", "tree_width", "verify_size"):
+        value = getattr(cfg, name)
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if not (cfg.temperature >= 0.0) or cfg.temperature != cfg.temperature:
+        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {cfg.temperature}")
+    if cfg.peer_timeout <= 0:
+        raise UserError(f"--peer-timeout must be positive seconds, got {cfg.peer_timeout}")
+    if cfg.tree_capacity < 1 + max_tree_width(cfg) * cfg.tree_topk:
+        raise UserError(f"--tree-capacity {cfg.tree_capacity} cannot hold one expansion "
+                        f"({max_tree_width(cfg)}x{cfg.tree_topk} children); raise it")
+    if max_verify_size(cfg) > cfg.tree_capacity:
+        raise UserError("--verify-size cannot exceed --tree-capacity")
+    if max_verify_size(cfg) > 64:
+        raise UserError(f"--verify-size {cfg.verify_size} is above 64, the most the fused tree "
+                        "attention takes; use at most 64")
+    if world_size < 1:
+        raise UserError("world size must be >= 1")
+    if cfg.mode == "async":
+        if world_size < 2:
+            raise UserError("--mode async needs at least 2 MPI ranks (one draft, one verify); "
+                            "launch with mpiexec -n 2 or more, or use --mode sync / ar on 1 rank")
+        if cfg.draft_ranks is None:
+            cfg.draft_ranks = default_draft_ranks(world_size)
+        if not isinstance(cfg.draft_ranks, int) or cfg.draft_ranks < 1:
+            raise UserError(f"--draft-ranks must be >= 1 in async mode, got {cfg.draft_ranks}")
+        if cfg.draft_ranks >= world_size:
+            raise UserError(f"--draft-ranks {cfg.draft_ranks} leaves no verify rank in a world of "
+                            f"{world_size}; use at most {world_size - 1}")
+    else:
+        if cfg.draft_ranks not in (None, 0):
+            raise UserError(f"--draft-ranks applies to --mode async only; drop it for --mode {cfg.mode}")
+        cfg.draft_ranks = 0
+    if cfg.prompt is not None and cfg.prompts is not None:
+        raise UserError("give either --prompt or --prompts, not both")
+    if cfg.interactive and (cfg.prompt is not None or cfg.prompts is not None):
+        raise UserError("--interactive reads the prompts from standard input; drop --prompt / --prompts")
+    if cfg.serve is not None:
+        if cfg.interactive or cfg.prompt is not None or cfg.prompts is not None:
+            raise UserError("--serve takes its prompts from HTTP requests; drop --interactive / --prompt / --prompts")
+        parse_serve_address(cfg.serve)
+    if cfg.prompt is not None and not cfg.prompt:
+        raise UserError("--prompt is empty; give some text")
+    return cfg
+
+
+def parse_serve_address(spec: str) -> tuple[str, int]:
+    """--serve "[HOST:]PORT" -> (host, port); host 127.0.0.1 when not given, port 0 = any free one."""
+    host, _, port = str(spec).rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        p = int(port)
+    except ValueError:
+        p = -1
+    if not 0 <= p <= 65535:
+        raise UserError(f"--serve {spec!r}: give [HOST:]PORT, e.g. --serve 8000 or --serve 0.0.0.0:8000")
+    return host, p
+
+
+def requests_stream_in(cfg: "RunConfig") -> bool:
+    """The prompts arrive while the job runs (--interactive, --serve), not all known at the start."""
+    return bool(cfg.interactive) or cfg.serve is not None
+
+
+def check_environment() -> None:
+    """The GPU path's switches are environment variables read at import (fused_ops.py): a typo
+    there would silently give the default, so refuse it with the fix."""
+    mode = os.environ.get("SWIFTSPEC_FUSED_GEMM")
+    if mode is not None and mode.strip().lower() not in FUSED_GEMM_MODES:
+        raise UserError(f"SWIFTSPEC_FUSED_GEMM={mode!r} is not a GEMM mode; use "
+                        f"{', '.join(FUSED_GEMM_MODES)}, or unset it for the default (pdl)")
+    for name, (default, meaning) in ENV_SWITCHES.items():
+        v = os.environ.get(name)
+        if v is not None and v.strip().lower() not in _SWITCH_WORDS:
+            raise UserError(f"{name}={v!r} is not a switch; use 1 or 0, or unset it "
+                            f"for the default ({int(default)}: {meaning})")
+
+
+# The GPU path's on/off switches: name -> (default, what the default means).
+ENV_SWITCHES = {
+    "SWIFTSPEC_FUSED_OPS": (True, "fused kernels on"),
+    "SWIFTSPEC_FUSED_ALLREDUCE": (False, "NCCL's all-reduce after the GEMV"),
+}
+
+
+def env_switch(name: str) -> bool:
+    """The value of one of ENV_SWITCHES (its default when unset; check_environment refuses words
+    that are not a switch before any rank reads one)."""
+    default = ENV_SWITCHES[name][0]
+    v = os.environ.get(name)
+    return default if v is None else v.strip().lower() in ("1", "true", "yes", "on")
+
+
+def fused_allreduce_requested() -> bool:
+    """SWIFTSPEC_FUSED_ALLREDUCE=1: tensor-parallel GPU groups fuse the row-parallel GEMVs with
+    their all-reduce (NCCL device API, one NVLink domain). Off by default: it has not yet run
+    inside the engine on several GPUs (docs/benchmarks.md)."""
+    return env_switch("SWIFTSPEC_FUSED_ALLREDUCE")
+
+
+def check_output_path_default(cfg: RunConfig) -> None:
+    """Default --out: runs/swiftspec-<SLURM_JOB_ID or local time>.h5."""
+    if cfg.out is None:
+        tag = os.environ.get("SLURM_JOB_ID") or __import__("time").strftime("%Y%m%d-%H%M%S")
+        cfg.out = f"runs/swiftspec-{tag}.h5"
+
+
+def check_output_path(cfg: RunConfig) -> None:
+    out = Path(cfg.out)
+    if out.exists() and not cfg.overwrite:
+        raise UserError(f"output file {out} already exists; pass --overwrite or choose another --out")
+    parent = out.parent if str(out.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = exc.strerror
+        if isinstance(exc, FileExistsError):   # a file where a folder of the path should be
+            why = f"{exc.filename} is a file, not a folder"
+        raise UserError(f"cannot create the folder of --out {out} ({why}); choose a writable path") from None
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder; give a file name like {out}/run.h5")
+    if not os.access(parent, os.W_OK):
+        raise UserError(f"cannot write --out {out}: folder {parent} is not writable; choose a writable path")
+    # os.access says yes to root on a read-only folder (/proc, a read-only bind mount, a full
+    # quota...): the trace is written as PATH.tmp.<pid> then renamed, so really create one now,
+    # rather than find out after the whole generation ran
+    probe = parent / f".{out.name}.probe.{os.getpid()}"
+    try:
+        with open(probe, "wb"):
+            pass
+        os.unlink(probe)
+    except OSError as exc:
+        raise UserError(f"cannot write --out {out}: creating a file in {parent} fails "
+                        f"({exc.strerror}); choose a writable path") from None
+
+
+def check_slurm_world(world_size: int) -> None:
+    """A PMI mismatch under srun silently starts N singleton jobs of world size 1.
+
+    Only that symptom is refused: `mpiexec` inside an allocation legitimately runs in a
+    one-task step (MPICH starts its proxies through srun), so SLURM_NTASKS=1 with a larger
+    world is fine."""
+    ntasks = os.environ.get("SLURM_NTASKS") or os.environ.get("SLURM_NPROCS")
+    if ntasks is None or os.environ.get("SLURM_JOB_ID") is None:
+        return
+    if os.environ.get("SLURM_STEP_ID") is None:
+        return  # in the batch script itself (not a step): mpiexec sets the world
+    try:
+        n = int(ntasks)
+    except ValueError:
+        return
+    if world_size == 1 and n > 1:
+        raise UserError(f"MPI world size is {world_size} but Slurm started {n} tasks: srun and the "
+                        "MPI library disagree on PMI. Use srun --mpi=pmi2 for MPICH (the mpich wheel) "
+                        "or --mpi=pmix for Open MPI, or launch with mpiexec inside the allocation")

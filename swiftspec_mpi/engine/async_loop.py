@@ -1,0 +1,266 @@
+"""SwiftSpec's asynchronous loops (Algorithm 1 on MPI): the draft group keeps growing the token
+tree while the verify group checks the best subtree it was sent; the two leaders meet once per
+verify step over the inter-communicator.
+
+    draft leader                              verify leader
+    ------------                              -------------
+    expand w best leaves (repeat)  <- poll -  forward(best bs nodes) on committed KV
+    on RESULT: re-root, move KV               accept path (+ bonus), commit KV, stream text
+    then SEND best 4*bs nodes      ------->   next tree: the newest that reaches the current
+                                              root, else the remnant of the last one under
+                                              the bonus token; wait only when neither has a
+                                              drafted node (deadline)
+
+Beyond the paper: the verify group does not idle for the draft's re-root round trip when the
+bonus token was already drafted — it continues on its copy of the last tree it got.
+
+Group members (tensor parallel ranks) mirror their leader: every decision is broadcast in a
+preallocated buffer, so the tree and KV of every rank of a group stay identical.
+"""
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from swiftspec_mpi.engine.decoding import Acceptor, DraftSide, OutputTracker, TargetSide
+from swiftspec_mpi.engine.context import EngineContext, comm_seconds, decide, make_topk_share
+from swiftspec_mpi.core.errors import PeerError
+from swiftspec_mpi.engine.protocol import MSG_STOP, TAG_RESULT, TAG_TREE, Interrupted, LeaderChannel, wait_for
+from swiftspec_mpi.engine.sent_tree import reroot_sent_tree
+from swiftspec_mpi.trace.record import KIND
+
+ACT_EXPAND, ACT_SEND, ACT_RESULT, ACT_STOP = 1, 2, 3, 4
+
+
+def send_size(cfg) -> int:
+    """Nodes per tree message: 4 x bs, so the verify leader can continue under the bonus token
+    for a step or two without waiting for the draft's next tree."""
+    return min(cfg.tree_capacity, 4 * cfg.verify_size)
+
+
+class TreeInbox:
+    """The verify leader's side of the tree messages: the newest tree that reaches the current
+    root (arrived ones re-rooted along the committed tokens) or, failing that, the remnant of
+    the tree it verified last (see sent_tree.py)."""
+
+    def __init__(self, ctx: EngineContext, chan: LeaderChannel, request: int):
+        self.ctx, self.chan, self.request = ctx, chan, request
+        self.req = ctx.topo.inter.Irecv(chan.tree, source=0, tag=TAG_TREE)
+        self.local = None          # (tokens, parents) rooted at the current root, best-first
+        self.acked = False         # the draft's end-of-request acknowledgement arrived
+
+    def _take(self, committed: list[int]) -> None:
+        """Consume the arrived message; keep it if it re-roots onto the current root."""
+        req_id, _seq, root_pos, tokens, parents = self.chan.unpack_tree()
+        self.req = self.ctx.topo.inter.Irecv(self.chan.tree, source=0, tag=TAG_TREE)
+        if req_id != self.request:
+            raise PeerError(f"tree for request {req_id} while verifying request {self.request}")
+        if len(tokens) == 0:
+            self.acked = True
+            return
+        P = len(committed) - 1
+        if root_pos > P or committed[root_pos] != tokens[0]:
+            raise PeerError(f"draft tree rooted at position {root_pos} (token {tokens[0]}) does not "
+                            f"match the committed sequence (length {len(committed)})")
+        fresh = reroot_sent_tree(tokens, parents, committed[root_pos + 1:])
+        if fresh is not None and len(fresh[0]) > 1:
+            self.local = fresh
+
+    def next_tree(self, committed: list[int], bs: int, wait_what: str):
+        """-> (tokens int64[n <= bs], parents int32[n]) to verify now; blocks only when neither a
+        fresh tree nor a remnant with at least one drafted node is at hand."""
+        while self.req.Test():
+            self._take(committed)
+        while self.local is None or len(self.local[0]) < 2:
+            wait_for(self.req, self.ctx.cfg.peer_timeout, wait_what, self.ctx.stop_flag, self.ctx.watch)
+            self._take(committed)
+        return self.local[0][:bs], self.local[1][:bs]
+
+    def advance(self, accepted: np.ndarray) -> None:
+        """The step committed `accepted` (draft tokens + bonus): keep what lies under them."""
+        self.local = reroot_sent_tree(self.local[0], self.local[1], accepted)
+
+    def drain_until_ack(self, committed: list[int]) -> None:
+        """End of request: receive every tree still in flight, up to the draft's acknowledgement,
+        so nothing of this request is left unmatched."""
+        while not self.acked:
+            wait_for(self.req, self.ctx.cfg.peer_timeout, "end-of-request acknowledgement from "
+                     f"rank {self.ctx.topo.verify_size} (draft leader)", self.ctx.stop_flag,
+                     self.ctx.watch)
+            req_id, _seq, _root, tokens, _parents = self.chan.unpack_tree()
+            if len(tokens) == 0 and req_id == self.request:
+                self.acked = True
+            else:
+                self.req = self.ctx.topo.inter.Irecv(self.chan.tree, source=0, tag=TAG_TREE)
+
+
+def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
+                tracker: OutputTracker | None, acceptor: Acceptor) -> None:
+    cfg, rec, clock, topo = ctx.cfg, ctx.recorder, ctx.clock, ctx.topo
+    leader = topo.is_leader
+    bs = cfg.verify_size
+    chan = ctx.scratch.setdefault("chan", LeaderChannel(bs, send_size(cfg)))
+    target = TargetSide(ctx.target)
+    decision = np.zeros(3 + 2 * bs, dtype=np.int64)   # see engine_context.decide
+    # the tree the group verifies, broadcast by the leader: not chan.tree, which is the leader's
+    # receive buffer for the draft's next tree (a message arriving during the broadcast would
+    # land in the buffer being broadcast)
+    step_tree = ctx.scratch.setdefault("step_tree", np.zeros_like(chan.tree))
+
+    t0, c0 = clock.now(), comm_seconds(ctx.target)
+    target.prefill(prompt_ids)
+    rec.record(KIND["prefill"], request, 0, t0, clock.now(), len(prompt_ids), 0,
+               comm_seconds(ctx.target) - c0)
+    inbox = TreeInbox(ctx, chan, request) if leader else None
+    committed = list(prompt_ids) if leader else None
+    wait_what = f"token tree from rank {topo.verify_size} (draft leader)"
+    step = 0
+    while True:
+        tw = clock.now()
+        if leader:   # a stop signal: the leader tells the group, which leaves together
+            try:
+                tokens, parents = inbox.next_tree(committed, bs, wait_what)
+                ctx.check_stop()
+                chan.pack_tree(request, step, target.P, tokens, parents, out=step_tree)
+            except Interrupted:
+                step_tree[0] = MSG_STOP
+        ctx.bcast(step_tree)
+        if step_tree[0] == MSG_STOP:
+            raise Interrupted()
+        _req, _seq, root_pos, tokens, parents = chan.unpack_tree(step_tree)
+        if root_pos != target.P:
+            raise PeerError(f"verify group out of step: tree at position {root_pos}, "
+                            f"target KV at {target.P}")
+        tv = clock.now()
+        rec.record(KIND["wait"], request, step, tw, tv)
+        cv = comm_seconds(ctx.target)
+        logits = target.forward_tree(tokens, parents, greedy=acceptor.greedy)
+        done, taken, path, accepted = decide(ctx, tokens, parents, logits, acceptor, tracker, result,
+                                             decision, bs)
+        a = len(path)
+        if not done:
+            target.commit(path)
+        t_end = clock.now()
+        rec.record(KIND["verify"], request, step, tv, t_end, len(tokens), a,
+                   comm_seconds(ctx.target) - cv)
+        if leader:
+            result.steps.append((step, len(tokens), taken, tw, t_end))
+            ts = clock.now()
+            topo.inter.Send(chan.pack_result(request, step, accepted, done), dest=0, tag=TAG_RESULT)
+            rec.record(KIND["send"], request, step, ts, clock.now(), a)
+            if done:
+                try:
+                    inbox.drain_until_ack(committed)
+                except Interrupted:   # the group stops together at the next request's check
+                    pass
+            else:
+                committed.extend(int(t) for t in accepted)
+                inbox.advance(accepted)
+            if ctx.on_progress is not None:
+                ctx.on_progress()
+        if done:
+            return
+        step += 1
+
+
+def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
+    """Expand the best leaves without pause; after every verify result re-root and send the best
+    `send_size` nodes at once (one tree per batch of results); at the end of the request send
+    the acknowledgement (an empty tree)."""
+    cfg, rec, clock, topo = ctx.cfg, ctx.recorder, ctx.clock, ctx.topo
+    leader = topo.is_leader
+    bs, w, k, m = cfg.verify_size, cfg.tree_width, cfg.tree_topk, send_size(cfg)
+    chan = ctx.scratch.setdefault("chan", LeaderChannel(bs, m))
+    control = ctx.scratch.setdefault("control", np.zeros(3 + bs, dtype=np.int64))  # [act, a, done, accepted]
+    share = make_topk_share(ctx, np.zeros((w, k), dtype=np.int64), np.zeros((w, k), dtype=np.float32))
+    draft = DraftSide(ctx.draft, w, k, cfg.tree_capacity, cfg.max_depth)
+
+    t0, c0 = clock.now(), comm_seconds(ctx.draft)
+    draft.prefill(prompt_ids)
+    rec.record(KIND["prefill"], request, 0, t0, clock.now(), len(prompt_ids), 0,
+               comm_seconds(ctx.draft) - c0)
+    owe_tree = True            # the verify group has not seen the current root yet
+    result_req = topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT) if leader else None
+    seq = 0
+    n_expand = 0
+    while True:
+        # 1. the leader decides what the whole group does next (a stop signal included: the
+        #    group then leaves together, none of it blocked in a collective)
+        if leader:
+            leaves = None
+            if ctx.stop_flag:
+                action = ACT_STOP
+            elif result_req.Test():
+                action = ACT_RESULT
+            elif owe_tree and draft.root_expanded():
+                action = ACT_SEND
+            else:
+                leaves = draft.select()
+                if len(leaves):
+                    action = ACT_EXPAND
+                else:   # tree (or KV) full: nothing to do but wait for the next verdict
+                    tw = clock.now()
+                    try:
+                        wait_for(result_req, cfg.peer_timeout, "verify result from rank 0 (verify leader)",
+                                 ctx.stop_flag, ctx.watch)
+                        action = ACT_RESULT
+                    except Interrupted:
+                        action = ACT_STOP
+                    rec.record(KIND["wait"], request, n_expand, tw, clock.now())
+            control[0] = action
+            if action == ACT_RESULT:
+                r_req, _r_step, accepted, done = chan.unpack_result()
+                if r_req != request:
+                    raise PeerError(f"verify result for request {r_req}, draft is on request {request}")
+                control[1], control[2] = len(accepted), int(done)
+                control[3:3 + len(accepted)] = accepted
+                if done:   # acknowledge: no tree of this request will follow
+                    topo.inter.Send(chan.pack_tree(request, seq, 0, np.zeros(0, np.int64),
+                                                   np.zeros(0, np.int32)), dest=0, tag=TAG_TREE)
+                else:
+                    result_req = topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT)
+        ctx.bcast(control)
+        action = int(control[0])
+        # 2. every rank of the group applies it
+        if action == ACT_STOP:
+            raise Interrupted()
+        if action == ACT_RESULT:
+            if control[2]:
+                return
+            tr = clock.now()
+            kept = draft.reroot(control[3:3 + int(control[1])].copy(), share)
+            rec.record(KIND["reroot"], request, seq, tr, clock.now(), 0, kept)
+            owe_tree = True
+        elif action == ACT_SEND:
+            ts = clock.now()
+            tokens, parents = draft.best_subtree(m)
+            if leader:
+                topo.inter.Send(chan.pack_tree(request, seq, draft.tree.root_pos, tokens, parents),
+                                dest=0, tag=TAG_TREE)
+            rec.record(KIND["send"], request, seq, ts, clock.now(), len(tokens))
+            owe_tree = False
+            seq += 1
+        else:
+            if not leader:
+                leaves = draft.select()
+            te, ce = clock.now(), comm_seconds(ctx.draft)
+            draft.expand(leaves, share)
+            rec.record(KIND["expand"], request, n_expand, te, clock.now(), len(leaves), 0,
+                       comm_seconds(ctx.draft) - ce)
+            n_expand += 1
+
+
+def exchange_profile(ctx: EngineContext, mine: dict[int, float], sizes) -> dict[int, float]:
+    """Leaders swap their groups' step-time tables {n: seconds} (both sides know `sizes`, the
+    keys of the other's table, from the config); the result is broadcast in each group."""
+    keys = sorted(mine)
+    buf = np.array([mine[k] for k in keys] + [0.0] * (32 - len(keys)), dtype=np.float64)
+    other = np.zeros(32, dtype=np.float64)
+    if ctx.topo.is_leader:
+        ctx.topo.inter.Sendrecv(buf, dest=0, sendtag=5, recvbuf=other, source=0, recvtag=5)
+    ctx.bcast(other)
+    theirs = sorted(set(sizes))
+    return {k: float(other[i]) for i, k in enumerate(theirs)}
+
+
+__all__ = ["verify_loop", "draft_loop", "exchange_profile", "MPI"]

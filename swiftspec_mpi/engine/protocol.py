@@ -1,0 +1,163 @@
+"""Messages between ranks and waiting with a deadline.
+
+Leader to leader (inter-communicator, async mode), fixed-size int64 buffers allocated once:
+  TREE   draft -> verify : [TREE, request, seq, n, root_pos, tokens[m], parents[m]]  (n <= m)
+  RESULT verify -> draft : [RESULT, request, seq, a, done, accepted[bs]]
+Leader to its group (intra-communicator Bcast, when the group has > 1 rank): the same buffers,
+so group members mirror every decision of their leader and their state stays identical.
+
+Every blocking wait polls: a peer that dies or hangs is reported after `timeout` seconds by rank
+and role, an abort notice from any rank (TAG_ABORT to world rank 0) is picked up, and SIGTERM
+(the `stop_flag`) ends the wait at once.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from swiftspec_mpi.core.errors import PeerError
+
+MSG_TREE, MSG_RESULT, MSG_STOP = 1, 2, 3   # MSG_STOP: a group leader's "we stop here" to its group
+TAG_TREE, TAG_RESULT, TAG_ABORT = 11, 12, 99
+HEADER = 5
+
+
+class Interrupted(Exception):
+    """SIGTERM/SIGINT arrived: finish up, write what was generated, exit non-zero."""
+
+
+class StopFlag:
+    """Set by the signal handler; checked at step boundaries and inside waits."""
+
+    def __init__(self):
+        self.signum = 0
+
+    def set(self, signum, _frame=None):
+        self.signum = signum
+
+    def __bool__(self):
+        return self.signum != 0
+
+
+class RemoteFailure(PeerError):
+    """Another rank failed and told world rank 0 (abort notice); `str()` names it by rank and role."""
+
+    def __init__(self, rank: int, role: str, message: str):
+        super().__init__(f"rank {rank} ({role}) failed: {message}")
+        self.rank, self.role, self.message = rank, role, message
+
+
+class AbortWatch:
+    """World rank 0 listens for abort notices from other ranks while it waits."""
+
+    def __init__(self, world: MPI.Intracomm):
+        self.world = world
+        self.status = MPI.Status()
+
+    def check(self) -> None:
+        if self.world.Get_rank() != 0:
+            return
+        if self.world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_ABORT, status=self.status):
+            src = self.status.Get_source()
+            msg = self.world.recv(source=src, tag=TAG_ABORT)
+            role, sep, rest = str(msg).partition(": ")   # the notice is "ROLE: MESSAGE"
+            if not sep:
+                role, rest = "?", str(msg)
+            raise RemoteFailure(src, role, rest)
+
+
+def wait_for(req: MPI.Request, timeout: float, what: str, stop_flag: StopFlag,
+             watch: AbortWatch | None = None, collective: bool = False) -> None:
+    """Complete `req` or raise: PeerError after `timeout` s, Interrupted on SIGTERM.
+
+    Spins briefly (sub-millisecond latency for the per-step exchange), then sleeps 50 us per poll
+    so a waiting rank does not steal a core from a busy one. `collective`: `req` is a
+    nonblocking collective (Ibarrier...), which MPI cannot cancel: it is left pending (the
+    caller is about to end the job)."""
+    start = time.perf_counter()
+    spins = 0
+    while not req.Test():
+        spins += 1
+        if spins > 2000:
+            time.sleep(5e-5)
+        if spins % 256 == 0:
+            if stop_flag:
+                if not collective:
+                    req.Cancel()
+                    req.Wait()
+                raise Interrupted()
+            if watch is not None:
+                watch.check()
+            if time.perf_counter() - start > timeout:
+                if not collective:
+                    req.Cancel()
+                raise PeerError(f"no {what} within {timeout:g} s (--peer-timeout): that rank died "
+                                "or hangs (if it is only slow, raise --peer-timeout)")
+
+
+class LeaderChannel:
+    """Fixed message buffers of one leader. A tree message holds up to `send_size` nodes in
+    best-first order (parents before children); n = 0 marks the draft's end-of-request
+    acknowledgement, after which no more trees of that request are in flight."""
+
+    def __init__(self, verify_size: int, send_size: int | None = None):
+        self.bs = verify_size
+        self.m = max(verify_size, send_size or verify_size)
+        self.tree = np.zeros(HEADER + 2 * self.m, dtype=np.int64)
+        self.result = np.zeros(HEADER + verify_size, dtype=np.int64)
+
+    # -- packing -------------------------------------------------------------------------------
+    def pack_tree(self, request: int, seq: int, root_pos: int, tokens: np.ndarray,
+                  parents: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Into `out` (shaped like self.tree) or self.tree."""
+        n = len(tokens)
+        b = self.tree if out is None else out
+        b[:HEADER] = (MSG_TREE, request, seq, n, root_pos)
+        b[HEADER:HEADER + n] = tokens
+        b[HEADER + self.m:HEADER + self.m + n] = parents
+        return b
+
+    def unpack_tree(self, buf: np.ndarray | None = None) -> tuple[int, int, int, np.ndarray, np.ndarray]:
+        """-> (request, seq, root_pos, tokens int64[n], parents int32[n]) from `buf` or self.tree."""
+        b = self.tree if buf is None else buf
+        if b[0] != MSG_TREE:
+            raise PeerError(f"protocol error: expected a tree message, got kind {b[0]}")
+        n = int(b[3])
+        return int(b[1]), int(b[2]), int(b[4]), b[HEADER:HEADER + n].copy(), \
+            b[HEADER + self.m:HEADER + self.m + n].astype(np.int32)
+
+    def pack_result(self, request: int, seq: int, accepted: np.ndarray, done: bool) -> np.ndarray:
+        a = len(accepted)
+        b = self.result
+        b[:HEADER] = (MSG_RESULT, request, seq, a, int(done))
+        b[HEADER:HEADER + a] = accepted
+        return b
+
+    def unpack_result(self) -> tuple[int, int, np.ndarray, bool]:
+        b = self.result
+        if b[0] != MSG_RESULT:
+            raise PeerError(f"protocol error: expected a result message, got kind {b[0]}")
+        a = int(b[3])
+        return int(b[1]), int(b[2]), b[HEADER:HEADER + a].copy(), bool(b[4])
+
+
+def notify_rank0_and_abort(world: MPI.Intracomm, message: str, code: int, grace_s: float = 5.0,
+                           fallback_line: str | None = None) -> None:
+    """A failing rank other than 0 tells rank 0 (which prints the error once, writes the partial
+    output and aborts the job), waits a little for that, then aborts the job itself. When rank 0
+    did not end the job within the grace period (it is stuck in a collective, or dead), this rank
+    prints `fallback_line` itself, so the error is never lost."""
+    import sys
+    try:
+        req = world.isend(message, dest=0, tag=TAG_ABORT)
+        deadline = time.perf_counter() + grace_s
+        while time.perf_counter() < deadline:
+            if req.Test():
+                pass
+            time.sleep(0.01)
+        if fallback_line:
+            print(fallback_line, file=sys.stderr, flush=True)
+    finally:
+        world.Abort(code)

@@ -1,0 +1,1 @@
+"""The GPU path: kernel launch layer and wrappers, fused ops, CUDA graphs, NCCL."""

@@ -1,0 +1,1 @@
+"""The models: transformer, model config, tokenizer, checkpoint loaders, CPU linear layers."""

@@ -1,0 +1,137 @@
+"""Random weights at real model shapes (`--load-format dummy`, like vLLM's): for timing the
+step of models whose real weights cannot reach the machine. Tokens/s measured with dummy
+weights is step time only: acceptance of random models means nothing.
+
+`--target` / `--draft` then name a shape below (or a checkpoint whose config.json gives the
+shape). The weights are generated directly on the model's device, shard by shard, through the
+same `Transformer.load_weights` path as real checkpoints.
+"""
+from __future__ import annotations
+
+import hashlib
+
+from swiftspec_mpi.core.errors import UserError
+from swiftspec_mpi.model.config import ModelConfig
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _llama(vocab, hidden, inter, layers, heads, kv, rope_theta=500000.0, tie=False, scaling=None):
+    return ModelConfig(arch="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                       num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=hidden // heads,
+                       rms_norm_eps=1e-5, rope_theta=rope_theta, rope_scaling=scaling,
+                       tie_word_embeddings=tie, attention_bias=False, max_position_embeddings=131072,
+                       bos_token_id=None, eos_token_ids=(0,))
+
+
+def _qwen(vocab, hidden, inter, layers, heads, kv, tie):
+    return ModelConfig(arch="qwen2", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                       num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=hidden // heads,
+                       rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
+                       tie_word_embeddings=tie, attention_bias=True, max_position_embeddings=32768,
+                       bos_token_id=None, eos_token_ids=(0,))
+
+
+SHAPES = {
+    "llama-3-8b": _llama(128256, 4096, 14336, 32, 32, 8),
+    "llama-3-70b": _llama(128256, 8192, 28672, 80, 64, 8),
+    "llama-3.2-1b": _llama(128256, 2048, 8192, 16, 32, 8, tie=True, scaling={**_LLAMA3_ROPE, "factor": 32.0}),
+    "llama-3.2-3b": _llama(128256, 3072, 8192, 28, 24, 8, tie=True, scaling={**_LLAMA3_ROPE, "factor": 32.0}),
+    "qwen2.5-0.5b": _qwen(151936, 896, 4864, 24, 14, 2, True),
+    "qwen2.5-1.5b": _qwen(151936, 1536, 8960, 28, 12, 2, True),
+    "qwen2.5-7b": _qwen(152064, 3584, 18944, 28, 28, 4, False),
+}
+
+
+def shape_config(spec: str) -> ModelConfig:
+    """A named shape, or the config.json/GGUF metadata of a checkpoint path."""
+    if spec in SHAPES:
+        return SHAPES[spec]
+    from swiftspec_mpi.model import load as checkpoint
+    try:
+        return checkpoint.read_model_config(spec)
+    except UserError:
+        raise UserError(f"--load-format dummy: '{spec}' is neither a known shape "
+                        f"({', '.join(SHAPES)}) nor a checkpoint path") from None
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> full shape, for every tensor a checkpoint of this config holds."""
+    H, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, H)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                       p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                       p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+                       p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+                       p + "mlp.down_proj.weight": (H, I)})
+        if cfg.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    return shapes
+
+
+class RandomSource:
+    """TensorSource of random weights: N(0, 0.02) matrices, ones for norms, small biases.
+    Deterministic per (seed, name, slice), generated on `device` in `dtype`."""
+
+    def __init__(self, cfg: ModelConfig, device="cpu", dtype=None, seed: int = 0):
+        import torch
+        self.config = cfg
+        self.shapes = hf_shapes(cfg)
+        self.device = torch.device(device)
+        self.dtype = dtype or torch.float32
+        self.seed = seed
+
+    def names(self) -> list[str]:
+        return list(self.shapes)
+
+    def get(self, name: str, dim=None, start: int = 0, stop=None):
+        import torch
+        shape = list(self.shapes[name])
+        if dim is not None:
+            shape[dim] = (shape[dim] if stop is None else stop) - start
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, dtype=self.dtype, device=self.device)
+        digest = hashlib.sha256(f"{self.seed}:{name}:{dim}:{start}".encode()).digest()
+        gen = torch.Generator(device=self.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        std = 0.01 if name.endswith(".bias") else 0.02
+        return torch.randn(shape, generator=gen, dtype=self.dtype, device=self.device).mul_(std)
+
+    def close(self) -> None:
+        pass
+
+
+def dummy_model(spec: str, comm, max_slots: int, dtype, device, num_layers=None):
+    """-> (Transformer with random weights at the shape of `spec`, tokenizer of `spec` if it is a
+    checkpoint, else the bundled tiny tokenizer: prompts then map to ids < 4k, valid for any
+    vocabulary)."""
+    from swiftspec_mpi.model.transformer import Transformer
+    cfg = shape_config(spec)
+    if num_layers is not None:
+        cfg = cfg.with_layers(num_layers)
+    model = Transformer(cfg, comm=comm, max_slots=max_slots, dtype=dtype, device=device)
+    model.load_weights(RandomSource(cfg, device=device, dtype=dtype))
+    return model, dummy_tokenizer(spec)
+
+
+def dummy_tokenizer(spec: str):
+    if spec not in SHAPES:
+        from swiftspec_mpi.model import load as checkpoint
+        try:
+            return checkpoint.load_tokenizer(spec)
+        except UserError:
+            pass
+    import os
+
+    from tokenizers import Tokenizer
+
+    from swiftspec_mpi.model.tokenizer import TextTokenizer
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "tiny_tokenizer.json")
+    tok = Tokenizer.from_file(path)
+    return TextTokenizer(tok, (tok.token_to_id("<|endoftext|>"),))

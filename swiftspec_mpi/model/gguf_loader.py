@@ -1,0 +1,670 @@
+"""`GGUFSource`: the TensorSource of a llama.cpp GGUF file, and the tokenizer the file embeds.
+
+    GGUFSource(path, dtype=None)  config: ModelConfig (from the GGUF metadata); names() -> HF
+                              names; get(name, dim=None, start=0, stop=None) -> float32 (or
+                              `dtype`) tensor or slice; get_into(dst, name, dim, start, stop)
+                              (dequantize straight into dst); shape(name); close()
+    tokenizer_from_gguf(path) -> TextTokenizer (byte-level BPE rebuilt from tokenizer.ggml.*)
+    gguf_tokenizer_files(path) -> (tokenizer.json text, tokenizer_config dict, generation_config
+                              dict) for writing a Hugging Face folder (registry.prepare_folder)
+
+Names. llama.cpp -> HF: token_embd -> model.embed_tokens, output_norm -> model.norm,
+output -> lm_head, blk.N.attn_{q,k,v} -> model.layers.N.self_attn.{q,k,v}_proj,
+attn_output -> o_proj, ffn_{gate,up,down} -> mlp.{gate,up,down}_proj, attn_norm ->
+input_layernorm, ffn_norm -> post_attention_layernorm. No output.weight means a tied head.
+
+Layout. GGUF lists dims fastest-first, so a [out, in] torch weight is stored as ne = (in, out):
+one quantized row per output feature, whole blocks per row. For `llama`-arch files llama.cpp's
+converter permuted the rows of Q and K inside each head (HF's rotate-half layout [2, hd/2] ->
+interleaved [hd/2, 2]); `get` undoes it (as transformers' GGUF loader does). `qwen2` files are
+not permuted.
+
+Memory. Tensor bytes are read with plain file reads (never through a memory map, so nothing
+file-backed stays in RSS), only the rows a slice needs are read, and they are dequantized
+(gguf.quants, numpy float32) 16 MiB at a time straight into the output tensor; freed heap goes
+back to the OS after each tensor (malloc_trim). Peak extra memory while loading: one tensor
+(slice) in float32 for `get`, in `dtype` with the dtype hint, nothing but a chunk for
+`get_into` (see benchmarks/bench_model_cpu.py --load-rss).
+
+The header (metadata + tensor table) is read by a small struct/numpy parser of the GGUF spec
+(gguf.GGUFReader needs 15-60 s for a 150k-token vocabulary on a 2-core CPU, this well under a
+second; tests cross-check the two). gguf supplies the type tables and the dequantization. The
+parse is cached for the most recent file, so GGUFSource and tokenizer_from_gguf share it.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from swiftspec_mpi.core.errors import CheckpointError
+
+_FIX = "re-download it (`swiftspec models prepare`) or re-convert the model"
+
+# ggml types we dequantize (all through gguf.quants); anything else is refused by name
+_SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_CHUNK_FLOATS = 4 << 20          # dequantize about this many float32 values at a time (16 MiB)
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
+_BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+# llama.cpp's end-of-generation token texts (llama-vocab.cpp): also stop on these
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+              "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>",
+              "<end_of_utterance>")
+_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF tensor name for a llama.cpp tensor name (None when there is none)."""
+    m = _BLK.match(gguf_name)
+    if m:
+        part = _LAYER_NAMES.get(m.group(2))
+        return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
+    base, _, kind = gguf_name.rpartition(".")
+    part = _GLOBAL_NAMES.get(base)
+    return None if part is None else f"{part}.{kind}"
+
+
+# ------------------------------------------------------------------------------ header parsing
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    gguf_name: str
+    qtype: object            # gguf.GGMLQuantizationType
+    shape: tuple             # torch order, e.g. (out, in)
+    offset: int              # absolute byte offset of the data in the file
+    nbytes: int
+    row_bytes: int           # bytes of one row along the last (fastest) dim
+
+
+@dataclass(frozen=True)
+class _Header:
+    path: str
+    meta: dict               # key -> python value (lists for arrays)
+    tensors: dict            # gguf name -> _TensorInfo
+    file_size: int
+
+
+_HEADER_CACHE: dict = {}
+
+# GGUF metadata value types -> (struct code, numpy dtype); 8 = string, 9 = array
+_SCALAR = {0: ("<B", "<u1"), 1: ("<b", "<i1"), 2: ("<H", "<u2"), 3: ("<h", "<i2"),
+           4: ("<I", "<u4"), 5: ("<i", "<i4"), 6: ("<f", "<f4"), 7: ("<?", "?"),
+           10: ("<Q", "<u8"), 11: ("<q", "<i8"), 12: ("<d", "<f8")}
+
+
+class _Truncated(Exception):
+    pass
+
+
+class _Cursor:
+    """Little-endian reads from a buffer (an mmap of the file); every read is bounds-checked."""
+
+    def __init__(self, buf, pos: int = 0):
+        self.buf, self.pos, self.end = buf, pos, len(buf)
+
+    def take(self, n: int) -> int:
+        p = self.pos
+        if n < 0 or p + n > self.end:
+            raise _Truncated(f"needs byte {p + n}, file has {self.end}")
+        self.pos = p + n
+        return p
+
+    def scalar(self, code: str):
+        return struct.unpack_from(code, self.buf, self.take(struct.calcsize(code)))[0]
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        p = self.take(n)
+        return bytes(self.buf[p:p + n]).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int):
+        if vtype in _SCALAR:
+            return self.scalar(_SCALAR[vtype][0])
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            itype, count = self.scalar("<I"), self.scalar("<Q")
+            if itype in _SCALAR:                       # numeric array: one numpy read
+                dt = np.dtype(_SCALAR[itype][1])
+                p = self.take(count * dt.itemsize)
+                return np.frombuffer(self.buf, dt, count, p).tolist()
+            if count > self.end - self.pos:            # every item takes at least one byte
+                raise _Truncated(f"array of {count} items cannot fit")
+            return [self.value(itype) for _ in range(count)]
+        raise ValueError(f"unknown metadata value type {vtype}")
+
+
+def _parse(buf, path: str):
+    """(metadata dict, tensor table) of a GGUF v2/v3 file held in `buf` (spec:
+    github.com/ggml-org/ggml/blob/master/docs/gguf.md). A direct struct/numpy reader: gguf's
+    GGUFReader makes numpy views per string and needs ~15-60 s for a 150k-token vocabulary on a
+    small CPU, this needs well under a second."""
+    import gguf
+
+    c = _Cursor(buf)
+    if c.scalar("<I") != gguf.GGUF_MAGIC:
+        raise ValueError("no GGUF magic at the start (not a GGUF file)")
+    version = c.scalar("<I")
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} (big-endian or too old/new; 2 and 3 are read)")
+    n_tensors, n_kv = c.scalar("<Q"), c.scalar("<Q")
+    meta = {}
+    for _ in range(n_kv):
+        key = c.string()
+        meta[key] = c.value(c.scalar("<I"))
+    table = []
+    for _ in range(n_tensors):
+        name = c.string()
+        n_dims = c.scalar("<I")
+        if n_dims > 4:
+            raise ValueError(f"tensor {name!r} has {n_dims} dims")
+        dims = [c.scalar("<Q") for _ in range(n_dims)]
+        table.append((name, dims, c.scalar("<I"), c.scalar("<Q")))
+    align = int(meta.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT))
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"general.alignment={align} is not a power of two")
+    data_start = (c.pos + align - 1) // align * align
+    return meta, table, data_start
+
+
+def _read_header(path: str) -> _Header:
+    """Parse metadata + tensor table (cached for the most recent file), with extent checks."""
+    import gguf
+
+    path = os.fspath(path)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; give an existing .gguf file") from None
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    hit = _HEADER_CACHE.get(key)
+    if hit is not None:
+        return hit
+    if st.st_size < 24:
+        raise CheckpointError(f"{path}: {st.st_size} bytes is too short for a GGUF file; {_FIX}")
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            meta, table, data_start = _parse(mm, path)
+        tensors = {}
+        for name, dims, raw_type, offset in table:
+            try:
+                qtype = gguf.GGMLQuantizationType(raw_type)
+            except ValueError:
+                raise ValueError(f"tensor {name!r} has unknown ggml type id {raw_type}") from None
+            block, tsize = gguf.GGML_QUANT_SIZES[qtype]
+            shape = tuple(int(d) for d in reversed(dims))
+            n = 1
+            for d in shape:
+                n *= d
+            if shape and shape[-1] % block:
+                raise ValueError(f"tensor {name!r} rows of {shape[-1]} are not whole "
+                                 f"{qtype.name} blocks of {block}")
+            row_bytes = shape[-1] // block * tsize if shape else tsize
+            tensors[name] = _TensorInfo(name, qtype, shape, data_start + int(offset),
+                                        n // block * tsize, int(row_bytes))
+    except (_Truncated, struct.error) as exc:
+        raise CheckpointError(f"{path}: truncated GGUF file (header: {exc}); {_FIX}") from None
+    except (ValueError, UnicodeDecodeError, OverflowError) as exc:
+        raise CheckpointError(f"{path}: corrupt GGUF file ({exc}); {_FIX}") from None
+    for info in tensors.values():
+        if info.offset + info.nbytes > st.st_size:
+            raise CheckpointError(f"{path}: truncated GGUF file: tensor {info.gguf_name!r} ends at "
+                                  f"byte {info.offset + info.nbytes} but the file has "
+                                  f"{st.st_size}; {_FIX}")
+    header = _Header(path, meta, tensors, st.st_size)
+    _HEADER_CACHE.clear()
+    _HEADER_CACHE[key] = header
+    return header
+
+
+# ------------------------------------------------------------------------------ config
+
+def _eos_ids(meta: dict) -> tuple[int, ...]:
+    """EOS first, then the other end-of-generation tokens llama.cpp stops on."""
+    ids: list[int] = []
+    for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+              "tokenizer.ggml.eom_token_id"):
+        v = meta.get(k)
+        if v is not None and int(v) not in ids:
+            ids.append(int(v))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    types = meta.get("tokenizer.ggml.token_type") or []
+    for i, (text, ttype) in enumerate(zip(tokens, types)):
+        if ttype == _TOKEN_CONTROL and text in _EOG_TEXTS and i not in ids:
+            ids.append(i)
+    return tuple(ids)
+
+
+def _rope_scaling(meta: dict, arch: str) -> dict | None:
+    def get(k, default=None):
+        return meta.get(f"{arch}.{k}", default)
+
+    rtype = get("rope.scaling.type")
+    factor = get("rope.scaling.factor")
+    if rtype is None and get("rope.scale_linear") is not None:     # older files
+        rtype, factor = "linear", get("rope.scale_linear")
+    if rtype in (None, "none") or (rtype == "linear" and (factor is None or factor == 1.0)):
+        return None
+    if rtype not in ("linear", "yarn"):
+        raise CheckpointError(f"GGUF rope scaling type {rtype!r} is not supported (linear, yarn "
+                              "are); use the model's Hugging Face folder instead")
+    rs = {"rope_type": rtype, "factor": float(factor)}
+    if rtype == "yarn":
+        orig = get("rope.scaling.original_context_length")
+        if orig is not None:
+            rs["original_max_position_embeddings"] = int(orig)
+        for gk, hk in (("rope.scaling.attn_factor", "attention_factor"),
+                       ("rope.scaling.yarn_beta_fast", "beta_fast"),
+                       ("rope.scaling.yarn_beta_slow", "beta_slow")):
+            if get(gk) is not None:
+                rs[hk] = float(get(gk))
+    return rs
+
+
+def _f32(v) -> float:
+    """A float32 metadata value as the shortest decimal that round-trips (1e-05, not
+    9.999999747378752e-06), as it was written in the original config.json."""
+    return float(str(np.float32(v)))
+
+
+def config_from_header(h: _Header):
+    """ModelConfig from GGUF metadata (`<arch>.*` keys) and the tensor table."""
+    from swiftspec_mpi.model.config import ModelConfig, normalize_arch
+
+    meta = h.meta
+    arch = meta.get("general.architecture")
+    if arch is None:
+        raise CheckpointError(f"{h.path}: GGUF has no general.architecture; {_FIX}")
+    normalize_arch(str(arch))                       # refuses unsupported archs by name
+
+    def need(k):
+        v = meta.get(f"{arch}.{k}")
+        if v is None:
+            raise CheckpointError(f"{h.path}: GGUF metadata lacks {arch}.{k}; {_FIX}")
+        return v
+
+    emb = h.tensors.get("token_embd.weight")
+    if emb is None:
+        raise CheckpointError(f"{h.path}: GGUF has no token_embd.weight tensor; {_FIX}")
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    kv = int(meta.get(f"{arch}.attention.head_count_kv") or heads)
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+    if "rope_freqs.weight" in h.tensors:
+        raise CheckpointError(f"{h.path}: Llama-3.1-style rope_freqs tensors are not supported "
+                              "from GGUF; use the model's Hugging Face folder instead")
+    return ModelConfig(
+        arch=str(arch), vocab_size=int(emb.shape[0]), hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")), num_layers=int(need("block_count")),
+        num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+        rms_norm_eps=_f32(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(meta, arch),
+        tie_word_embeddings="output.weight" not in h.tensors,
+        attention_bias="blk.0.attn_q.bias" in h.tensors,
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 4096)),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_ids(meta))
+
+
+# ------------------------------------------------------------------------------ tensors
+
+def _trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc malloc_trim). gguf.quants dequantizes through
+    many mid-sized numpy temporaries that glibc otherwise keeps: measured on the Qwen2.5 1.5B
+    GGUF loaded into bf16, ~0.8 GiB of retained heap and a peak RSS 1.53x the weights without
+    this, 1.29x with it."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):       # not glibc (macOS, musl): nothing to do
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
+
+
+def _unpermute_rows(rows: np.ndarray, n_head: int, n_rows: int) -> np.ndarray:
+    """GGUF row index holding each HF row of a llama.cpp-permuted Q/K weight.
+
+    HF row r = h*hd + i*(hd/2) + j (i in {0,1}) is stored at GGUF row h*hd + 2*j + i."""
+    hd = n_rows // n_head
+    half = hd // 2
+    head, within = np.divmod(rows, hd)
+    i, j = np.divmod(within, half)
+    return head * hd + 2 * j + i
+
+
+class GGUFSource:
+    """HF-named tensors of a GGUF file; see the module doc for the protocol and memory use."""
+
+    def __init__(self, path, dtype=None):
+        """`dtype`: torch dtype of the tensors `get` returns (default float32). A loader that
+        knows the model's dtype passes it, so no float32 copy of a large tensor is ever held."""
+        self.path = os.fspath(path)
+        self.dtype = dtype
+        self._header = h = _read_header(self.path)
+        try:
+            self.config = config_from_header(h)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - corrupt values: head_count 0, a string count...
+            raise CheckpointError(f"{self.path}: corrupt GGUF metadata ({type(exc).__name__}: "
+                                  f"{exc}); {_FIX}") from None
+        import gguf
+
+        self._names: dict[str, _TensorInfo] = {}
+        unknown = []
+        for gname, info in h.tensors.items():
+            name = hf_name(gname)
+            if name is None:
+                unknown.append(gname)
+                continue
+            if info.qtype.name not in _SUPPORTED_QTYPES:
+                raise CheckpointError(f"{self.path}: tensor {gname!r} has ggml type "
+                                      f"{info.qtype.name}, which is not supported (supported: "
+                                      f"{', '.join(_SUPPORTED_QTYPES)}); re-quantize the model, "
+                                      "e.g. to Q4_K_M or Q8_0")
+            self._names[name] = info
+        if unknown:
+            raise CheckpointError(f"{self.path}: unexpected tensor(s) {', '.join(unknown[:4])} for "
+                                  f"a {self.config.arch} model; this GGUF is not a plain "
+                                  "Llama/Qwen2 decoder")
+        # llama.cpp permuted Q/K rows of llama-arch files: name -> number of heads in it
+        self._permuted: dict[str, int] = {}
+        if self.config.arch == "llama":
+            for i in range(self.config.num_layers):
+                for proj, n in (("q_proj", self.config.num_heads),
+                                ("k_proj", self.config.num_kv_heads)):
+                    for kind in ("weight", "bias"):
+                        self._permuted[f"model.layers.{i}.self_attn.{proj}.{kind}"] = n
+        self._dequantize = gguf.quants.dequantize
+        self._file = open(self.path, "rb")
+
+    # ------------------------------------------------------------------ protocol
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._info(name).shape
+
+    def ggml_type(self, name: str) -> str:
+        return self._info(name).qtype.name
+
+    def _info(self, name: str) -> _TensorInfo:
+        try:
+            return self._names[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: has no tensor {name!r} (GGUF lacks its llama.cpp "
+                                  f"counterpart); {_FIX}") from None
+
+    def _read(self, offset: int, nbytes: int) -> np.ndarray:
+        buf = np.empty(nbytes, dtype=np.uint8)
+        if self._file is None:
+            raise ValueError(f"{self.path}: GGUFSource is closed")
+        self._file.seek(offset)
+        got = self._file.readinto(memoryview(buf))
+        if got != nbytes:
+            raise CheckpointError(f"{self.path}: truncated GGUF file (short read at byte "
+                                  f"{offset}); {_FIX}")
+        return buf
+
+    def get(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None):
+        """Tensor `name` (float32 or self.dtype), or its slice [start:stop) along `dim` (fresh).
+
+        Only the rows the slice needs are read and dequantized (dim 0 of a 2-D weight is its
+        output features = GGUF rows)."""
+        import torch
+
+        shape, _, _ = self._plan(name, dim, start, stop)
+        out = torch.empty(shape, dtype=self.dtype or torch.float32)
+        self.get_into(out, name, dim, start, stop)
+        return out
+
+    def get_into(self, dst, name: str, dim: int | None = None, start: int = 0,
+                 stop: int | None = None) -> None:
+        """Like `get`, but dequantize straight into `dst` (any dtype, any strides, the slice's
+        shape), a few MiB at a time: loading then needs no full-size temporary at all."""
+        import torch
+
+        info = self._info(name)
+        shape, rows, cols = self._plan(name, dim, start, stop)
+        if tuple(dst.shape) != shape:
+            raise CheckpointError(f"{self.path}: tensor {name!r} slice has shape {list(shape)}, "
+                                  f"the destination {list(dst.shape)}; the checkpoint and its "
+                                  "config disagree")
+        if len(info.shape) == 1:                   # norms, biases: small, read whole
+            flat = self._dequantize(self._read(info.offset, info.nbytes), info.qtype)
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(flat.reshape(-1)[rows], np.float32)))
+            return
+        if dst.numel() == 0:
+            return
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        raw = self._read(info.offset + lo * info.row_bytes, (hi - lo) * info.row_bytes)
+        raw = raw.reshape(hi - lo, info.row_bytes)
+        local = rows - lo
+        contiguous = name not in self._permuted                # rows == arange(lo, hi)
+        step = max(1, _CHUNK_FLOATS // info.shape[1])
+        for c0 in range(0, len(rows), step):
+            c1 = min(c0 + step, len(rows))
+            block = raw[c0:c1] if contiguous else raw[local[c0:c1]]
+            deq = self._dequantize(block, info.qtype)              # [c1-c0, n_cols] float32
+            dst[c0:c1].copy_(torch.from_numpy(np.ascontiguousarray(deq[:, cols])))
+            del block, deq
+        del raw
+        _trim_heap()
+
+    def _plan(self, name, dim, start, stop) -> tuple[tuple, np.ndarray, slice]:
+        """(slice shape, GGUF rows to read in output order, column slice)."""
+        info = self._info(name)
+        shape = info.shape
+        if len(shape) not in (1, 2):
+            raise CheckpointError(f"{self.path}: tensor {name!r} has {len(shape)} dims; only "
+                                  "1-D and 2-D tensors are expected")
+        if dim is not None:
+            if not 0 <= dim < len(shape):
+                raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(shape)}; "
+                                      f"no dim {dim}")
+            stop = shape[dim] if stop is None else stop
+            if not 0 <= start <= stop <= shape[dim]:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(shape)}; "
+                                      f"cannot take [{start}:{stop}) along dim {dim}")
+        rows = np.arange(start, stop) if dim == 0 else np.arange(shape[0])
+        cols = slice(start, stop) if dim == 1 else slice(None)
+        n_head = self._permuted.get(name)
+        if n_head is not None:
+            rows = _unpermute_rows(rows, n_head, shape[0])
+        out_shape = (len(rows),) if len(shape) == 1 else \
+            (len(rows), len(range(*cols.indices(shape[1]))))
+        return out_shape, rows, cols
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ------------------------------------------------------------------------------ tokenizer
+
+# llama.cpp pre-tokenizer names (tokenizer.ggml.pre) -> split regex, as in the HF tokenizers
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_QWEN2 = ("qwen2", "deepseek-r1-qwen")
+_PRE_LLAMA3 = ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe")
+_PRE_DIGITS = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")
+_PRE_GPT2 = ("default", "gpt2", "gpt-2")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def build_tokenizer(meta: dict, path: str = "<gguf>"):
+    """A `tokenizers.Tokenizer` equal to the model's fast tokenizer, from GGUF metadata.
+
+    Byte-level BPE (tokenizer.ggml.model == "gpt2"): vocab (tokens outside the byte alphabet
+    re-spelled in it), merges, control tokens as special added tokens, user-defined ones as plain
+    added tokens (both matched whole), the split regex named by tokenizer.ggml.pre, byte-level
+    decoder. Two deliberate differences from transformers' GGUF tokenizer, both following the
+    upstream tokenizer.json and llama.cpp: qwen2 gets the NFC normalizer, smollm/starcoder split
+    digits one by one.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise CheckpointError(f"{path}: GGUF tokenizer type {kind!r} is not supported (only "
+                              "byte-level BPE, 'gpt2', as Qwen/Llama-3/SmolLM use); use the "
+                              "model's Hugging Face folder with its tokenizer.json")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    merges = meta.get("tokenizer.ggml.merges")
+    if not tokens or merges is None:
+        raise CheckpointError(f"{path}: GGUF lacks tokenizer.ggml.tokens/merges; {_FIX}")
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    pre = meta.get("tokenizer.ggml.pre", "default")
+
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab[t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))] = i
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    try:   # corrupt tokens/merges: tokenizers raises a bare Exception ("out of vocabulary")
+        tok = Tokenizer(BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
+                            end_of_word_suffix="", fuse_unk=False))
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{path}: corrupt GGUF tokenizer ({str(exc)!r}); {_FIX}") from None
+    if pre in _PRE_QWEN2:
+        tok.normalizer = normalizers.NFC()
+        split = _QWEN2_SPLIT
+    elif pre in _PRE_LLAMA3:
+        split = _LLAMA3_SPLIT
+    elif pre in _PRE_DIGITS:
+        split = None
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    elif pre in _PRE_GPT2:
+        split = None
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        known = ", ".join(_PRE_QWEN2 + _PRE_LLAMA3 + _PRE_DIGITS + _PRE_GPT2)
+        raise CheckpointError(f"{path}: GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not "
+                              f"supported (known: {known}); use the model's Hugging Face folder "
+                              "with its tokenizer.json")
+    if split is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    # control tokens spelled outside the byte alphabet are llama.cpp mislabels: adding them would
+    # grow the vocabulary past the embedding, so skip them (as transformers does)
+    special = [AddedToken(t, normalized=False, special=True)
+               for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL and set(t) <= alphabet]
+    if special:
+        tok.add_special_tokens(special)
+    user = [AddedToken(t, normalized=False, special=False)
+            for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED and t in vocab]
+    if user:
+        tok.add_tokens(user)
+    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise CheckpointError(f"{path}: the GGUF tokenizer rebuilt to "
+                              f"{tok.get_vocab_size(with_added_tokens=True)} tokens, the file "
+                              f"lists {len(tokens)} (duplicate token strings?); {_FIX}")
+    return tok
+
+
+def _tokenizer_info(h: _Header) -> dict:
+    meta = h.meta
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+
+    def text(key):
+        i = meta.get(key)
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    eos = _eos_ids(meta)
+    if not eos:
+        raise CheckpointError(f"{h.path}: GGUF has no tokenizer.ggml.eos_token_id; {_FIX}")
+    return {
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_ids": eos,
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "bos_token": text("tokenizer.ggml.bos_token_id"),
+        "eos_token": text("tokenizer.ggml.eos_token_id"),
+        "pad_token": text("tokenizer.ggml.padding_token_id"),
+        "unk_token": text("tokenizer.ggml.unknown_token_id"),
+        "add_bos": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "chat_template": meta.get("tokenizer.chat_template"),
+        "context_length": meta.get(f"{meta.get('general.architecture')}.context_length"),
+    }
+
+
+def tokenizer_from_gguf(path):
+    """The TextTokenizer embedded in a GGUF file."""
+    from swiftspec_mpi.model.tokenizer import TextTokenizer
+
+    h = _read_header(path)
+    info = _tokenizer_info(h)
+    tok = build_tokenizer(h.meta, h.path)
+    return TextTokenizer(tok, info["eos_token_ids"], info["bos_token_id"], info["chat_template"],
+                         info["add_bos"])
+
+
+def gguf_tokenizer_files(path) -> tuple[str, dict, dict]:
+    """(tokenizer.json text, tokenizer_config.json dict, generation_config.json dict) that make a
+    Hugging Face folder's tokenizer equal to the GGUF's."""
+    h = _read_header(path)
+    info = _tokenizer_info(h)
+    tok = build_tokenizer(h.meta, h.path)
+    eos = list(info["eos_token_ids"])
+    tok_cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": info["bos_token"], "eos_token": info["eos_token"],
+        "pad_token": info["pad_token"], "unk_token": info["unk_token"],
+        "add_bos_token": info["add_bos"], "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(info["context_length"] or 4096),
+    }
+    if info["chat_template"]:
+        tok_cfg["chat_template"] = info["chat_template"]
+    gen_cfg = {"bos_token_id": info["bos_token_id"],
+               "eos_token_id": eos if len(eos) > 1 else eos[0],
+               "pad_token_id": info["pad_token_id"]}
+    return tok.to_str(), tok_cfg, gen_cfg

@@ -1,0 +1,92 @@
+"""`load_model(path, ...)`: pick the loader for a checkpoint path (Hugging Face folder or *.gguf
+file), build the sharded `Transformer` and the `TextTokenizer`.
+
+    read_model_config(path) -> ModelConfig      cheap: reads config.json / GGUF metadata only
+    load_tokenizer(path)    -> TextTokenizer
+    load_model(path, comm=None, max_slots=4096, dtype=torch.float32, device="cpu",
+               num_layers=None) -> (Transformer, TextTokenizer)
+
+Every problem with the files raises CheckpointError naming the file and the fix.
+"""
+from __future__ import annotations
+
+import os
+
+from swiftspec_mpi.core.errors import CheckpointError
+from swiftspec_mpi.model.config import ModelConfig
+
+
+def _kind(path) -> str:
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return "hf"
+    if path.lower().endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path}: missing; give an existing .gguf file (or fetch the "
+                                  "model first with `swiftspec models`)")
+        return "gguf"
+    if os.path.isfile(path):
+        raise CheckpointError(f"{path}: not a model; give a Hugging Face folder (config.json + "
+                              "*.safetensors + tokenizer.json) or a .gguf file")
+    raise CheckpointError(f"{path}: no such file or folder; give a Hugging Face model folder or a "
+                          ".gguf file")
+
+
+def read_model_config(path) -> ModelConfig:
+    """The ModelConfig of a checkpoint without reading any weights."""
+    if _kind(path) == "gguf":
+        from swiftspec_mpi.model import gguf_loader
+        src = gguf_loader.GGUFSource(os.fspath(path))
+        try:
+            return src.config
+        finally:
+            src.close()
+    from swiftspec_mpi.model.hf_loader import read_config_json
+    return ModelConfig.from_hf_dict(read_config_json(os.fspath(path)))
+
+
+def load_tokenizer(path):
+    """The TextTokenizer of a checkpoint (HF folder's tokenizer files, or the GGUF's own)."""
+    if _kind(path) == "gguf":
+        from swiftspec_mpi.model import gguf_loader
+        return gguf_loader.tokenizer_from_gguf(os.fspath(path))
+    from swiftspec_mpi.model.tokenizer import TextTokenizer
+    return TextTokenizer.from_hf_folder(path)
+
+
+def open_source(path):
+    """The TensorSource of a checkpoint (SafetensorsSource or GGUFSource); caller closes it."""
+    if _kind(path) == "gguf":
+        from swiftspec_mpi.model import gguf_loader
+        return gguf_loader.GGUFSource(os.fspath(path))
+    from swiftspec_mpi.model.hf_loader import SafetensorsSource
+    return SafetensorsSource(path)
+
+
+def load_model(path, comm=None, max_slots: int = 4096, dtype=None, device="cpu",
+               num_layers: int | None = None):
+    """Build the Transformer for this rank (only its tensor-parallel shard is read) and the
+    tokenizer. `num_layers` truncates the model (self-speculation drafts). dtype defaults to
+    torch.float32."""
+    import torch
+
+    from swiftspec_mpi.model.transformer import Transformer
+    dtype = torch.float32 if dtype is None else dtype
+    tokenizer = load_tokenizer(path)
+    source = open_source(path)
+    try:
+        cfg = source.config
+        if num_layers is not None:
+            if not 1 <= num_layers <= cfg.num_layers:
+                raise CheckpointError(f"{path}: has {cfg.num_layers} layers; cannot keep "
+                                      f"{num_layers}")
+            cfg = cfg.with_layers(num_layers)
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise CheckpointError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but "
+                                  f"the model only {cfg.vocab_size} embeddings; the tokenizer "
+                                  "does not belong to this model")
+        model = Transformer(cfg, comm=comm, max_slots=max_slots, dtype=dtype, device=device)
+        model.load_weights(source)
+    finally:
+        source.close()
+    return model, tokenizer

@@ -1,0 +1,664 @@
+"""`Transformer`: one Llama-family decoder (Llama 3 and Qwen2/2.5, told apart by config flags)
+with tree attention over static KV slots and tensor parallelism inside its group.
+
+Tensor shapes (N new tokens, S = start + N visible slots, R logits rows, TP degree T):
+    tokens    LongTensor [N]            token ids
+    positions LongTensor [N]            RoPE position ids (P + depth for tree nodes)
+    mask      BoolTensor [N, S]         True = column slot visible to that row
+    logits    FloatTensor [R, vocab]    float32, full vocabulary, identical on every rank
+    KV        [n_layers, max_slots, n_kv_local, head_dim] (one K and one V buffer, static)
+    weights   weight_layout "packed" (CPU default where AVX2 runs: 16-column panels read by
+              csrc/gemm_avx2.h, see cpu_linear.py; stored in `dtype`, float32 or bfloat16, while
+              activations, KV and norms stay float32), "in_out" ([in, out], x @ W; the CPU fallback)
+              or "out_in" (GPU default: nn.Linear's [out, in], for cuBLAS and the CUDA kernels);
+              the math is the same, only the GEMV speed differs
+
+Tensor parallelism (comm.size = T > 1):
+    column-parallel: fused QKV (this rank's query heads and their KV heads) and fused gate|up;
+    row-parallel: O and down, each followed by ONE all_reduce_ of [N, hidden];
+    vocab-parallel head ([ceil(V/T), hidden] per rank, zero-padded) then one all_gather_lastdim;
+    the embedding is replicated (a tied head is a view of it: no extra memory).
+    Query heads are split evenly (T must divide num_heads). KV heads are split when T divides
+    them, and replicated when T > num_kv_heads (each rank keeps the KV heads its query heads
+    use). In the rare layouts where a rank's query heads do not map evenly onto its KV heads,
+    the rank keeps one KV head copy per query head (plain MHA locally), which stays exact.
+
+No per-step tensor growth: KV buffers and RoPE tables are allocated once; forward runs under
+torch.inference_mode with a handful of torch ops per layer.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from swiftspec_mpi.model import cpu_linear
+from swiftspec_mpi.core.comm import SingleComm
+from swiftspec_mpi.core.errors import CheckpointError, UserError
+from swiftspec_mpi.model.config import ModelConfig
+
+# (n_new * group) at or below which GQA is folded into the query-length dimension (no KV copy,
+# additive float mask shared by all layers); above it SDPA's own GQA path with the bool mask.
+_FOLD_MAX_ROWS = 256
+# elements per block when loading a large matrix (bounds the loader's temporaries to ~32 MiB)
+_FETCH_CHUNK = 8 << 20
+
+
+def chain_mask(start: int, n: int) -> torch.Tensor:
+    """BoolTensor [n, start+n]: the whole prefix [0, start) visible, causal over the n new."""
+    return torch.ones(n, start + n, dtype=torch.bool).tril_(diagonal=start)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] (float32) and the cos/sin scale, as transformers computes
+    them for rope types default, linear, llama3 and yarn."""
+    dim = cfg.head_dim
+    base = cfg.rope_theta
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = cfg.rope_scaling or {}
+    rtype = cfg.rope_type
+    scale = 1.0
+    if rtype == "linear":
+        inv = inv / float(rs["factor"])
+    elif rtype == "llama3":
+        factor = float(rs["factor"])
+        low = float(rs.get("low_freq_factor", 1.0))
+        high = float(rs.get("high_freq_factor", 4.0))
+        old_ctx = float(rs.get("original_max_position_embeddings", 8192))
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        inv_l = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+        medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
+        inv = torch.where(medium, smoothed, inv_l)
+    elif rtype == "yarn":
+        factor = rs.get("factor")
+        omax = float(rs.get("original_max_position_embeddings", cfg.max_position_embeddings))
+        if factor is None:
+            factor = cfg.max_position_embeddings / omax
+        factor = float(factor)
+        att = rs.get("attention_factor")
+        mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
+
+        def get_mscale(s, m=1.0):
+            return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+        if att is None:
+            att = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all)
+                   if mscale and mscale_all else get_mscale(factor))
+        scale = float(att)
+        beta_fast = rs.get("beta_fast") or 32
+        beta_slow = rs.get("beta_slow") or 1
+
+        def corr_dim(rot):
+            return (dim * math.log(omax / (rot * 2 * math.pi))) / (2 * math.log(base))
+        lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
+        if rs.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        if lo == hi:
+            hi += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
+        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+        extra = 1 - ramp
+        inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    return inv, scale
+
+
+class _Shard:
+    """Which part of each weight this rank holds (pure index arithmetic, no tensors)."""
+
+    def __init__(self, cfg: ModelConfig, rank: int, size: int):
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if nh % size:
+            raise UserError(f"tensor-parallel degree {size} does not divide the model's "
+                            f"{nh} attention heads; use a group size that divides {nh}")
+        self.nh_l = nh // size
+        q0 = rank * self.nh_l
+        self.q_rows = (q0 * hd, (q0 + self.nh_l) * hd)
+        group = nh // nkv
+        kv_of_q = [(q0 + j) // group for j in range(self.nh_l)]
+        distinct = sorted(set(kv_of_q))
+        per = self.nh_l // len(distinct)
+        if self.nh_l % len(distinct) == 0 and all(kv_of_q.count(h) == per for h in distinct):
+            self.kv_heads = distinct             # each local KV head serves `per` query heads
+            self.group = per
+        else:                                   # uneven: one KV copy per local query head
+            self.kv_heads = kv_of_q
+            self.group = 1
+        self.nkv_l = len(self.kv_heads)
+        inter = cfg.intermediate_size
+        chunk = -(-inter // size)
+        self.ff = (min(inter, rank * chunk), min(inter, (rank + 1) * chunk))
+        self.inter_l = self.ff[1] - self.ff[0]
+        V = cfg.vocab_size
+        self.v_chunk = -(-V // size)
+        self.vocab = (min(V, rank * self.v_chunk), min(V, (rank + 1) * self.v_chunk))
+
+    def kv_runs(self, hd: int) -> list[tuple[int, int]]:
+        """Row ranges of k_proj/v_proj for the local KV heads, contiguous runs merged."""
+        runs: list[list[int]] = []
+        for h in self.kv_heads:
+            if runs and runs[-1][1] == h * hd:
+                runs[-1][1] = (h + 1) * hd
+            else:
+                runs.append([h * hd, (h + 1) * hd])
+        return [tuple(r) for r in runs]
+
+
+class Transformer(torch.nn.Module):
+    """Llama/Qwen2 decoder over static KV slots; see the module doc for shapes and sharding.
+
+    Build, then `load_weights(source)`; `forward(tokens, positions, start, mask, logits_rows)`
+    writes the N new tokens' K/V into slots [start, start+N) and returns float32 logits.
+    `weight_layout` (keyword, optional): "packed" | "in_out" | "out_in", see the module doc.
+    `dtype` is the weights' dtype; with "packed" the activations, KV and norms are float32
+    (`self.dtype`), elsewhere everything is `dtype`. `self.weight_dtype` keeps the request.
+    """
+
+    def __init__(self, cfg: ModelConfig, comm=None, max_slots: int = 4096,
+                 dtype: torch.dtype = torch.float32, device="cpu", weight_layout: str | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.comm = SingleComm() if comm is None else comm
+        self.max_slots = int(max_slots)
+        self.device = torch.device(device)
+        cpu = self.device.type == "cpu"
+        # CPU: packed panels for our AVX2 kernel (a tree of 8 tokens costs ~2x one token, MKL's
+        # sgemm ~4x; bf16 weights halve the bytes). Fallback without AVX2: [in, out] for float32
+        # (MKL's M=1 GEMV is 15-30 % faster on x @ W than on nn.Linear's layout), [out, in] for
+        # bf16 (x @ W[in, out] is ~10x slower there). GPU: [out, in] (cuBLAS, CUDA kernels).
+        if weight_layout is None:
+            if cpu and cpu_linear.available() and dtype in (torch.float32, torch.bfloat16):
+                weight_layout = "packed"
+            else:
+                weight_layout = "in_out" if cpu and dtype == torch.float32 else "out_in"
+        if weight_layout not in ("packed", "in_out", "out_in"):
+            raise ValueError("weight_layout must be 'packed', 'in_out' or 'out_in', not "
+                             f"{weight_layout!r}")
+        if weight_layout == "packed" and not (cpu and cpu_linear.available()):
+            raise ValueError("weight_layout 'packed' needs the CPU and a CPU with AVX2 + FMA")
+        self.weight_layout = weight_layout
+        self.weight_dtype = dtype
+        self.packed = weight_layout == "packed"
+        self.dtype = torch.float32 if self.packed else dtype
+        self.transposed = weight_layout == "in_out"
+        self._linear = (cpu_linear.linear if self.packed else
+                        _linear_in_out if self.transposed else F.linear)
+        self.shard = sh = _Shard(cfg, self.comm.rank, self.comm.size)
+        hd = cfg.head_dim
+        self.n_kv_local = sh.nkv_l
+        self._half = hd // 2
+        kw = dict(dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            # static KV: [n_layers, max_slots, n_kv_local, head_dim]
+            self.k_cache = torch.zeros(cfg.num_layers, self.max_slots, sh.nkv_l, hd, **kw)
+            self.v_cache = torch.zeros(cfg.num_layers, self.max_slots, sh.nkv_l, hd, **kw)
+            self._k_layers = list(self.k_cache.unbind(0))  # views, made once
+            self._v_layers = list(self.v_cache.unbind(0))
+            # RoPE tables [rope_len, head_dim], rotate_half folded into a signed sin table:
+            # rot(x) = roll(x, half) * [-sin_lo, sin_hi]
+            inv, scale = rope_inv_freq(cfg)
+            self.rope_len = self.max_slots + 256
+            pos = torch.arange(self.rope_len, dtype=torch.int64).float()
+            freqs = pos[:, None] * inv[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos() * scale, emb.sin() * scale
+            sin[:, :self._half] = -sin[:, :self._half]
+            self.rope_cos = cos.to(**kw)
+            self.rope_sin = sin.to(**kw)
+        # per layer: (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, k_cache[l], v_cache[l]); the four
+        # matrices in `weight_layout` (wqkv rows/cols = this rank's q heads, then its K, then V)
+        self.layers: list[tuple] = []
+        self.embed = None   # [vocab, hidden] (a transposed view of a [hidden, vocab] store when
+        self.norm = None    # the head is tied on CPU; None when a tied packed head serves the
+        #                     lookup); head: [v_chunk, hidden], [hidden, v_chunk] or PackedWeight
+        self.head = None
+        self.loaded = False
+
+    # ------------------------------------------------------------------------------ loading
+    def load_weights(self, source) -> None:
+        """Read this rank's shard from a TensorSource (`get(name, dim, start, stop)`), one tensor
+        at a time, straight into the fused per-layer buffers. Shapes are checked against the
+        config; a mismatch raises CheckpointError naming the tensor."""
+        cfg, sh, hd, H = self.cfg, self.shard, self.cfg.head_dim, self.cfg.hidden_size
+        kw = dict(dtype=self.dtype, device=self.device)
+        src_cfg = getattr(source, "config", None)
+        if src_cfg is not None:
+            for field in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                          "intermediate_size"):
+                if getattr(src_cfg, field) != getattr(cfg, field):
+                    raise CheckpointError(f"checkpoint {field}={getattr(src_cfg, field)} differs "
+                                          f"from the model's {field}={getattr(cfg, field)}")
+            if src_cfg.num_layers < cfg.num_layers:
+                raise CheckpointError(f"checkpoint has {src_cfg.num_layers} layers, the model "
+                                      f"wants {cfg.num_layers}")
+
+        get_into = getattr(source, "get_into", None)   # GGUF: dequantized a few MiB at a time
+
+        def fetch(dst: torch.Tensor, name: str, dim=None, start=0, stop=None, expect=None):
+            if get_into is not None and expect is None:
+                get_into(dst, name, dim, start, stop)     # checks the shape itself
+                return
+            rows = dst.shape[0] if len(dst.shape) == 2 else 0
+            if expect is None and dim in (None, 0) and rows * dst.shape[-1] > _FETCH_CHUNK:
+                # big matrices (the embedding) in row blocks: no full-size temporaries
+                a0 = start if dim == 0 else 0
+                if (stop if dim == 0 and stop is not None else a0 + rows) != a0 + rows:
+                    raise CheckpointError(f"tensor {name!r}: slice [{start}:{stop}) does not "
+                                          f"give the {rows} rows the config implies")
+                step = max(1, _FETCH_CHUNK // dst.shape[-1])
+                for r in range(0, rows, step):
+                    fetch(dst[r:r + step], name, 0, a0 + r, a0 + min(r + step, rows))
+                return
+            t = source.get(name, dim, start, stop)
+            want = tuple(dst.shape) if expect is None else expect
+            if tuple(t.shape) != want:
+                raise CheckpointError(f"tensor {name!r}: shape {list(t.shape)} (slice "
+                                      f"[{start}:{stop}) along dim {dim}) but the config implies "
+                                      f"{list(want)}; the checkpoint and its config.json disagree")
+            dst.copy_(t.reshape(dst.shape))
+            del t
+
+        def mat(rows: int, cols: int):
+            """-> (stored tensor in weight_layout, its [rows, cols] = [out, in] view)."""
+            if self.packed:
+                pw = cpu_linear.PackedWeight(rows, cols, self.weight_dtype)
+                return pw, pw.rows()
+            if self.transposed:
+                store = torch.empty(cols, rows, **kw)
+                return store, store.t()
+            store = torch.empty(rows, cols, **kw)
+            return store, store
+
+        v0, v1 = sh.vocab
+        tied = cfg.tie_word_embeddings or "lm_head.weight" not in set(_names(source))
+        if tied and not cfg.tie_word_embeddings:
+            raise CheckpointError("the checkpoint has no 'lm_head.weight' but config says "
+                                  "tie_word_embeddings=false; the checkpoint is incomplete")
+        wkw = dict(dtype=self.weight_dtype, device=self.device)
+        packed_tied = self.packed and tied and v1 - v0 == cfg.vocab_size
+        with torch.no_grad():
+            if packed_tied:                # the packed head serves the lookup too (gather_rows)
+                self.head, head_rows = mat(cfg.vocab_size, H)
+                self.embed = None
+                fetch(head_rows, "model.embed_tokens.weight")
+            elif tied and self.transposed:   # one [hidden, vocab] store serves lookup and head
+                emb_store, self.embed = mat(cfg.vocab_size, H)
+            else:
+                self.embed = emb_store = torch.empty(cfg.vocab_size, H, **wkw)
+            if not packed_tied:
+                fetch(self.embed, "model.embed_tokens.weight")
+            layers = []
+            q_rows = sh.q_rows[1] - sh.q_rows[0]
+            kv_rows = sh.nkv_l * hd
+            runs = sh.kv_runs(hd)
+
+            def fetch_qkv(dst, prefix: str, what: str) -> None:
+                """dst [q_rows + 2 kv_rows, ...]: this rank's q rows, then its runs of the k and
+                v rows, from the checkpoint's q_proj / k_proj / v_proj `what` (weight or bias)."""
+                fetch(dst[:q_rows], prefix + f"self_attn.q_proj.{what}", 0, *sh.q_rows)
+                for j, proj in enumerate(("k_proj", "v_proj")):
+                    off = q_rows + j * kv_rows
+                    for a, b in runs:
+                        fetch(dst[off:off + b - a], prefix + f"self_attn.{proj}.{what}", 0, a, b)
+                        off += b - a
+
+            for i in range(cfg.num_layers):
+                p = f"model.layers.{i}."
+                ln1 = torch.empty(H, **kw)
+                fetch(ln1, p + "input_layernorm.weight")
+                ln2 = torch.empty(H, **kw)
+                fetch(ln2, p + "post_attention_layernorm.weight")
+                wqkv, wqkv_v = mat(q_rows + 2 * kv_rows, H)
+                fetch_qkv(wqkv_v, p, "weight")
+                bqkv = None
+                if cfg.attention_bias:
+                    bqkv = torch.empty(q_rows + 2 * kv_rows, **kw)
+                    fetch_qkv(bqkv, p, "bias")
+                wo, wo_v = mat(H, q_rows)
+                fetch(wo_v, p + "self_attn.o_proj.weight", 1, *sh.q_rows)
+                bo = None
+                if cfg.o_bias and self.comm.rank == 0:   # added once, before the all-reduce
+                    bo = torch.empty(H, **kw)
+                    fetch(bo, p + "self_attn.o_proj.bias")
+                il = sh.inter_l
+                wgu, wgu_v = mat(2 * il, H)
+                fetch(wgu_v[:il], p + "mlp.gate_proj.weight", 0, *sh.ff)
+                fetch(wgu_v[il:], p + "mlp.up_proj.weight", 0, *sh.ff)
+                wd, wd_v = mat(H, il)
+                fetch(wd_v, p + "mlp.down_proj.weight", 1, *sh.ff)
+                layers.append((ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd,
+                               self._k_layers[i], self._v_layers[i]))
+            self.norm = torch.empty(H, **kw)
+            fetch(self.norm, "model.norm.weight")
+            if packed_tied:
+                pass
+            elif tied and v1 - v0 == sh.v_chunk and not self.packed:   # a view: no extra memory
+                self.head = emb_store[:, v0:v1] if self.transposed else emb_store[v0:v1]
+            else:                                      # zero-padded to v_chunk rows
+                self.head, head_v = mat(sh.v_chunk, H)
+                if not self.packed:                    # (packed weights start zeroed)
+                    self.head.zero_()
+                if v1 > v0:
+                    if tied:
+                        head_v[:v1 - v0].copy_(self.embed[v0:v1])
+                    else:
+                        fetch(head_v[:v1 - v0], "lm_head.weight", 0, v0, v1)
+            self.layers = layers
+        self.loaded = True
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights (shared/tied storage counted once)."""
+        return self._storage_bytes([self.embed, self.norm, self.head])
+
+    def step_read_bytes(self) -> int:
+        """Bytes of weights one decode step streams on this rank: every layer's weights, the
+        final norm and the LM head (a tied head reads the embedding table in full), but not an
+        untied embedding table, of which a step reads only its tokens' rows. The bandwidth
+        floor of a step is this over the device's read bandwidth (Llama-3-8B: 15.01 of its
+        16.06 GB)."""
+        return self._storage_bytes([self.norm, self.head])
+
+    def _storage_bytes(self, tensors: list) -> int:
+        """Bytes of the storages behind `tensors` and every layer's weights, each counted once."""
+        seen, total = set(), 0
+        tensors = list(tensors)
+        for lay in self.layers:
+            tensors.extend(lay[:8])
+        for t in tensors:
+            if t is None:
+                continue
+            if isinstance(t, cpu_linear.PackedWeight):
+                t = t.data
+            key = t.untyped_storage().data_ptr()
+            if key in seen:
+                continue
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+        return total
+
+    # ------------------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: int,
+                mask: torch.Tensor | None, logits_rows: torch.Tensor | None = None,
+                causal: bool = False) -> torch.Tensor:
+        """Run N new tokens over the KV prefix [0, start).
+
+        tokens [N] long, positions [N] long, mask [N, start+N] bool (True = visible),
+        logits_rows [R] long or None (all N rows). Writes K/V of the new tokens into slots
+        [start, start+N); returns float32 logits [R or N, vocab_size] on every rank.
+        causal: the caller promises mask == chain_mask(start, N) (a prompt); at start 0 the
+        attention then runs SDPA's causal kernel (flash on a GPU) without a mask, and `mask`
+        may be None.
+        """
+        N = tokens.shape[0]
+        S = start + N
+        if S > self.max_slots:
+            raise ValueError(f"KV overflow: start {start} + {N} new tokens > max_slots "
+                             f"{self.max_slots}")
+        sh = self.shard
+        hd = self.cfg.head_dim
+        nh_l, nkv_l, g = sh.nh_l, sh.nkv_l, sh.group
+        dev = self.device
+        if causal and start == 0:           # a prompt from slot 0: SDPA's causal kernel, no mask
+            mask = None
+        elif mask is None:
+            raise ValueError("mask is required unless causal and start == 0")
+        if tokens.device != dev:
+            tokens, positions = tokens.to(dev), positions.to(dev)
+        if mask is not None and mask.device != dev:
+            mask = mask.to(dev)
+
+        fold = N * g <= _FOLD_MAX_ROWS and mask is not None
+        if fold:
+            # GQA folded into the query-length dim: q [nkv_l, g*N, hd], additive mask [g*N, S]
+            am = torch.zeros(N, S, dtype=self.dtype, device=dev).masked_fill_(~mask, -math.inf)
+            if g > 1:
+                am = am.repeat(g, 1)
+
+        def write_kv(kc, vc, k, v):
+            kc[start:S].copy_(k)
+            vc[start:S].copy_(v)
+
+        def attend(q, kc, vc):                                             # q [N, nh_l, hd]
+            k = kc[:S].transpose(0, 1)                                     # [nkv_l, S, hd]
+            v = vc[:S].transpose(0, 1)
+            if mask is None:                                               # causal from slot 0
+                o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0),
+                                                   v.unsqueeze(0), is_causal=N > 1,
+                                                   enable_gqa=g > 1)
+                return o[0].transpose(0, 1).reshape(N, nh_l * hd)
+            if fold:
+                q = q.reshape(N, nkv_l, g, hd).permute(1, 2, 0, 3).reshape(nkv_l, g * N, hd)
+                o = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0),
+                                                   v.unsqueeze(0), attn_mask=am)
+                return o.view(nkv_l, g, N, hd).permute(2, 0, 1, 3).reshape(N, nh_l * hd)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0),
+                                               v.unsqueeze(0), attn_mask=mask, enable_gqa=g > 1)
+            return o[0].transpose(0, 1).reshape(N, nh_l * hd)
+
+        x = self._layers(tokens, positions, write_kv, attend)
+        if logits_rows is not None:
+            x = x.index_select(0, logits_rows.to(dev))
+        return self._logits(x)
+
+    def forward_prompt(self, ids: list[int], row: int) -> None:
+        """A prompt at slot 0: ids (m token ids, padded or not) -> their KV in slots [0, m), with
+        SDPA's causal kernel; the logits of row `row` are computed and dropped (the CUDA-graph
+        wrapper replays a captured prompt graph instead: GraphedModel.forward_prompt)."""
+        dev = self.device
+        self.forward(torch.tensor(ids, dtype=torch.long, device=dev), torch.arange(len(ids), device=dev), 0,
+                     None, logits_rows=torch.tensor([row], device=dev), causal=True)
+
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, write_kv, attend) -> torch.Tensor:
+        """Embedding + every decoder layer -> hidden states [N, hidden] (before the final norm).
+        `write_kv(kc, vc, k [N, nkv_l, hd], v)` stores the new tokens' KV in one layer's buffers;
+        `attend(q [N, nh_l, hd], kc, vc) -> [N, nh_l*hd]` is the (tree) attention."""
+        cfg, sh, comm = self.cfg, self.shard, self.comm
+        N = tokens.shape[0]
+        eps = cfg.rms_norm_eps
+        hshape = (cfg.hidden_size,)
+        hd, half = cfg.head_dim, self._half
+        nh_l, nkv_l = sh.nh_l, sh.nkv_l
+        qk_cols = (nh_l + nkv_l) * hd
+        il = sh.inter_l
+        lin = self._linear
+        x = self._embed(tokens)                                            # [N, hidden]
+        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)   # [N, 1, hd]
+        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
+        for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in self.layers:
+            h = F.rms_norm(x, hshape, ln1, eps)
+            qkv = lin(h, wqkv, bqkv)                                        # [N, (nh+2kv)*hd]
+            qk = qkv[:, :qk_cols].view(N, nh_l + nkv_l, hd)
+            qk = torch.addcmul(qk * cos, torch.roll(qk, half, -1), sin)     # RoPE on q and k
+            write_kv(kc, vc, qk[:, nh_l:], qkv[:, qk_cols:].view(N, nkv_l, hd))
+            o = attend(qk[:, :nh_l], kc, vc)
+            a = lin(o, wo, bo)
+            comm.all_reduce_(a)
+            x.add_(a)
+            h = F.rms_norm(x, hshape, ln2, eps)
+            gu = lin(h, wgu)                                               # [N, 2*inter_l]
+            m = F.silu(gu[:, :il]).mul_(gu[:, il:])
+            d = lin(m, wd)
+            comm.all_reduce_(d)
+            x.add_(d)
+        return x
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [N] -> [N, hidden] in self.dtype (a tied packed head is gathered from)."""
+        if self.embed is None:
+            return self.head.gather_rows(tokens, self.dtype)
+        x = F.embedding(tokens, self.embed)
+        return x if x.dtype == self.dtype else x.to(self.dtype)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm + (vocab-parallel) head: [R, hidden] -> float32 [R, vocab_size]."""
+        x = F.rms_norm(x, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps)
+        logits = self._linear(x, self.head)                                # [R, v_chunk]
+        if self.comm.size > 1:
+            logits = self.comm.all_gather_lastdim(logits)
+            if logits.shape[1] != self.cfg.vocab_size:
+                logits = logits[:, :self.cfg.vocab_size]
+        return logits.float()
+
+    @torch.inference_mode()
+    def forward_graphable(self, tokens: torch.Tensor, positions: torch.Tensor,
+                          write_slots: torch.Tensor, mask: torch.Tensor,
+                          n_valid: torch.Tensor) -> torch.Tensor:
+        """The CUDA-graph-safe forward: no shape depends on the context length.
+
+        tokens [N] long, positions [N] long, write_slots [N] long (KV slots of the new tokens),
+        mask [N, max_slots] bool/uint8 (only columns < L matter), n_valid int32 [1] = L, the
+        slots attended, read on the device by the fused tree-attention kernel. All on the GPU,
+        bf16 model. Returns float32 logits [N, vocab_size]. Same math as `forward`.
+
+        Uses the fused elementwise kernels (swiftspec_mpi.gpu.fused_ops: residual add + RMSNorm,
+        RoPE + KV write, SiLU * up) when `fused_ops.enabled()`, else the torch ops of `_layers`;
+        with them, the projections follow `fused_ops.gemm_mode()` (default "pdl": our GEMV for
+        every bias-free projection, every kernel launched with programmatic dependent launch).
+        """
+        from swiftspec_mpi.gpu import fused_ops, kernels
+
+        if fused_ops.enabled():
+            return self._graphable_fused(tokens, positions, write_slots, mask, n_valid)
+
+        def write_kv(kc, vc, k, v):
+            kc.index_copy_(0, write_slots, k)
+            vc.index_copy_(0, write_slots, v)
+
+        def attend(q, kc, vc):
+            return kernels.tree_attention(q, kc, vc, mask, n_valid).view(q.shape[0], -1)
+
+        return self._logits(self._layers(tokens, positions, write_kv, attend))
+
+    def _fused_workspace(self, n: int) -> dict:
+        """Static bf16 buffers of the fused forward for n tokens, made once per n (a captured CUDA
+        graph keeps pointing at them): x, h [n, hidden]; o [n, nh_l, hd]; m [n, inter_l];
+        qkv [n, (nh_l + 2 nkv_l) hd] (the output of kernels.gemm_qkv_rope)."""
+        ws_all = self.__dict__.get("_fused_ws")
+        if ws_all is None:
+            ws_all = self.__dict__["_fused_ws"] = {}
+        ws = ws_all.get(n)
+        if ws is None:
+            H, sh, hd = self.cfg.hidden_size, self.shard, self.cfg.head_dim
+            kw = dict(dtype=self.dtype, device=self.device)
+            ws = ws_all[n] = {"x": torch.empty(n, H, **kw), "h": torch.empty(n, H, **kw),
+                              "o": torch.empty(n, sh.nh_l, hd, **kw),
+                              "m": torch.empty(n, sh.inter_l, **kw),
+                              "qkv": torch.empty(n, (sh.nh_l + 2 * sh.nkv_l) * hd, **kw)}
+        return ws
+
+    def _fused_gemm_choice(self, n: int, ws: dict) -> dict:
+        """Per projection ("qkv", "o", "gu", "down", "head"): True = kernels.gemm_rowparallel,
+        False = cuBLAS, for n tokens; timed once per (n, fused_ops.gemm_mode()) outside graph
+        capture by fused_ops.prefer_rowparallel (cuBLAS while capturing, not cached then).
+        Projections with a bias, and weights stored [in, out], stay on cuBLAS."""
+        from swiftspec_mpi.gpu import fused_ops
+
+        mode = fused_ops.gemm_mode()
+        key = ("gemm", mode)
+        rp = ws.get(key)
+        if rp is None:
+            lays = self.layers
+            kinds = {"qkv": (1, 2), "o": (3, 4), "gu": (6, None), "down": (7, None)}
+            plain = self.weight_layout == "out_in"
+            pick = fused_ops.pdl_gemm_ok if mode == "pdl" else fused_ops.prefer_rowparallel
+            rp = {}
+            for kind, (wi, bi) in kinds.items():
+                ok = plain and all(bi is None or lay[bi] is None for lay in lays)
+                rp[kind] = ok and pick([lay[wi] for lay in lays], n)
+            rp["head"] = plain and pick([self.head], n)
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return rp
+            ws[key] = rp
+        return rp
+
+    def _graphable_fused(self, tokens, positions, write_slots, mask, n_valid) -> torch.Tensor:
+        """`forward_graphable` with the fused kernels (same arguments and result). Per layer:
+        add_rmsnorm (the previous layer's down output + ln1; plain RMSNorm in layer 0), QKV GEMM,
+        rope_kv_write, tree attention, O GEMM, all-reduce, add_rmsnorm (+ ln2), gate|up GEMM,
+        silu_mul, down GEMM, all-reduce (each GEMM + all-reduce one kernel, kernels.gemm_allreduce,
+        when the comm has a fused_allreduce); the last residual add is fused with the final norm. In
+        "pdl" mode QKV GEMM + rope_kv_write is one kernel (kernels.gemm_qkv_rope), and so is
+        gate|up GEMM + silu_mul (kernels.gemm_swiglu): 7 kernels per layer."""
+        from swiftspec_mpi.gpu import fused_ops, kernels
+
+        cfg, sh, comm = self.cfg, self.shard, self.comm
+        N = tokens.shape[0]
+        eps = cfg.rms_norm_eps
+        hd, nh_l = cfg.head_dim, sh.nh_l
+        ws = self._fused_workspace(N)
+        x, h, o, m = ws["x"], ws["h"], ws["o"], ws["m"]
+        rp = self._fused_gemm_choice(N, ws)
+        gemm = kernels.gemm_rowparallel
+        # "pdl" mode: every kernel launched with programmatic dependent launch (a kernel after a
+        # cuBLAS GEMM or an all-reduce simply waits for it; results are the same bits either way).
+        pdl = fused_ops.gemm_mode() == "pdl"
+
+        def lin(use_rp, inp, w, b=None):
+            return gemm(inp, w, pdl=pdl) if use_rp else self._linear(inp, w, b)
+
+        far = getattr(comm, "fused_allreduce", None)      # nccl_shim.DeviceAllReduce or None
+
+        def lin_reduce(use_rp, inp, w, b=None):
+            """Row-parallel projection summed over the TP group: one fused GEMM + all-reduce
+            kernel when the group set one up (NcclGroupComm.enable_fused_allreduce), else the
+            GEMM then the group's all-reduce."""
+            if far is not None and use_rp and b is None and w.shape[0] <= far.max_n:
+                return kernels.gemm_allreduce(inp, w, far)
+            out = lin(use_rp, inp, w, b)
+            comm.all_reduce_(out)
+            return out
+
+        torch.index_select(self.embed, 0, tokens, out=x)
+        pending = None                      # the previous layer's MLP output, not yet added to x
+        for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in self.layers:
+            fused_ops.add_rmsnorm(x, pending, ln1, eps, out=h, pdl=pdl)
+            if pdl and rp["qkv"] and hd % 16 == 0:                         # QKV GEMM + RoPE + KV write
+                qkv = ws["qkv"]
+                kernels.gemm_qkv_rope(h, wqkv, qkv, positions, write_slots, self.rope_cos, self.rope_sin,
+                                      kc, vc, nh_l, pdl=True)
+            else:
+                qkv = lin(rp["qkv"], h, wqkv, bqkv)                        # [N, (nh+2kv)*hd]
+                fused_ops.rope_kv_write(qkv, positions, write_slots, self.rope_cos, self.rope_sin,
+                                        kc, vc, nh_l, pdl=pdl)
+            kernels.tree_attention(qkv[:, :nh_l * hd].view(N, nh_l, hd), kc, vc, mask, n_valid, out=o,
+                                   pdl=pdl)
+            a = lin_reduce(rp["o"], o.view(N, nh_l * hd), wo, bo)
+            fused_ops.add_rmsnorm(x, a, ln2, eps, out=h, pdl=pdl)
+            if pdl and rp["gu"] and wgu.shape[0] % 16 == 0:
+                kernels.gemm_swiglu(h, wgu, out=m, pdl=True)               # gate|up GEMM + SwiGLU
+            else:
+                fused_ops.silu_mul(lin(rp["gu"], h, wgu), out=m, pdl=pdl)
+            pending = lin_reduce(rp["down"], m, wd)
+        fused_ops.add_rmsnorm(x, pending, self.norm, eps, out=h, pdl=pdl)
+        logits = lin(rp["head"], h, self.head)                             # [N, v_chunk]
+        if comm.size > 1:
+            logits = comm.all_gather_lastdim(logits)
+            if logits.shape[1] != cfg.vocab_size:
+                logits = logits[:, :cfg.vocab_size]
+        return logits.float()
+
+    # ------------------------------------------------------------------------------ KV plan
+    @torch.inference_mode()
+    def compact_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move KV slots src[i] -> dst[i] in every layer (src, dst LongTensor [M]). Overlap-safe:
+        all sources are read before any destination is written."""
+        if src.numel() == 0:
+            return
+        src = src.to(self.device)
+        dst = dst.to(self.device)
+        for buf in (self.k_cache, self.v_cache):
+            buf.index_copy_(1, dst, buf.index_select(1, src))
+
+
+def _linear_in_out(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
+    """x [M, in] @ w [in, out] (+ b [out]): nn.Linear for weights stored transposed."""
+    return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
+
+
+def _names(source) -> list[str]:
+    names = getattr(source, "names", None)
+    return list(names()) if callable(names) else []

@@ -1,0 +1,1 @@
+"""Request sources that arrive while a job runs: interactive stdin and the HTTP server."""

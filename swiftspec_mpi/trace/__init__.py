@@ -1,0 +1,1 @@
+"""Event records, the HDF5 trace (write, read), and its analysis."""

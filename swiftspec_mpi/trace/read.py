@@ -1,0 +1,315 @@
+"""Read a swiftspec HDF5 trace (docs/trace-format.md) into plain dataclasses and numpy arrays.
+
+The reader is tolerant: a file from a job that died half way may lack `/events`, `/ranks`, some
+requests' datasets or attributes, or whole fields of a compound dataset. Whatever is missing gets
+an empty/NaN default and one line in `Trace.warnings`; the reader never raises for that. It raises
+`UserError` only when the path is not an HDF5 file or the file is not a swiftspec trace.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from swiftspec_mpi.core.errors import UserError
+
+FORMAT_NAME = "swiftspec-trace"
+FORMAT_VERSION = 1
+DEFAULT_EVENT_KINDS = ("prefill", "expand", "verify", "reroot", "send", "wait", "decode")
+ROLE_NAMES = {0: "verify", 1: "draft"}
+
+# field name -> (numpy dtype, fill value when the field is missing)
+STEP_FIELDS = {"step": (np.int32, -1), "tree_size": (np.int32, -1), "accepted": (np.int32, 0),
+               "t_start": (np.float64, np.nan), "t_end": (np.float64, np.nan)}
+EVENT_FIELDS = {"rank": (np.int32, -1), "role": (np.int8, -1), "request": (np.int32, -1),
+                "step": (np.int32, -1), "kind": (np.int8, -1), "t_start": (np.float64, np.nan),
+                "t_end": (np.float64, np.nan), "n_tokens": (np.int32, 0), "accepted": (np.int32, 0),
+                "comm_s": (np.float64, 0.0)}
+RANK_FIELDS = {"rank": (np.int32, -1), "role": (np.int8, -1), "group_rank": (np.int32, -1),
+               "group_size": (np.int32, -1), "host": (object, ""), "device": (object, ""),
+               "events_dropped": (np.int64, 0), "late_graph_captures": (np.int32, 0)}
+# fields added after format_version 1 was first written: older files lack them, silently
+ADDED_FIELDS = {"late_graph_captures"}
+
+
+@dataclass
+class Steps:
+    """One row per verify step (per decode step in `ar`); plain column arrays."""
+    step: np.ndarray
+    tree_size: np.ndarray
+    accepted: np.ndarray
+    t_start: np.ndarray
+    t_end: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+
+@dataclass
+class Request:
+    index: int
+    name: str                      # the HDF5 group name (e.g. "000003")
+    category: str = ""
+    prompt_text: str = ""
+    text: str = ""
+    new_tokens: int | None = None
+    seconds: float | None = None
+    ttft_s: float | None = None
+    tokens_per_s: float | None = None
+    stop_reason: str = ""
+    prompt_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    output_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    steps: Steps | None = None     # None when the dataset is absent
+
+
+@dataclass
+class Events:
+    """The `/events` table as column arrays; `kind_names[kind]` names each kind index."""
+    rank: np.ndarray
+    role: np.ndarray
+    request: np.ndarray
+    step: np.ndarray
+    kind: np.ndarray
+    t_start: np.ndarray
+    t_end: np.ndarray
+    n_tokens: np.ndarray
+    accepted: np.ndarray
+    comm_s: np.ndarray
+    kind_names: list[str]
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+    def kind_name(self, k: int) -> str:
+        return self.kind_names[k] if 0 <= k < len(self.kind_names) else f"kind{k}"
+
+    def kind_index(self, name: str) -> int:
+        return self.kind_names.index(name) if name in self.kind_names else -999
+
+    def select(self, mask: np.ndarray) -> "Events":
+        return Events(**{f: getattr(self, f)[mask] for f in EVENT_FIELDS}, kind_names=self.kind_names)
+
+
+@dataclass
+class RankInfo:
+    rank: np.ndarray
+    role: np.ndarray
+    group_rank: np.ndarray
+    group_size: np.ndarray
+    host: list[str]
+    device: list[str]
+    events_dropped: np.ndarray
+    late_graph_captures: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+
+@dataclass
+class Trace:
+    path: str
+    format_version: int | None = None
+    mode: str = "?"
+    complete: bool = False
+    exit_status: str = ""
+    config: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)
+    created: str = ""
+    event_kinds: list[str] = field(default_factory=lambda: list(DEFAULT_EVENT_KINDS))
+    requests: list[Request] = field(default_factory=list)
+    events: Events | None = None   # None when /events is absent or unreadable
+    ranks: RankInfo | None = None  # None when /ranks is absent or unreadable
+    warnings: list[str] = field(default_factory=list)
+
+
+def _to_str(value) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, np.ndarray) and value.shape == ():
+        return _to_str(value[()])
+    return str(value)
+
+
+def _attr(attrs, name: str, kind, warnings: list[str], where: str, default=None):
+    """Read one attribute converted by `kind` (str/int/float/bool); missing or bad -> default."""
+    if name not in attrs:
+        warnings.append(f"{where}: attribute '{name}' missing")
+        return default
+    try:
+        raw = attrs[name]
+        if kind is str:
+            return _to_str(raw)
+        if isinstance(raw, np.ndarray):
+            raw = raw.reshape(-1)[0]
+        if kind is bool:
+            if isinstance(raw, (bytes, str)):
+                return _to_str(raw).strip().lower() in ("1", "true", "yes")
+            return bool(raw)
+        return kind(raw)
+    except Exception as exc:  # an unreadable attribute must not stop the report
+        warnings.append(f"{where}: attribute '{name}' unreadable ({exc})")
+        return default
+
+
+def _json_attr(attrs, name: str, warnings: list[str]) -> dict:
+    text = _attr(attrs, name, str, warnings, "file", default=None)
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        warnings.append(f"file: attribute '{name}' is not valid JSON ({exc})")
+        return {}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def _columns(arr, fields: dict, where: str, warnings: list[str]) -> dict:
+    """Split a structured array into columns, filling fields the file lacks."""
+    n = len(arr)
+    names = arr.dtype.names or ()
+    out = {}
+    missing = []
+    for name, (dtype, fill) in fields.items():
+        if name in names:
+            col = arr[name]
+            if dtype is object:
+                out[name] = [_to_str(v).rstrip("\x00") for v in col]
+            else:
+                out[name] = np.asarray(col).astype(dtype, copy=True)
+        else:
+            if name not in ADDED_FIELDS:
+                missing.append(name)
+            out[name] = [fill] * n if dtype is object else np.full(n, fill, dtype=dtype)
+    if missing:
+        warnings.append(f"{where}: field(s) {', '.join(missing)} missing")
+    return out
+
+
+def _read_dataset(group, name: str, where: str, warnings: list[str], required: bool = True):
+    if name not in group:
+        if required:
+            warnings.append(f"{where}: dataset '{name}' missing")
+        return None
+    try:
+        return group[name][()]
+    except Exception as exc:
+        warnings.append(f"{where}: dataset '{name}' unreadable ({exc})")
+        return None
+
+
+def _read_request(g, name: str, warnings: list[str]) -> Request:
+    where = f"request {name}"
+    a = g.attrs
+    index = _attr(a, "index", int, warnings, where, default=None)
+    if index is None:
+        try:
+            index = int(name)
+        except ValueError:
+            index = -1
+    r = Request(index=index, name=name)
+    r.category = _attr(a, "category", str, warnings, where, default="") or ""
+    r.prompt_text = _attr(a, "prompt_text", str, warnings, where, default="") or ""
+    r.text = _attr(a, "text", str, warnings, where, default="") or ""
+    r.stop_reason = _attr(a, "stop_reason", str, warnings, where, default="") or ""
+    r.new_tokens = _attr(a, "new_tokens", int, warnings, where)
+    r.seconds = _attr(a, "seconds", float, warnings, where)
+    r.ttft_s = _attr(a, "ttft_s", float, warnings, where)
+    r.tokens_per_s = _attr(a, "tokens_per_s", float, warnings, where)
+    if r.ttft_s is not None and not math.isfinite(r.ttft_s):
+        r.ttft_s = None
+    for ds in ("prompt_ids", "output_ids"):
+        data = _read_dataset(g, ds, where, warnings)
+        if data is not None:
+            setattr(r, ds, np.asarray(data, dtype=np.int64).reshape(-1))
+    steps = _read_dataset(g, "steps", where, warnings)
+    if steps is not None:
+        if steps.dtype.names is None:
+            warnings.append(f"{where}: dataset 'steps' is not a compound table; ignored")
+        else:
+            r.steps = Steps(**_columns(steps, STEP_FIELDS, f"{where} steps", warnings))
+    # derive what a partial request lacks from what it has
+    if r.new_tokens is None and "output_ids" in g:
+        r.new_tokens = int(len(r.output_ids))
+    if r.tokens_per_s is None and r.new_tokens is not None and r.seconds:
+        r.tokens_per_s = r.new_tokens / r.seconds
+    return r
+
+
+def read_trace(path: str) -> Trace:
+    """Read FILE.h5; see the module doc for what is tolerated."""
+    import os
+
+    import h5py
+
+    if not os.path.exists(path):
+        raise UserError(f"{path} does not exist; pass the .h5 file written by `swiftspec run --out`")
+    if os.path.isdir(path):
+        raise UserError(f"{path} is a folder; pass the .h5 trace file inside it")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise UserError(f"{path} is not a readable HDF5 file ({exc}); pass a trace written by "
+                        "`swiftspec run --out FILE.h5`") from None
+    with f:
+        warnings: list[str] = []
+        attrs = f.attrs
+        fmt = _to_str(attrs["format"]) if "format" in attrs else None
+        if fmt is not None and fmt != FORMAT_NAME:
+            raise UserError(f"{path} is an HDF5 file of format '{fmt}', not a swiftspec trace; pass a "
+                            "file written by `swiftspec run --out`")
+        if fmt is None:
+            if "requests" not in f and "events" not in f:
+                raise UserError(f"{path} is an HDF5 file but not a swiftspec trace (no 'format' "
+                                "attribute, no /requests); pass a file written by `swiftspec run --out`")
+            warnings.append("file: attribute 'format' missing (treated as a swiftspec trace)")
+        t = Trace(path=path)
+        t.format_version = _attr(attrs, "format_version", int, warnings, "file")
+        if t.format_version is not None and t.format_version > FORMAT_VERSION:
+            warnings.append(f"file: format_version {t.format_version} is newer than this reader "
+                            f"({FORMAT_VERSION}); fields it does not know are ignored")
+        t.mode = _attr(attrs, "mode", str, warnings, "file", default="?") or "?"
+        t.complete = bool(_attr(attrs, "complete", bool, warnings, "file", default=False))
+        t.exit_status = _attr(attrs, "exit_status", str, warnings, "file", default="") or ""
+        t.created = _attr(attrs, "created", str, warnings, "file", default="") or ""
+        t.config = _json_attr(attrs, "config_json", warnings)
+        t.env = _json_attr(attrs, "env_json", warnings)
+        if "event_kinds" in attrs:
+            try:
+                kinds = json.loads(_to_str(attrs["event_kinds"]))
+                if not isinstance(kinds, list):
+                    raise ValueError("not a list")
+                t.event_kinds = [str(k) for k in kinds]
+            except ValueError as exc:
+                warnings.append(f"file: attribute 'event_kinds' unreadable ({exc}); using the "
+                                "documented order")
+
+        if "requests" in f:
+            group = f["requests"]
+            for name in sorted(group.keys()):
+                try:
+                    t.requests.append(_read_request(group[name], name, warnings))
+                except Exception as exc:  # a broken group: report it, keep the others
+                    warnings.append(f"request {name}: unreadable ({exc})")
+            t.requests.sort(key=lambda r: (r.index, r.name))
+        else:
+            warnings.append("file: group /requests missing")
+
+        ev = _read_dataset(f, "events", "file", warnings, required=False)
+        if ev is None and "events" not in f and t.mode in ("async", "sync", "ar"):
+            warnings.append("file: dataset /events missing (no per-rank timing)")
+        if ev is not None:
+            if ev.dtype.names is None:
+                warnings.append("file: /events is not a compound table; ignored")
+            else:
+                t.events = Events(**_columns(ev, EVENT_FIELDS, "events", warnings),
+                                  kind_names=t.event_kinds)
+        rk = _read_dataset(f, "ranks", "file", warnings, required=False)
+        if rk is not None and rk.dtype.names is not None:
+            t.ranks = RankInfo(**_columns(rk, RANK_FIELDS, "ranks", warnings))
+        if not t.complete:
+            warnings.append(f"file: run incomplete (exit_status: {t.exit_status or 'unknown'}); "
+                            "reporting what was written")
+        t.warnings = warnings
+        return t
