@@ -18,14 +18,14 @@ import argparse
 
 import torch
 
-# (tiles_per_split, stages, row_tiles, warps, piece, early): version 4; 4 values: version 2
-# (cluster, stages, row_tiles, warps); 3 values: version 1 (cluster, stages, row_tiles)
-CANDIDATES = {
-    "le16": [(1, 2, 1, 4, 32, 0), (2, 2, 1, 4, 32, 0), (2, 4, 1, 4, 32, 0), (3, 4, 1, 4, 32, 0), (4, 4, 1, 4, 32, 0),
-             (8, 4, 1, 4), (16, 2, 1, 4), (8, 4, 1)],
-    "le32": [(1, 2, 1, 4, 32, 0), (2, 2, 1, 4, 32, 0), (2, 4, 1, 4, 32, 0), (4, 4, 1, 4, 32, 0), (2, 2, 2, 8, 32, 0),
-             (2, 4, 2, 8, 32, 0), (4, 4, 2, 8, 32, 0), (8, 4, 2, 4), (8, 4, 1, 4)],
-}
+
+def _candidates(rows: int) -> list:
+    from swiftspec_mpi.gpu.tree_attention import AttnConfigV1, AttnConfigV2, AttnConfigV4
+    if rows <= 16:
+        return [AttnConfigV4(t, 4, 1, 4, 32, 0) for t in (1, 2, 3, 4)] + \
+            [AttnConfigV2(8, 4, 1, 4), AttnConfigV2(16, 2, 1, 4), AttnConfigV1(8, 4, 1)]
+    return [AttnConfigV4(t, 4, 1, 4, 32, 0) for t in (1, 2, 4)] + [AttnConfigV4(t, 4, 2, 8, 32, 0) for t in (2, 4)] + \
+        [AttnConfigV2(8, 4, 2, 4), AttnConfigV2(8, 4, 1, 4)]
 
 
 def main():
@@ -41,9 +41,10 @@ def main():
     from swiftspec_mpi.model.dummy import dummy_model
     from swiftspec_mpi.model.transformer import chain_mask
 
-    default_rule = kernels.tree_attention_config
+    from swiftspec_mpi.gpu import tree_attention as attention_module
+    default_rule = attention_module.tree_attention_config
     forced = {"cfg": None}
-    kernels.tree_attention_config = lambda rows, max_len, head_dim=128: \
+    attention_module.tree_attention_config = lambda rows, max_len, head_dim=128: \
         forced["cfg"] or default_rule(rows, max_len, head_dim)
     ctx = a.context
     print(f"{torch.cuda.get_device_name()}; context {ctx}, {ctx + 128} KV slots; step device ms (median)")
@@ -55,7 +56,7 @@ def main():
         for n in (int(x) for x in a.n.split(",")):
             rows = n * G
             default = default_rule(rows, model.max_slots, model.cfg.head_dim)
-            configs = [None] + [c for c in CANDIDATES["le16" if rows <= 16 else "le32"] if c != default]
+            configs = [None] + [c for c in _candidates(rows) if c != default]
             toks, pos = torch.randint(0, 1000, (n,)), torch.arange(ctx, ctx + n)
             mask = torch.ones(n, ctx + n, dtype=torch.bool)
             graphs, logits = {}, {}
@@ -86,7 +87,7 @@ def main():
                       f"{med[c] - med[None]:+.3f} | {diff:.3g} |", flush=True)
         del model, graphs
         torch.cuda.empty_cache()
-    kernels.tree_attention_config = default_rule
+    attention_module.tree_attention_config = default_rule
 
 
 if __name__ == "__main__":

@@ -12,13 +12,11 @@ norm and the LM head; an untied embedding table is only looked up: Transformer.s
 over the copy bandwidth.
 Graph columns: "torch ops" = forward_graphable with its torch elementwise ops (the fused kernels
 switched off while that graph was captured); "fused ops" = the fused kernels, every GEMM on
-cuBLAS (SWIFTSPEC_FUSED_GEMM=cublas); "+ GEMM choice" = the opt-in SWIFTSPEC_FUSED_GEMM=auto, where each
-projection kind uses kernels.gemm_rowparallel if it timed faster than cuBLAS ("rowparallel
-GEMMs" lists which); "PDL chain" = the default, SWIFTSPEC_FUSED_GEMM=pdl: every projection on
+cuBLAS (SWIFTSPEC_FUSED_GEMM=cublas); "PDL chain" = the default, SWIFTSPEC_FUSED_GEMM=pdl: every projection on
 kernels.gemm_rowparallel and every kernel launched with programmatic dependent launch
 ("PDL speed-up" = fused ops / PDL chain). All graphs are captured on the same model and timed in alternating blocks
 in the same run; speed-up = torch ops / fused ops; rel. diff = max |logits - torch-ops logits| /
-max |torch-ops logits| of the fused path, then of the GEMM choice.
+max |torch-ops logits| of the fused path, then of the PDL chain.
 """
 from __future__ import annotations
 
@@ -95,8 +93,8 @@ def tree_mask(start: int, n: int) -> torch.Tensor:
 def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict:
     """Step times of one shape: eager torch `forward`, and CUDA graphs of `forward_graphable`
     with the torch elementwise ops ("graph_nofuse_N") and, if `fused` and available, with the
-    fused kernels and cuBLAS GEMMs ("graph_N", the default) and with the timed GEMM choice
-    ("graph_auto_N"); plus each one's max relative logit difference to the torch-ops graph."""
+    fused kernels and cuBLAS GEMMs ("graph_N") and with the PDL chain ("graph_pdl_N", the
+    default); plus each one's max relative logit difference to the torch-ops graph."""
     from swiftspec_mpi.gpu import fused_ops
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.gpu.graphs import GraphedModel, graphs_supported, logits_topk_logprobs
@@ -113,7 +111,6 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
     res["fused_ops"] = fused
     g_plain = GraphedModel(model) if res["graphs"] else None
     g_fused = GraphedModel(model) if fused else None          # fused ops, cuBLAS GEMMs (default)
-    g_auto = GraphedModel(model) if fused else None           # fused ops, GEMMs as timed ("auto")
     g_pdl = GraphedModel(model) if fused else None            # fused ops, all GEMMs ours, PDL chain
     was, was_mode = fused_ops._enabled, fused_ops.gemm_mode()
     for n in sizes:
@@ -130,8 +127,7 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
             fns[f"graph_nofuse_{n}"] = lambda: g_plain.forward(toks, pos, context, mask).argmax(-1).cpu()
             if g_fused is not None:
                 fused_ops.set_enabled(True)
-                for key, g, mode in (("graph", g_fused, "cublas"), ("graph_auto", g_auto, "auto"),
-                                     ("graph_pdl", g_pdl, "pdl")):
+                for key, g, mode in (("graph", g_fused, "cublas"), ("graph_pdl", g_pdl, "pdl")):
                     fused_ops.set_gemm_mode(mode)
                     got = g.forward(toks, pos, context, mask).float()
                     res[f"{key}_rel_diff_{n}"] = ((got - ref).abs().max() / ref.abs().max()).item()
@@ -147,13 +143,11 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
                         fns[f"graph_pdl_topk_host_{n}"] = lambda g=g: logits_topk_logprobs(
                             g.forward(toks, pos, context, mask), TOPK)
                         fns[f"graph_pdl_topk_{n}"] = lambda g=g: g.forward_topk_logprobs(toks, pos, context, mask, TOPK)
-                choice = model._fused_ws[n].get(("gemm", "auto"), {})
-                res[f"rowparallel_{n}"] = ",".join(k for k, v in choice.items() if v) or "none"
         finally:
             fused_ops.set_enabled(was)
             fused_ops.set_gemm_mode(was_mode)
         res.update(cuda_time_alternating(fns))
-    del model, g_plain, g_fused, g_auto, g_pdl
+    del model, g_plain, g_fused, g_pdl
     torch.cuda.empty_cache()
     return res
 
@@ -205,10 +199,9 @@ def main():
     rows = {"copy_TBps": bw, "gpu": torch.cuda.get_device_name(), "context": a.context, "torch": torch.__version__}
     print(f"device copy bandwidth: {bw:.2f} TB/s  ({rows['gpu']}, torch {torch.__version__})", flush=True)
     print("| shape | weights GB | floor ms | N | eager ms | graph, torch ops ms | graph + fused ops ms "
-          "| speed-up | + GEMM choice ms | PDL chain ms | PDL speed-up "
-          "| logits rel. diff (fused / choice / PDL) "
-          "| rowparallel GEMMs | HF eager ms (N=1) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|")
+          "| speed-up | PDL chain ms | PDL speed-up "
+          "| logits rel. diff (fused / PDL) | HF eager ms (N=1) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     nan = float("nan")
     reads = {}
     for shape in a.shapes.split(","):
@@ -220,11 +213,11 @@ def main():
         for n in (1, 8):
             base, fast = r.get(f"graph_nofuse_{n}", nan), r.get(f"graph_{n}", nan)
             print(f"| {shape} | {r['weight_gb']:.2f} | {floor:.2f} | {n} | {r[f'eager_{n}']:.2f} | "
-                  f"{base:.2f} | {fast:.2f} | {base / fast:.2f}x | {r.get(f'graph_auto_{n}', nan):.2f} | "
+                  f"{base:.2f} | {fast:.2f} | {base / fast:.2f}x | "
                   f"{r.get(f'graph_pdl_{n}', nan):.2f} | {fast / r.get(f'graph_pdl_{n}', nan):.2f}x | "
-                  f"{r.get(f'graph_rel_diff_{n}', nan):.1e} / {r.get(f'graph_auto_rel_diff_{n}', nan):.1e} / "
+                  f"{r.get(f'graph_rel_diff_{n}', nan):.1e} / "
                   f"{r.get(f'graph_pdl_rel_diff_{n}', nan):.1e} | "
-                  f"{r.get(f'rowparallel_{n}', '-')} | {(r['hf_1'] if n == 1 and r['hf_1'] else nan):.2f} |",
+                  f"{(r['hf_1'] if n == 1 and r['hf_1'] else nan):.2f} |",
                   flush=True)
     print("\nWhat the engine reads back per step (PDL chain; wall ms incl. the sync): the argmax "
           "(verify) and the top-8 log-probs (draft expansion), reduced after the graph and read vs "

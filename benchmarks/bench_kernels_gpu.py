@@ -106,9 +106,9 @@ class Baseline:
         name = "gemm_rowparallel_m8" if M <= 8 else "gemm_rowparallel_m16"
         if name not in self.funcs:
             self.funcs[name] = self.mod.get_function(name).kernel.ptr
-        args = [kernels._ptr(x), ctypes.c_int64(x.stride(0)), kernels._ptr(w), kernels._ptr(out),
+        args = [kernels.ptr(x), ctypes.c_int64(x.stride(0)), kernels.ptr(w), kernels.ptr(out),
                 ctypes.c_int64(out.stride(0)), ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
-        kernels._launch(self.funcs[name], (N // 8, 1, 1), 256, 0, torch.cuda.current_stream().cuda_stream, args)
+        kernels.launch(self.funcs[name], (N // 8, 1, 1), 256, 0, torch.cuda.current_stream().cuda_stream, args)
 
 
 def cfg_name(cfg) -> str:
@@ -129,10 +129,8 @@ def tree_mask(N: int, L: int, gen: torch.Generator) -> torch.Tensor:
     return m
 
 
-def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int, versions=None, parts=False) -> dict:
-    """Every listed config of `versions` (None: all; version = tuple length - 2) plus the default,
-    plain and PDL; with `parts`, version 4's main kernel alone and its combine kernel alone too
-    (plain graphs; the combine re-reads whatever the workspace holds)."""
+def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int, versions=None) -> dict:
+    """Every listed config of `versions` (None: all; AttnConfigV1..V4) plus the default, plain and PDL."""
     kv_layer = L * Hkv * D * 2 * 2
     n_layers = max(MIN_LAYERS, min(64, math.ceil(ROTATE_BYTES / kv_layer)))
     gen = torch.Generator().manual_seed(L * 131 + N)
@@ -144,10 +142,10 @@ def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int, vers
     out = torch.full((n_layers, N, H, D), float("nan"), dtype=BF16, device="cuda")
     ref = kernels.tree_attention_reference(q[0], kc[0], vc[0], mask, L)
     R = N * H // Hkv
-    default = tuple(kernels.tree_attention_config(R, L))
+    default = kernels.tree_attention_config(R, L)
     configs = kernels.tree_attention_configs(R)          # version 1 (3 values), 2 (4), 3 (5), 4 (6)
     if versions is not None:
-        configs = [c for c in configs if len(c) - 2 in versions]
+        configs = [c for c in configs if int(type(c).__name__[-1]) in versions]
     if default not in configs:
         configs.append(default)
     sweep, pdl_sweep, part_us, err, finite, pdl_equal = {}, {}, {}, 0.0, True, True
@@ -175,13 +173,6 @@ def bench_attention(L: int, N: int, H: int, Hkv: int, D: int, replays: int, vers
                   for i in range(n_layers)]
         pdl_sweep[cfg_name(cfg)] = graph_time_us(pcalls, replays)
         pdl_equal = pdl_equal and bool(torch.equal(op, out))
-        if parts and len(cfg) == 6:
-            for what in ("main", "combine"):
-                kernels._TA4_PARTS = what
-                try:
-                    part_us[f"{cfg_name(cfg)} {what}"] = graph_time_us(calls, replays)
-                finally:
-                    kernels._TA4_PARTS = "all"
     best = min(sweep, key=sweep.get)
     best_pdl = min(pdl_sweep, key=pdl_sweep.get)
     def best_of(d, slashes):   # version 1: 2 slashes in the name, version 2: 3, version 3: 4, version 4: 5
@@ -223,9 +214,9 @@ def launch_floor_us(replays: int) -> tuple[float, float]:
     every tree-attention call pays in a graph."""
     import ctypes
     dev = torch.cuda.current_device()
-    f = kernels._function("tree_attention", "", "tree_attention_empty", dev)
+    f = kernels.function("tree_attention", "", "tree_attention_empty", dev)
     res = []
-    for launch in (kernels._launch, kernels._launch_pdl):
+    for launch in (kernels.launch, kernels.launch_pdl):
         calls = [lambda launch=launch: launch(f, (16, 8, 1), 128, 0, torch.cuda.current_stream().cuda_stream,
                                                [ctypes.c_int32(0)]) for _ in range(64)]
         res.append(graph_time_us(calls, replays))
@@ -349,8 +340,6 @@ def main() -> int:
     ap.add_argument("--rotate-mb", type=int, default=None,
                     help="attention: rotate the calls over this many MB of K/V (default 256, at least 4 "
                          "layers; given: at least 1 layer, e.g. 32 keeps 4k's K/V in the 60 MB L2)")
-    ap.add_argument("--parts", action="store_true",
-                    help="also time version 4's main kernel alone and its combine kernel alone")
     args = ap.parse_args()
     if args.rotate_mb is not None:
         global ROTATE_BYTES, MIN_LAYERS
@@ -394,7 +383,7 @@ def main() -> int:
         shapes = tuple(tuple(int(x) for x in item.split("x")) for item in args.rows.split(","))
     versions = None if not args.versions else {int(v) for v in args.versions.split(",")}
     for L, N in (() if args.only == "gemm" else shapes):
-        r = bench_attention(L, N, 32, 8, 128, replays, versions, args.parts)
+        r = bench_attention(L, N, 32, 8, 128, replays, versions)
         attn.append(r)
         print(f"attn L={L} N={N} (plain / PDL): " + ", ".join(f"{k} {v:.2f}/{r['pdl_sweep'][k]:.2f}"
                                                               for k, v in r["sweep"].items())

@@ -68,10 +68,10 @@ def main():
     x = (torch.randn(N, H, device=dev) * 0.5).to(torch.bfloat16)
     r = (torch.randn(N, H, device=dev) * 0.5).to(torch.bfloat16)
     h = torch.empty_like(x)
-    qkv = torch.empty(N, model.layers[0][1].shape[0], dtype=torch.bfloat16, device=dev)
+    qkv = torch.empty(N, model.layers[0].wqkv.shape[0], dtype=torch.bfloat16, device=dev)
     o = (torch.randn(N, nh, hd, device=dev)).to(torch.bfloat16)
     ao = torch.empty(N, H, dtype=torch.bfloat16, device=dev)
-    m = (torch.randn(N, model.layers[0][7].shape[1], device=dev) * 0.1).to(torch.bfloat16)
+    m = (torch.randn(N, model.layers[0].wd.shape[1], device=dev) * 0.1).to(torch.bfloat16)
     dn = torch.empty(N, H, dtype=torch.bfloat16, device=dev)
     lays = model.layers
     nl = len(lays)
@@ -86,20 +86,20 @@ def main():
 
     def o_proj():
         for lay in lays:
-            kernels.gemm_rowparallel(o.view(N, nh * hd), lay[3], out=ao, pdl=True)
+            kernels.gemm_rowparallel(o.view(N, nh * hd), lay.wo, out=ao, pdl=True)
 
     def norms():
         for lay in lays:
-            fused_ops.add_rmsnorm(x, r, lay[0], cfg.rms_norm_eps, out=h, pdl=True)
-            fused_ops.add_rmsnorm(x, r, lay[5], cfg.rms_norm_eps, out=h, pdl=True)
+            fused_ops.add_rmsnorm(x, r, lay.ln1, cfg.rms_norm_eps, out=h, pdl=True)
+            fused_ops.add_rmsnorm(x, r, lay.ln2, cfg.rms_norm_eps, out=h, pdl=True)
 
     def gate_up():
         for lay in lays:
-            kernels.gemm_swiglu(h, lay[6], out=m, pdl=True)
+            kernels.gemm_swiglu(h, lay.wgu, out=m, pdl=True)
 
     def down():
         for lay in lays:
-            kernels.gemm_rowparallel(m, lay[7], out=dn, pdl=True)
+            kernels.gemm_rowparallel(m, lay.wd, out=dn, pdl=True)
 
     def head():
         kernels.gemm_rowparallel(h, model.head, pdl=True)
@@ -107,14 +107,14 @@ def main():
     def step():
         model.forward_graphable(tok, pos, slots, mask, nv)
 
-    wb = lambda i: sum(lay[i].numel() * 2 for lay in lays)       # noqa: E731
+    wb = lambda name: sum(getattr(lay, name).numel() * 2 for lay in lays)       # noqa: E731
     kv_bytes = nl * (L + N) * nkv * hd * 2 * 2
-    kinds = [("QKV GEMM + RoPE + KV write", nl, qkv_rope, wb(1)),
+    kinds = [("QKV GEMM + RoPE + KV write", nl, qkv_rope, wb("wqkv")),
              ("tree attention", nl, attention, kv_bytes),
-             ("O GEMM", nl, o_proj, wb(3)),
+             ("O GEMM", nl, o_proj, wb("wo")),
              ("add + RMSNorm", 2 * nl, norms, 0),
-             ("gate|up GEMM + SwiGLU", nl, gate_up, wb(6)),
-             ("down GEMM", nl, down, wb(7)),
+             ("gate|up GEMM + SwiGLU", nl, gate_up, wb("wgu")),
+             ("down GEMM", nl, down, wb("wd")),
              ("LM head GEMM", 1, head, model.head.numel() * 2)]
     res = {"shape": a.shape, "context": L, "n": N, "copy_TBps": copy_bw, "read_TBps": read_bw,
            "gpu": torch.cuda.get_device_name(), "kinds": {}}

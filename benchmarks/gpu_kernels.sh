@@ -49,10 +49,10 @@ echo "== compile (t=${SECONDS}s)"
 # Fill CuPy's kernel cache in parallel with the compile check (each module is one nvcc run).
 (
   for v in "tree_attention:" "gemm_allreduce:" "gemm_allreduce:nccl"; do
-    "$PY" -c "import sys; from swiftspec_mpi.gpu import kernels as k; n, v = sys.argv[1].split(':', 1); k._module(n, v, 0)" "$v" &
+    "$PY" -c "import sys; from swiftspec_mpi.gpu import launch as k; n, v = sys.argv[1].split(':', 1); k.module(n, v, 0)" "$v" &
   done
   if [[ -z "${NO_NCU:-}" ]]; then
-    SWIFTSPEC_KERNELS_LINEINFO=1 "$PY" -c "from swiftspec_mpi.gpu import kernels as k; k._module('tree_attention', '', 0)" &
+    SWIFTSPEC_KERNELS_LINEINFO=1 "$PY" -c "from swiftspec_mpi.gpu import launch as k; k.module('tree_attention', '', 0)" &
   fi
   if [[ -n "${BASELINE:-}" ]]; then
     "$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import bench_kernels_gpu as b; b.Baseline(Path(sys.argv[1]))" "$BASELINE" &

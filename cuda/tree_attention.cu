@@ -42,127 +42,10 @@
 // no runtime divisions, Q through shared memory), 4-16 warps per block, one block partial and a
 // wider combine kernel (their own headers say how).
 //
-// Defaults since the eighth GPU session (2026-12-01): up to 1.5k slots (2.25k at head_dim 64) and
-// 32 rows, version 4 with 2 tiles per split, a 4-tile ring and the early trigger (2/4/1/4/32/1,
-// 2/4/2/8/32/1; beyond, up to 8k, 4/4/1/4/32/1 and 4/4/2/8/32/1), chosen by timing the configs
-// inside the whole decode step
-// (benchmarks/bench_attention_in_step.py), where the QKV and O GEMVs around the attention stream
-// weights: the chains of attention calls below ranked them differently. 8B step at 1152 slots:
-// 4.22 -> 4.09 ms device (N = 1), 4.48 -> 4.30 (N = 8); kernels.tree_attention_config says more.
-//
-// Measured 2026-12-01, second session (H200, copy bandwidth 4.15 TB/s, launch floor 0.88 us per
-// graph node, 0.79 with PDL; `python3 benchmarks/bench_kernels_gpu.py --only attention --parts
-// --versions 2,3,4`; old default and version 4 in the same run), us plain (PDL):
-//   L    N   old default                   best version 4                     default now
-//   1k   8   v2 8/4/2/4      8.18 (7.76)   2/2/1/4/32/0   7.55 (6.74)         v4 2/2/1/4/32/0
-//   4k   8   v2 16/2/2/4    17.21 (16.51)  4/4/2/8/32/0  11.72 (10.85)        v4 4/4/2/8/32/0
-//   16k  8   v3 8/2/2/4/1   37.57 (37.06)  4/4/2/8/32/1  38.68 (38.12)        v3 (unchanged)
-//   4k   1   v2 8/4/1/4     12.53 (12.56)  4/4/1/4/32/0   9.97 (8.97)         v4 4/4/1/4/32/0
-//   4k  64   v3 8/2/4/4/1   41.12 (40.59)  4/4/2/8/32/0  61.66 (60.67)        v3 (unchanged)
-//   16k 64   v3 8/2/4/4/1  156.32 (155.74) 4/4/2/8/64/0 227.51 (226.69)       v3 (unchanged)
-// (version 4 config: tiles per split / stages / row tiles / warps / piece slots / early.) Goals,
-// N = 8: <= 8 us at 1k met (7.55, PDL 6.74), <= 12 us at 4k met (11.72, PDL 10.85). A first call
-// the same session gave 4k 11.79 (10.99) vs 17.43 (16.67) for the old default.
-// Where version 4's time goes at 4k, N = 8 (4/4/2/8/32/0; graphs of one kernel alone): main
-// kernel 9.47 us, combine kernel 2.21 us (each including its ~0.9 us graph node). ncu on the main
-// kernel: 10.05 us alone, DRAM 35 % of peak, 8 warps per SM (occupancy 12.5 %, limited by both
-// 142 registers and 150 KB of shared memory), 0.33 eligible warps per scheduler, an instruction
-// every 3.8 cycles per scheduler. With the K/V resident in L2 (--rotate-mb 32: 2 layers of 16 MB)
-// the call takes about as long (11.50 / 11.23 us), so the main kernel is latency bound, not
-// bandwidth bound: per block the chain copy issue -> first tile -> mask ballots -> 2 pieces of
-// math per warp -> 2 barriers -> block combine -> partial stores, and at 1k the main kernel alone
-// still takes 5.6 us for 1 us of bytes. Next: drop the second kernel where the splits fit a
-// cluster (S <= 8: 1k) with a DSMEM combine, TMA tensor copies to cut the issue work.
-//
-// Measured 2026-12-01, first session (H200, CUDA graph of one call per layer on >= 256 MB of buffers, median
-// of 100 replays, `python3 benchmarks/bench_kernels_gpu.py --only attention`, copy bandwidth
-// 4.07 TB/s; PDL = the same graph of back-to-back pdl=True launches; the best config of each
-// version, config in brackets), us:
-//   L    N   version 1                  version 2                    version 3                      default now    SDPA
-//   1k   8   9.71 (8/4/2),  PDL 9.44    8.09 (8/4/2/4),  PDL 7.65    10.56 (2/2/1/4/1),  PDL 9.75   v2 8/4/2/4     31.9
-//   4k   8   18.41 (16/2/1), PDL 17.71  17.15 (16/2/2/4), PDL 16.44  17.12 (4/2/2/4/1),  PDL 16.49  v2 16/2/2/4    93.6
-//   16k  8   44.86 (16/2/1), PDL 45.12  45.19 (16/2/2/4), PDL 44.56  37.72 (8/2/2/4/1),  PDL 37.06  v3 8/2/2/4/1  343.4
-//   4k   1   13.98 (16/2/1), PDL 13.38  12.44 (8/4/1/4),  PDL 12.39  12.37 (4/4/1/4/0),  PDL 11.80  v2 8/4/1/4     17.2
-//   4k  64   64.35 (16/2/4), PDL 63.97  78.87 (16/2/2/4), PDL 78.41  40.87 (8/2/4/4/1),  PDL 40.29  v3 8/2/4/4/1   99.0
-//   16k 64   165.91 (16/2/4), PDL 167.0 219.97 (16/2/2/4), PDL 219.9 156.34 (8/2/4/4/1), PDL 156.01 v3 8/2/4/4/1  362.4
-// (version 3 config: tiles per split / ring stages / row tiles / warps / combine, 1 = PDL kernel.)
-// Goals, N = 8: <= 8 us at 1k met with PDL (7.65; 8.09 without), <= 12 us at 4k NOT met (16.4-17.2).
-// Where the time goes (same day, a second call: out-of-tree script timing graphs of the full call,
-// of the main kernel alone and of the combine kernel alone, and ncu at 4k N = 8):
-//   - launch floor: a graph of empty kernels costs 0.84 us per node (0.78 with PDL).
-//   - version 3 at 4k, N = 8, full / main kernel only / combine kernel only: T = 1 (512 blocks)
-//     30.2 / 19.8 / 8.8; T = 2 (256 blocks) 19.4 / 13.3 / 5.1; T = 4 (128 blocks) 16.9 / 13.1 /
-//     3.2; T = 4 with all 4 tiles in flight (4-stage ring) 17.4 / 13.5 / 3.2; T = 8 20.4 / 18.0 /
-//     2.4. At 1k: T = 1 10.5 / 7.0 / 3.0, T = 2 10.6 / 8.0 / 2.1. So the main kernel at 4k is
-//     ~13 us whatever the split (the K/V bytes alone would be ~4 us), and the combine kernel, one
-//     thread per 4 outputs looping over the S splits, costs 2-9 us growing with S. The in-kernel
-//     last-block combine is far worse (4k T = 2: 37.5 vs 19.6 us): one block reading S x 16 KB of
-//     partials is latency bound (~30 GB/s).
-//   - ncu, main kernel, 4k, N = 8, T = 2 (256 blocks, 3 fit per SM): 13.9 us, DRAM 25 % of peak,
-//     1.94 active warps per scheduler (0.30 eligible), an instruction every 4.1 cycles per
-//     scheduler, L1TEX scoreboard (global loads: q, mask) 37 % of the stalls; ~2.7K instructions
-//     per warp for 2 tiles, of which only ~0.9K are the tiles' math: per block the fixed work (tile
-//     address math per cp.async, mask bits with runtime divisions, Q loads, the fp32 partial
-//     pre-combine and store) dominates, and more blocks do not hide it. T = 4 with a 4-stage ring
-//     (128 blocks, 1 per SM): 14.3 us, 5.3 cycles per instruction.
-// Next steps (written, compiled, NOT run: the session's device time ran out; not kept): per-thread
-// tile addresses computed once (2 cp.async + a compare per row chunk), per-row scales for the
-// partial pre-combine, and a combine kernel of 32 outputs x 4 split groups per block with one
-// pass of online rescaling (all of a thread's loads in flight at once) -- together aimed at the
-// ~13 us main kernel and the 2-5 us combine at 4k. Beyond that: fewer instructions per tile
-// (the mask bits of the committed prefix are all ones), or a TMA producer warp.
-//
-// Earlier (2026-11-29, copy bandwidth 4.21 TB/s), versions 1 and 2 only:
-//   L      N   version 1 (old default)       version 2 (config)           default now   SDPA
-//   1k     8   9.67 (8/4/2),    PDL 9.46     8.18 (8/4/2/4),  PDL 7.69    version 2     32.3
-//   4k     8   18.56 (16/2/1),  PDL 17.86    17.29 (16/2/2/4), PDL 16.52  version 2     94.6
-//   16k    8   44.15 (16/2/1),  PDL 45.03    45.56 (16/2/2/4), PDL 45.41  version 1    346.2
-//   4k     1   13.92 (16/2/1),  PDL 13.30    12.53 (8/4/1/4),  PDL 12.44  version 2     17.4
-//   4k    64   64.48 (16/2/4),  PDL 64.04    79.17 (16/2/2/4)             version 1     99.7
-//   16k   64   165.73 (16/2/4), PDL 166.31   219.06 (16/2/2/4)            version 1    361.2
-// (An earlier run the same day: version 2 8.09 / 17.37 / 45.70 us for N = 8; version 1 within
-// 0.4 us of the above.) Goals: <= 8 us at 1k and <= 12 us at 4k for N = 8. 1k: met with PDL
-// (7.69), 2 % over without (8.18). 4k: NOT met (17.3, PDL 16.5). The analysis below is of
-// that day (the split-K without clusters it proposes is version 3, measured above).
-// What limits it (ncu, 4k, N = 8, version 2 16/2/2/4): 17.8 us per launch, DRAM throughput 20 %
-// (0.95 TB/s), achieved occupancy 7 % (one block of 4 warps per SM: 1 warp per scheduler), one
-// instruction issued every 5.1 cycles (version 1 16/2/1: 19.9 us, 18 %, 8.7 cycles). Latency
-// bound: the memory system is mostly idle. Per block, the fixed part (launch, first tile, the
-// cluster combine) is ~9.8 us (version 2 16/2/2/4 with one tile per block, 1k) and every further
-// 64-slot tile adds ~2.5 us through a 2-stage ring (1k -> 4k: 3 more tiles, +7.5 us): a refill
-// is issued only after its stage's tile has been consumed, so each pair of tiles waits for a
-// full memory round trip plus the math of one tile, with one warp per scheduler to hide it.
-// More in-flight tiles per block do not fit: a 4-stage ring (164 KB) allows one block per SM,
-// and 16-block clusters at one block per SM apparently do not all fit at once (ncu: max 14
-// active clusters of 16 even at 94 KB and 2 blocks per SM): 16/4/2 took 13.0 us at 1k, the
-// same work as 16/2/2 (one tile per block), 9.8 us.
-// Tried on 2026-11-29 for version 2 and NOT kept (all correct, all slower):
-//   - 1-D bulk copies (cp.async.bulk, TMA engine, one per 256-byte K or V row, 128 per tile,
-//     issued by one warp, completing on the stage mbarrier): 1.2-3.4x slower than the same
-//     configs with cp.async (4k N = 8, 16/2/2: 26.9 vs 17.4 us): 256-byte bulk copies are
-//     too small for the copy engine.
-//   - L2 prefetch (prefetch.global.L2 per 128-byte line) of the next 3 or 8 tiles beyond the
-//     ring: slower (4k N = 8: 19.1 vs 17.3 us; 16k: 52.9 vs 45.6).
-//   - 8 warps per block (4 slices of a tile per row tile): slower at 16 splits (4k 24.1 us),
-//     about equal at 8 (4k 17.6 vs 18.1); best version 2 for N = 64 (68.4 us at 4k, 203.9 at
-//     16k) but still behind version 1 (64.5 / 165.7).
-//   - More, smaller partitions (one row tile per block, 2 row groups): 26 us at 4k (version 2 at
-//     82 KB: 2 blocks per SM, 256 blocks of 16-clusters do not fit in one wave).
-// Earlier (version 1 era, 2026-11-29): a rewrite with 8 warps per block holding all 32 rows of
-// a KV head, the mask packed to bits, O rescaled only when a row max moves and deeper rings was
-// no faster (1k 9.75 us, 4k 18.4, 16k 47.4) and was not kept. Its diagnostic builds: with one
-// 64-slot tile in all (L = 64) a call took 7.7 us, 4.5 us of it with no math (launch, first K/V
-// tile, combine; the pull-style cluster combine with two cluster barriers alone 1.7 us); K/V
-// streaming alone reached ~2.4 TB/s with 64 or 128 blocks; per tile the stream (0.87 us), the
-// MMAs + softmax (0.56 us) and the mask reads (0.47 us) added up instead of overlapping.
-// Next steps: TMA tensor copies (cuTensorMapEncodeTiled over [slots, Hkv, D], box 64 slots x 1
-// head x 64 dims, 128-byte swizzle: 4 copies per tile instead of 2048 cp.async or 128 bulk
-// copies) in a producer warp, so the ring can be refilled per stage as soon as the consumers
-// release it (empty mbarriers) and the block needs no __syncthreads; a split-K without
-// clusters (global fp32 workspace, per-(head, row group) arrival counter) so that many small
-// blocks per SM hide the latency instead of one block of 4 warps -- its combine must then be
-// spread over blocks (a single last-arriving block would read 16 x 16 KB of partials); no mask
-// reads for the committed prefix (pass its length).
+// Defaults: tree_attention.tree_attention_config (swiftspec_mpi/gpu/tree_attention.py) picks the
+// version and config per shape; the figures behind the rule are in docs/benchmarks.md, the
+// variants tried and dropped in docs/perf-log.md. Only the variants a default (or its fallback
+// while a CUDA graph is captured) uses are instantiated.
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -621,12 +504,6 @@ TREE_ATTN_KERNEL(128, 4, 8, 4)
 TREE_ATTN_KERNEL(64, 1, 8, 4)
 TREE_ATTN_KERNEL(64, 2, 8, 4)
 TREE_ATTN_KERNEL(64, 4, 8, 4)
-TREE_ATTN_KERNEL(128, 1, 16, 3)
-TREE_ATTN_KERNEL(128, 2, 16, 3)
-TREE_ATTN_KERNEL(128, 4, 16, 3)
-TREE_ATTN_KERNEL(64, 1, 16, 3)
-TREE_ATTN_KERNEL(64, 2, 16, 3)
-TREE_ATTN_KERNEL(64, 4, 16, 3)
 TREE_ATTN_KERNEL(128, 1, 16, 2)
 TREE_ATTN_KERNEL(128, 2, 16, 2)
 TREE_ATTN_KERNEL(128, 4, 16, 2)
@@ -635,7 +512,7 @@ TREE_ATTN_KERNEL(64, 2, 16, 2)
 TREE_ATTN_KERNEL(64, 4, 16, 2)
 
 // ============================================================================================
-// Version 2 (issue #11 follow-up): same decomposition and math as version 1 (grid (CS, Hkv, RG),
+// Version 2: same decomposition and math as version 1 (grid (CS, Hkv, RG),
 // cluster (CS,1,1), NW = 4 warps = MT row tiles x NW/MT slices of every 64-slot tile, mma.sync
 // m16n8k16 + online softmax in registers), with three changes aimed at the fixed cost:
 //  1. K/V tiles go through a STAGES-deep ring whose stages complete on mbarriers: every thread
@@ -658,7 +535,6 @@ TREE_ATTN_KERNEL(64, 4, 16, 2)
 // mask bits MAXT x RB x 8 B: 94 KB for 16/2/2 (2 blocks per SM), 162 KB for 8/4/2 (1 per SM).
 // PDL: griddepcontrol.wait before any global read, launch_dependents right after it; only
 // shared memory (mbarrier init) is touched before the wait.
-// Measured: see the table in the file header.
 // ============================================================================================
 namespace tree_attn2 {
 
@@ -992,14 +868,14 @@ __device__ __forceinline__ void body(
 #define TREE_ATTN2_W4(D, CS, ST) TREE_ATTN2_KERNEL(D, 1, CS, ST, 4) \
   TREE_ATTN2_KERNEL(D, 2, CS, ST, 4) TREE_ATTN2_KERNEL(D, 4, CS, ST, 4)
 
-// Keep in sync with kernels.TREE_ATTENTION_V2_VARIANTS (cluster, stages, warps).
+// Keep in sync with tree_attention.AttnConfigV2.VARIANTS (cluster, stages, warps).
 TREE_ATTN2_W4(128, 16, 2)
 TREE_ATTN2_W4(64, 16, 2)
 TREE_ATTN2_W4(128, 8, 4)
 TREE_ATTN2_W4(64, 8, 4)
 
 // ============================================================================================
-// Version 3 (issue #11, 2026-12-01): split-K over many cluster-free blocks. Same per-tile math
+// Version 3: split-K over many cluster-free blocks. Same per-tile math
 // as version 2 (NW = 4 warps = MT row tiles x 4/MT slices of every 64-slot tile, mma.sync
 // m16n8k16 + online softmax in registers, K/V through an mbarrier-completed cp.async ring, the
 // mask read once per block as 64-bit words), but no thread-block cluster:
@@ -1024,11 +900,7 @@ TREE_ATTN2_W4(64, 8, 4)
 // Deterministic (no float atomics, fixed combine order) and CUDA-graph safe (the only state is
 // the counter, which the combining block resets). Calls on different streams must not run at
 // the same time on one device: they share the workspace (as the model's layers do, in order).
-// Measured: see the tables in the file header (combine 1 is the faster one except at N = 1;
-// defaults: 8 tiles per split, 2 stages, combine 1, for N = 8 beyond 8k slots and N = 64 beyond 2k).
-// Tested 2026-12-01 on the H200: every listed config in tests/test_kernels_gpu.py (float64
-// references, NaN-poisoned outputs, graph replays at new lengths with empty splits, PDL graph =
-// plain launches bit for bit over 40 replays, a graph kept across a workspace regrowth).
+// Defaults: 8 tiles per split, 2 stages, combine 1 (tree_attention.tree_attention_config).
 // ============================================================================================
 namespace tree_attn3 {
 
@@ -1356,13 +1228,10 @@ __device__ __forceinline__ void body(
 #define TREE_ATTN3_MT(D, ST, MINB) TREE_ATTN3_KERNEL(D, 1, ST, MINB) \
   TREE_ATTN3_KERNEL(D, 2, ST, MINB) TREE_ATTN3_KERNEL(D, 4, ST, (MINB > 2 ? 2 : MINB))
 
-// Keep in sync with kernels.TREE_ATTENTION_V3_STAGES. 2 stages: three blocks per SM at D 128
-// and 1 or 2 row tiles (72-74 KB of shared memory, <= 170 registers), two at 4 row tiles (78 KB);
-// 4 stages: one.
+// Keep in sync with tree_attention.AttnConfigV3.STAGES. 2 stages: three blocks per SM at D 128
+// and 1 or 2 row tiles (72-74 KB of shared memory, <= 170 registers), two at 4 row tiles (78 KB).
 TREE_ATTN3_MT(128, 2, 3)
 TREE_ATTN3_MT(64, 2, 3)
-TREE_ATTN3_MT(128, 4, 1)
-TREE_ATTN3_MT(64, 4, 1)
 
 // Combine 1 of version 3: grid (ceil(RB * D/4 / 128), Hkv, RG), 128 threads, one thread per 4
 // outputs of a (KV head, row group); launched with programmatic dependent launch right after the
@@ -1381,7 +1250,7 @@ extern "C" __global__ void __launch_bounds__(128) tree_attention3_combine(
 }
 
 // ============================================================================================
-// Version 4 (issue #11, 2026-12-01, second session): version 3's split-K without clusters, with
+// Version 4: version 3's split-K without clusters, with
 // the per-block fixed work cut down and the work of a block spread over more warps.
 //  - grid (S, Hkv, RG), NW warps (4, 8 or 16). Block `split` owns the FIXED tile range
 //    [split * T, split * T + T) of 64-slot tiles (T = tiles per split <= STAGES, S = ceil(tiles of
@@ -1413,15 +1282,8 @@ extern "C" __global__ void __launch_bounds__(128) tree_attention3_combine(
 //    after the main kernel, so that wait covers both.
 // Bytes floor, Llama-3-8B heads, N = 8: the K/V bytes (4 MiB at 1k, 16 MiB at 4k, 64 MiB at 16k:
 // 1.0 / 4.1 / 16.5 us at 4.07 TB/s) plus the partials (S x 8 x 32 x 128 x 4 B, written and read
-// once: 2 MiB at 4k with T = 4, from L2). Measured (file header): 4k N = 8 11.72 us, PDL 10.85
-// (4/4/2/8/32/0), 1k 7.55 / 6.74 (2/2/1/4/32/0); limited by latency, not bytes: 8 warps per SM
-// (registers and shared memory), the main kernel ~9.5 us at 4k whether K/V come from HBM or L2,
-// and the combine kernel ~2.2 us as its own graph node.
-// Tried and not kept: an L2 prefetch of the block's K/V before griddepcontrol.wait (prefetch.
-// global.L2, bounded by a relaxed read of n_valid): 4k PDL 11.81 vs 10.99 us without, neutral at
-// 1k. `early` (no gain in a chain of attention calls: 4k 10.77 vs 10.85 us PDL) pays inside the
-// step, where the next kernel is the O GEMV: the short-context defaults use it. Slower:
-// 16 warps per block (4k 13.46 us), 2 tiles per split (256 blocks, 14.11), 64-slot pieces (12.18).
+// once: 2 MiB at 4k with T = 4, from L2). The kernel is latency bound, not bandwidth bound
+// (docs/benchmarks.md has the times).
 // ============================================================================================
 namespace tree_attn4 {
 
@@ -1711,17 +1573,11 @@ __device__ __forceinline__ void body(
                                         n_valid_ptr, n_valid, N, H, Hkv, scale_log2, T,               \
                                         ws_o, ws_ml);                                                 \
   }
-// Keep in sync with kernels.TREE_ATTENTION_V4_VARIANTS (stages, row tiles, warps, piece width).
-// Blocks per SM: 4 stages ~150 KB -> 1; 2 stages ~80 KB -> 2; 1 stage ~45 KB -> up to 4.
+// Keep in sync with tree_attention.AttnConfigV4.VARIANTS (stages, row tiles, warps, piece width):
+// the default configs' variants (4 stages, ~150 KB of shared memory: one block per SM).
 #define TREE_ATTN4_D(D)                      \
   TREE_ATTN4_KERNEL(D, 2, 8, 32, 4, 1)       \
-  TREE_ATTN4_KERNEL(D, 2, 16, 32, 4, 1)      \
-  TREE_ATTN4_KERNEL(D, 2, 8, 64, 4, 1)       \
-  TREE_ATTN4_KERNEL(D, 2, 8, 32, 2, 2)       \
-  TREE_ATTN4_KERNEL(D, 2, 4, 32, 1, 4)       \
-  TREE_ATTN4_KERNEL(D, 1, 4, 32, 4, 1)       \
-  TREE_ATTN4_KERNEL(D, 1, 4, 32, 2, 2)       \
-  TREE_ATTN4_KERNEL(D, 4, 16, 32, 2, 1)
+  TREE_ATTN4_KERNEL(D, 1, 4, 32, 4, 1)
 TREE_ATTN4_D(128)
 TREE_ATTN4_D(64)
 

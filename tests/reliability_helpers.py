@@ -9,7 +9,7 @@ Fault injection, test-only (nothing in the package knows about it): run the rank
 and world rank RANK raises RuntimeError("injected fault ...") at the N-th call of WHERE
 (RANK:WHERE:N:user raises CheckpointError("injected user error ...") instead)
 (`expand`: DraftSide.expand, `verify`: TargetSide.forward_tree, `load`: checkpoint.load_model,
-`validate`: job.prepare_config, rank 0's validation);
+`validate`: validate.prepare_config, rank 0's validation);
 every other rank runs `swiftspec run ARGS` unchanged. With SWIFTSPEC_FAULT_STAMP=FILE in the
 environment, the faulty rank writes time.time() to FILE when it raises.
 """
@@ -319,7 +319,7 @@ def _install_fault(spec: str) -> None:
         from swiftspec_mpi.model import load as mod
         owner, attr = mod, "load_model"
     elif where == "validate":
-        from swiftspec_mpi.cli import job as mod
+        from swiftspec_mpi.cli import job as mod   # run_job calls the name it imported
         owner, attr = mod, "prepare_config"
     else:
         raise SystemExit(f"unknown fault point {where!r}")

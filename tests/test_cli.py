@@ -71,7 +71,8 @@ def test_bad_values_fail_with_one_line(args, needle):
 
 
 @pytest.mark.parametrize("var,value,needle", [
-    ("SWIFTSPEC_FUSED_GEMM", "fast", "SWIFTSPEC_FUSED_GEMM='fast' is not a GEMM mode"),
+    ("SWIFTSPEC_FUSED_GEMM", "fast", "SWIFTSPEC_FUSED_GEMM='fast' is not one of pdl, cublas"),
+    ("SWIFTSPEC_NO_GRAPHS", "maybe", "SWIFTSPEC_NO_GRAPHS='maybe' is not a switch"),
     ("SWIFTSPEC_FUSED_OPS", "maybe", "SWIFTSPEC_FUSED_OPS='maybe' is not a switch"),
     ("SWIFTSPEC_FUSED_ALLREDUCE", "2", "SWIFTSPEC_FUSED_ALLREDUCE='2' is not a switch"),
 ])

@@ -311,33 +311,25 @@ def _tree(prefix, parents):
     return mask, prefix + torch.tensor(depth)
 
 
-def test_prefer_rowparallel_decides_and_declines(gen):
-    """prefer_rowparallel returns a bool after timing, and declines (False, no timing) in
-    "cublas" mode, for too many rows, for shapes the kernel does not take and while capturing."""
-    ws = [randn(1024, 512, gen=gen) for _ in range(4)]
+def test_gemm_modes():
+    """Two projection modes, "pdl" (the default) and "cublas"; anything else is refused."""
+    from swiftspec_mpi.core import switches
     was = fused_ops.gemm_mode()
-    assert was == os.environ.get("SWIFTSPEC_FUSED_GEMM", "pdl")        # the default: the PDL chain
-    fused_ops.set_gemm_mode("cublas")
-    assert fused_ops.prefer_rowparallel(ws, 8) is False
-    fused_ops.set_gemm_mode("pdl")
-    assert fused_ops.prefer_rowparallel(ws, 8) is False
-    fused_ops.set_gemm_mode("auto")
+    assert was == switches.choice("SWIFTSPEC_FUSED_GEMM") and fused_ops.GEMM_MODES == ("pdl", "cublas")
     try:
-        assert fused_ops.prefer_rowparallel(ws, 8) in (True, False)
-        assert fused_ops.prefer_rowparallel(ws, kernels.MAX_GEMM_ROWS + 1) is False
-        assert fused_ops.prefer_rowparallel([randn(1020, 512, gen=gen)], 1) is False      # N % 8
-        assert fused_ops.prefer_rowparallel([w.t() for w in ws], 1) is False             # not contiguous
+        for mode in fused_ops.GEMM_MODES:
+            fused_ops.set_gemm_mode(mode)
+            assert fused_ops.gemm_mode() == mode
     finally:
         fused_ops.set_gemm_mode(was)
-    with pytest.raises(ValueError):
-        fused_ops.set_gemm_mode("fast")
+    for bad in ("auto", "fast"):
+        with pytest.raises(ValueError):
+            fused_ops.set_gemm_mode(bad)
 
 
 @pytest.mark.parametrize("shape,comm,rowpar", [
     ("llama-3.2-1b", None, "cublas"), ("qwen2.5-0.5b", None, "cublas"), ("llama-3-8b", None, "cublas"),
     ("qwen2.5-0.5b", (1, 2), "cublas"), ("llama-3.2-1b", (3, 4), "cublas"),
-    ("llama-3.2-1b", None, "auto"), ("llama-3-8b", None, "auto"),
-    ("llama-3.2-1b", None, "all"), ("llama-3-8b", None, "all"), ("qwen2.5-0.5b", None, "all"),
     ("llama-3.2-1b", None, "pdl"), ("llama-3-8b", None, "pdl"), ("qwen2.5-0.5b", None, "pdl"),
     ("llama-3.2-1b", (3, 4), "pdl")])
 def test_forward_graphable_fused_matches_forward(shape, comm, rowpar, monkeypatch):
@@ -345,12 +337,9 @@ def test_forward_graphable_fused_matches_forward(shape, comm, rowpar, monkeypatc
     eager and through a CUDA graph (GraphedModel), and vs forward_graphable with them switched
     off, on 2-layer random models (head_dim 64 and 128, GQA, Qwen2 QKV bias, tied and untied
     heads, TP shards): logits and the KV written agree to bf16 accuracy. rowpar "cublas": the
-    default; "auto": the timed GEMM choice; "all": kernels.gemm_rowparallel forced for every
-    projection it can take; "pdl": the same, every kernel launched with PDL."""
-    if rowpar == "all":
-        monkeypatch.setattr(fused_ops, "prefer_rowparallel", lambda ws, m: m <= kernels.MAX_GEMM_ROWS and all(
-            w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0 and w.is_contiguous() for w in ws))
-    monkeypatch.setattr(fused_ops, "_gemm_mode", {"cublas": "cublas", "pdl": "pdl"}.get(rowpar, "auto"))
+    every projection on cuBLAS; "pdl" (the default): kernels.gemm_rowparallel for every projection
+    it takes, every kernel launched with PDL."""
+    monkeypatch.setattr(fused_ops, "_gemm_mode", rowpar)
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.gpu.graphs import GraphedModel
     from swiftspec_mpi.model.dummy import SHAPES, RandomSource

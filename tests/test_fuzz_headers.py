@@ -13,7 +13,7 @@ Four fuzzers:
   rewritten with edge values (0, 1, 2**31, all ones, NaN, ...).
 
 Each example goes through what `swiftspec run` does with a checkpoint: rank 0 validates
-(read_model_config, load_tokenizer, job.check_weight_files: headers + shapes against the
+(read_model_config, load_tokenizer, validate.check_weight_files: headers + shapes against the
 config), then a rank loads it (load_model), for GGUF only once validation passed: a GGUF whose
 metadata disagrees with its tensors must be refused by validation, never reach an allocation
 of what the metadata claims. The property checked on top: what validation accepts, loading
@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from reliability_helpers import gguf_data_start, gguf_spans, safetensors_header_end, write_tiny_gguf
 from swiftspec_mpi.model import load as checkpoint, gguf_loader
 from swiftspec_mpi.core.errors import CheckpointError
-from swiftspec_mpi.cli.job import check_weight_files
+from swiftspec_mpi.cli.validate import check_weight_files
 
 FUZZ = settings(max_examples=int(os.environ.get("SWIFTSPEC_FUZZ_EXAMPLES", "100")), deadline=None,
                 derandomize=not os.environ.get("SWIFTSPEC_FUZZ_RANDOM"), database=None,
@@ -86,7 +86,7 @@ def attempt(fn, *args, **kw) -> bool:
 
 
 def validate(path) -> bool:
-    """Rank 0's checks of one checkpoint, as job.prepare_config makes them."""
+    """Rank 0's checks of one checkpoint, as validate.prepare_config makes them."""
     try:
         cfg = checkpoint.read_model_config(path)
     except CheckpointError as exc:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from swiftspec_mpi.gpu import kernels, nccl_shim
+from swiftspec_mpi.gpu import kernels, nccl_shim, tree_attention
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_gpu = pytest.mark.skipif(not kernels.available(), reason="needs CuPy, nvcc and an sm_90 GPU")
@@ -193,10 +193,12 @@ def test_tree_attention_matches_float64(case):
 # version 3 (5 values): last-block combine (ticket counter reset by the kernel) and the PDL
 # combine kernel, 1 to 4 tiles per split; version 4 (6 values): 1 to 4 tiles per split, 4 to 16
 # warps, 32- and 64-slot pieces, with and without the combine's early trigger
-GRAPH_CONFIGS = [None, (16, 2, 1), (16, 2, 2, 4), (8, 4, 2, 4), (16, 2, 1, 4),
-                 (2, 2, 2, 4, 0), (1, 2, 2, 4, 1), (4, 4, 1, 4, 0), (4, 2, 2, 4, 1),
-                 (4, 4, 2, 8, 32, 1), (4, 4, 2, 16, 32, 1), (4, 4, 2, 8, 64, 0), (2, 2, 2, 8, 32, 1),
-                 (1, 1, 2, 4, 32, 1), (3, 4, 1, 4, 32, 1)]
+GRAPH_CONFIGS = [None, kernels.AttnConfigV1(16, 2, 1), kernels.AttnConfigV2(16, 2, 2, 4),
+                 kernels.AttnConfigV2(8, 4, 2, 4), kernels.AttnConfigV2(16, 2, 1, 4),
+                 kernels.AttnConfigV3(2, 2, 2, 4, 0), kernels.AttnConfigV3(1, 2, 2, 4, 1),
+                 kernels.AttnConfigV3(4, 2, 2, 4, 1), kernels.AttnConfigV4(4, 4, 2, 8, 32, 1),
+                 kernels.AttnConfigV4(2, 4, 2, 8, 32, 0), kernels.AttnConfigV4(1, 4, 1, 4, 32, 1),
+                 kernels.AttnConfigV4(3, 4, 1, 4, 32, 1)]
 
 
 @pytest.mark.gpu
@@ -288,27 +290,28 @@ def test_tree_attention_pdl_graph_equals_plain(config):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("config", [(1, 2, 2, 4, 0), (1, 2, 2, 4, 1), (1, 1, 2, 4, 32, 1)],
+@pytest.mark.parametrize("config", [kernels.AttnConfigV3(1, 2, 2, 4, 0), kernels.AttnConfigV3(1, 2, 2, 4, 1),
+                                    kernels.AttnConfigV4(1, 4, 2, 8, 32, 1)],
                          ids=lambda c: "/".join(map(str, c)))
 def test_tree_attention_v3_graph_survives_workspace_growth(config):
     """Versions 3 and 4: a graph captured on the per-device workspace keeps working after a larger
     call replaced that workspace (the outgrown one stays alive), and the larger call is right too."""
     dev = torch.cuda.current_device()
-    old = kernels._TA3_WORKSPACES.pop(dev, None)          # start from a fresh, small workspace
+    old = tree_attention._WORKSPACES.pop(dev, None)          # start from a fresh, small workspace
     if old is not None:
-        kernels._TA3_RETIRED.append(old)
+        tree_attention._RETIRED.append(old)
     q, k, v, mask = attn_inputs(300, 8, 32, 8, 128, "tree", 21)
     out = torch.full((8, 32, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
     kernels.tree_attention(q, k, v, mask, 300, out=out, config=config)
     torch.cuda.synchronize()
-    small_ws = kernels._TA3_WORKSPACES[dev]
+    small_ws = tree_attention._WORKSPACES[dev]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         kernels.tree_attention(q, k, v, mask, 300, out=out, config=config)
     q2, k2, v2, mask2 = attn_inputs(4000, 8, 32, 8, 128, "tree", 22)
     out2 = torch.full((8, 32, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
     kernels.tree_attention(q2, k2, v2, mask2, 4000, out=out2, config=config)   # grows the workspace
-    assert kernels._TA3_WORKSPACES[dev][0].numel() > small_ws[0].numel()
+    assert tree_attention._WORKSPACES[dev][0].numel() > small_ws[0].numel()
     q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(23)).to(torch.bfloat16))
     out.fill_(float("nan"))
     graph.replay()
@@ -324,7 +327,7 @@ def test_gemv_default_choice(monkeypatch):
     """The default GEMV configs (no GPU needed: 132 SMs as on an H200): the register-pipelined
     kernel, T = 1 where N / 16 blocks would fill under 3/4 of 2 x 132 slots; the 4-warp QKV
     kernel only where it saves a wave (the Llama-3-8B QKV's 384 blocks)."""
-    monkeypatch.setattr(kernels, "_sm_count", lambda: 132)
+    monkeypatch.setattr(kernels, "sm_count", lambda: 132)
     for N, T in ((6144, 2), (4096, 2), (14336 * 2, 2), (2048, 1), (3072, 1), (128256, 2)):
         assert kernels.gemm_rowparallel_config(1, N, 4096) == (T, 4, 256, 1)
     assert kernels.qkv_w4_pays(384) and not kernels.qkv_w4_pays(192) and not kernels.qkv_w4_pays(1792)
@@ -473,3 +476,30 @@ def test_gemm_allreduce_multi_gpu():
         assert exc is None, f"rank {rank}: {exc}"
         assert err <= BF16_TOL, f"rank {rank}: rel err {err:.3e}"
     assert len({d for _, _, d, _ in results}) == 1, "ranks disagree"
+
+
+def _instantiated_tree_attention_kernels() -> set[str]:
+    """The kernel names cuda/tree_attention.cu instantiates, its macros expanded by hand."""
+    src = (Path(__file__).resolve().parent.parent / "cuda" / "tree_attention.cu").read_text()
+    names = {f"tree_attention_d{d}_mt{mt}_cs{cs}_st{st}" for d, mt, cs, st in
+             re.findall(r"^TREE_ATTN_KERNEL\((\d+), (\d+), (\d+), (\d+)\)", src, re.M)}
+    names |= {f"tree_attention2_d{d}_mt{mt}_cs{cs}_st{st}_w4" for d, cs, st in
+              re.findall(r"^TREE_ATTN2_W4\((\d+), (\d+), (\d+)\)", src, re.M) for mt in (1, 2, 4)}
+    names |= {f"tree_attention3_d{d}_mt{mt}_st{st}_w4" for d, st in
+              re.findall(r"^TREE_ATTN3_MT\((\d+), (\d+), \d+\)", src, re.M) for mt in (1, 2, 4)}
+    v4 = re.search(r"#define TREE_ATTN4_D\(D\)((?:.*\\\n)*.*)", src).group(1)
+    names |= {f"tree_attention4_d{d}_mt{mt}_w{nw}_pw{pw}_st{st}"
+              for d in re.findall(r"^TREE_ATTN4_D\((\d+)\)", src, re.M)
+              for mt, nw, pw, st in re.findall(r"TREE_ATTN4_KERNEL\(D, (\d+), (\d+), (\d+), (\d+), \d+\)", v4)}
+    return names
+
+
+def test_tree_attention_configs_match_the_cuda_source():
+    """Every listed config (so every default) names a kernel cuda/tree_attention.cu instantiates
+    at both head dims, and every instantiated kernel is reached by a listed config."""
+    instantiated = _instantiated_tree_attention_kernels()
+    wanted = {c.kernel(d)[0] for c in kernels.tree_attention_configs() for d in (64, 128)}
+    assert wanted == instantiated, (wanted - instantiated, instantiated - wanted)
+    for config in kernels.tree_attention_configs():
+        config.check()
+        assert config.smem_bytes(128) <= 227 * 1024, config

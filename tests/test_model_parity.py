@@ -120,7 +120,7 @@ def test_out_in_weight_layout_matches(pair):
     """The GPU's nn.Linear weight layout ([out, in]) computes the same logits on CPU."""
     hf, _, folder = pair
     ours = load_ours(folder, weight_layout="out_in")
-    assert ours.weight_layout == "out_in" and ours.layers[0][1].shape[1] == 64
+    assert ours.weight_layout == "out_in" and ours.layers[0].wqkv.shape[1] == 64
     toks = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(6))
     ref = hf_logits(hf, toks)
     ours.forward(toks[:11], torch.arange(11), 0, chain_mask(0, 11))
@@ -170,7 +170,7 @@ def test_in_out_weight_layout_matches(pair):
     """The CPU fallback layout ([in, out], x @ W; no AVX2) computes the same logits."""
     hf, _, folder = pair
     ours = load_ours(folder, weight_layout="in_out")
-    assert ours.weight_layout == "in_out" and ours.layers[0][1].shape[0] == 64
+    assert ours.weight_layout == "in_out" and ours.layers[0].wqkv.shape[0] == 64
     toks = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(7))
     ref = hf_logits(hf, toks)
     out = ours.forward(toks, torch.arange(12), 0, chain_mask(0, 12))
@@ -196,7 +196,7 @@ def test_packed_bf16_weights_match_rounded_reference(pair):
     ours.load_weights(src)
     src.close()
     assert ours.weight_layout == "packed" and ours.dtype == torch.float32
-    assert ours.layers[0][1].data.dtype == torch.bfloat16
+    assert ours.layers[0].wqkv.data.dtype == torch.bfloat16
     toks = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(8))
     ref = hf_logits(ref_model, toks)
     out = ours.forward(toks, torch.arange(20), 0, chain_mask(0, 20))

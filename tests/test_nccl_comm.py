@@ -10,7 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from swiftspec_mpi.core import config  # noqa: E402
+from swiftspec_mpi.core import switches  # noqa: E402
+from swiftspec_mpi.core.errors import UserError  # noqa: E402
 from swiftspec_mpi.gpu import kernels, nccl_comm, nccl_shim  # noqa: E402
 
 
@@ -99,10 +100,10 @@ def test_no_kernels_falls_back(monkeypatch):
 
 def test_switch(monkeypatch):
     monkeypatch.delenv("SWIFTSPEC_FUSED_ALLREDUCE", raising=False)
-    assert not config.fused_allreduce_requested()
+    assert not switches.flag("SWIFTSPEC_FUSED_ALLREDUCE")
     monkeypatch.setenv("SWIFTSPEC_FUSED_ALLREDUCE", "1")
-    assert config.fused_allreduce_requested()
-    config.check_environment()
+    assert switches.flag("SWIFTSPEC_FUSED_ALLREDUCE")
+    switches.check_all()
     monkeypatch.setenv("SWIFTSPEC_FUSED_ALLREDUCE", "fast")
-    with pytest.raises(config.UserError, match="SWIFTSPEC_FUSED_ALLREDUCE"):
-        config.check_environment()
+    with pytest.raises(UserError, match="SWIFTSPEC_FUSED_ALLREDUCE"):
+        switches.check_all()

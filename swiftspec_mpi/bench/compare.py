@@ -31,6 +31,7 @@ from pathlib import Path
 from swiftspec_mpi.core.errors import EXIT_RUNTIME_ERROR, UserError
 from swiftspec_mpi.gpu.sharing import describe as describe_gpu_sharing
 from swiftspec_mpi.gpu.sharing import time_sliced
+from swiftspec_mpi.trace.analyze import fmt_number
 
 OUR_SYSTEMS = ("ar", "sync", "async")
 HF_SYSTEMS = ("hf-greedy", "hf-assisted")
@@ -237,12 +238,6 @@ def run_ours(mode: str, cmd: list[str], out_path: str, log_path: str, timeout: f
 # ---------------------------------------------------------------------------------------------
 # table
 
-def _fmt(x, digits=2, suffix=""):
-    if x is None or (isinstance(x, float) and x != x):
-        return "-"
-    return f"{x:.{digits}f}{suffix}"
-
-
 def exactness(ref: dict | None, other: dict | None) -> dict | None:
     """Compare requests (by index) of two summaries: equal output ids, and prompts that differ."""
     if not ref or not other:
@@ -305,9 +300,9 @@ def build_markdown(results: list[dict], meta: dict) -> str:
                                  "differently from ar; their outputs cannot match")
         reqs = f"{s.get('n_requests', 0)}/{n}" if n is not None else str(s.get("n_requests", 0))
         ttft = (s.get("ttft_s") or {}).get("mean")
-        lines.append(f"| {r['system']} | {status} | {reqs} | {_fmt(tps)} | {speed} | "
-                     f"{_fmt(s.get('mean_accepted_length'))} | {exact} | "
-                     f"{_fmt(ttft * 1e3 if ttft is not None else None, 0)} |")
+        lines.append(f"| {r['system']} | {status} | {reqs} | {fmt_number(tps)} | {speed} | "
+                     f"{fmt_number(s.get('mean_accepted_length'))} | {exact} | "
+                     f"{fmt_number(ttft * 1e3 if ttft is not None else None, 0)} |")
     out = ["# swiftspec bench", ""]
     setup = meta.get("setup") or {}
     if setup:
@@ -326,7 +321,7 @@ def build_markdown(results: list[dict], meta: dict) -> str:
                 "| category | " + " | ".join(r["system"] for r in shown) + " |",
                 "|---|" + "---:|" * len(shown)]
         for c in cats:
-            cells = [_fmt(((r["summary"].get("categories") or {}).get(c) or {}).get("tokens_per_s"))
+            cells = [fmt_number(((r["summary"].get("categories") or {}).get(c) or {}).get("tokens_per_s"))
                      for r in shown]
             out.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"

@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from swiftspec_mpi.core.errors import UserError
+from swiftspec_mpi.core.errors import UserError, one_line
 
 HF_SYSTEMS = ("hf-greedy", "hf-assisted")
 WARMUP_TOKENS = 2
@@ -341,5 +341,5 @@ def _try(fn, *args):
 
 
 def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}"[:300]
+    """An exception as one short line: its type and its message (errors.one_line), 300 chars at most."""
+    return f"{type(exc).__name__}: {one_line(exc)}"[:300]

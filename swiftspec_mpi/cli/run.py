@@ -18,9 +18,6 @@ import sys
 
 from swiftspec_mpi.core.config import MODES
 
-DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS  # flags not given stay absent (None) so the TOML file can supply them
     m = p.add_argument_group("models")

@@ -18,8 +18,7 @@ from swiftspec_mpi.core.errors import UserError
 MODES = ("async", "sync", "ar")
 INTERACTIVE_CONTEXT = 4096    # default KV slots with --interactive / --serve (prompts unknown ahead)
 DTYPES = ("float32", "bfloat16", "float16")
-FUSED_GEMM_MODES = ("pdl", "cublas", "auto")     # SWIFTSPEC_FUSED_GEMM, read by fused_ops.py
-_SWITCH_WORDS = ("0", "1", "false", "true", "no", "yes", "off", "on")
+DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
 
 
 @dataclass
@@ -255,42 +254,6 @@ def parse_serve_address(spec: str) -> tuple[str, int]:
 def requests_stream_in(cfg: "RunConfig") -> bool:
     """The prompts arrive while the job runs (--interactive, --serve), not all known at the start."""
     return bool(cfg.interactive) or cfg.serve is not None
-
-
-def check_environment() -> None:
-    """The GPU path's switches are environment variables read at import (fused_ops.py): a typo
-    there would silently give the default, so refuse it with the fix."""
-    mode = os.environ.get("SWIFTSPEC_FUSED_GEMM")
-    if mode is not None and mode.strip().lower() not in FUSED_GEMM_MODES:
-        raise UserError(f"SWIFTSPEC_FUSED_GEMM={mode!r} is not a GEMM mode; use "
-                        f"{', '.join(FUSED_GEMM_MODES)}, or unset it for the default (pdl)")
-    for name, (default, meaning) in ENV_SWITCHES.items():
-        v = os.environ.get(name)
-        if v is not None and v.strip().lower() not in _SWITCH_WORDS:
-            raise UserError(f"{name}={v!r} is not a switch; use 1 or 0, or unset it "
-                            f"for the default ({int(default)}: {meaning})")
-
-
-# The GPU path's on/off switches: name -> (default, what the default means).
-ENV_SWITCHES = {
-    "SWIFTSPEC_FUSED_OPS": (True, "fused kernels on"),
-    "SWIFTSPEC_FUSED_ALLREDUCE": (False, "NCCL's all-reduce after the GEMV"),
-}
-
-
-def env_switch(name: str) -> bool:
-    """The value of one of ENV_SWITCHES (its default when unset; check_environment refuses words
-    that are not a switch before any rank reads one)."""
-    default = ENV_SWITCHES[name][0]
-    v = os.environ.get(name)
-    return default if v is None else v.strip().lower() in ("1", "true", "yes", "on")
-
-
-def fused_allreduce_requested() -> bool:
-    """SWIFTSPEC_FUSED_ALLREDUCE=1: tensor-parallel GPU groups fuse the row-parallel GEMVs with
-    their all-reduce (NCCL device API, one NVLink domain). Off by default: it has not yet run
-    inside the engine on several GPUs (docs/benchmarks.md)."""
-    return env_switch("SWIFTSPEC_FUSED_ALLREDUCE")
 
 
 def check_output_path_default(cfg: RunConfig) -> None:

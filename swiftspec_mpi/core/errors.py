@@ -19,3 +19,8 @@ class CheckpointError(UserError):
 
 class PeerError(RuntimeError):
     """A peer rank stopped answering within the deadline (dead rank, network)."""
+
+
+def one_line(message) -> str:
+    """The error contract is one line; a message quoting file content may hold newlines."""
+    return " ".join(str(message).splitlines())

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
+from swiftspec_mpi.core import switches
 from swiftspec_mpi.trace.record import ROLE_DRAFT, ROLE_VERIFY
 
 INTERCOMM_TAG = 7117
@@ -76,7 +77,7 @@ def pin_threads(topo: Topology, threads: int | None) -> int:
         cores = list(range(os.cpu_count() or 1))
     share = max(1, len(cores) // max(1, topo.local_size))
     n_threads = threads or share
-    if len(cores) >= topo.local_size * n_threads and not os.environ.get("SWIFTSPEC_NO_PIN"):
+    if len(cores) >= topo.local_size * n_threads and not switches.flag("SWIFTSPEC_NO_PIN"):
         mine = cores[topo.local_rank * n_threads:(topo.local_rank + 1) * n_threads]
         try:
             os.sched_setaffinity(0, mine)

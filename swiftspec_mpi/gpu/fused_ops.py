@@ -17,40 +17,34 @@ of `Transformer.forward_graphable` can hold them. Loaded and launched through th
 SWIFTSPEC_FUSED_OPS=0 (read at import) or by `set_enabled(False)` (benchmarks compare both in
 one process; a CUDA graph keeps whatever path was active when it was captured).
 
-The projections: by default (SWIFTSPEC_FUSED_GEMM=pdl, `set_gemm_mode("pdl")`) every
-bias-free projection runs on `kernels.gemm_rowparallel` and every kernel of the layer is
-launched with programmatic dependent launch (PDL), so each launch, and the first weight loads of
-each projection, overlap the kernel before it: on the H200 the Llama-3-8B step is 1.06-1.07x and
-the Llama-3.2-1B step 1.14-1.24x faster than with cuBLAS (docs/benchmarks.md). It sums in another order
-than cuBLAS, so its logits are not cuBLAS's bits, but they are as close to a float32 model
-(tests/test_fused_ops_gpu.py::test_pdl_mode_is_as_accurate_as_cublas). SWIFTSPEC_FUSED_GEMM=cublas
-keeps every GEMM on cuBLAS (F.linear): the fused path then gives the same bits as the torch ops
-path. SWIFTSPEC_FUSED_GEMM=auto picks per projection kind and token count between cuBLAS and
-`kernels.gemm_rowparallel` by timing both once over all layers' weights (`prefer_rowparallel`),
-without PDL. Random-weight models amplify the summation-order differences through depth (logits
-2-4 % apart at 16-32 layers; a near-tie argmax can flip).
+The projections (switch SWIFTSPEC_FUSED_GEMM, or `set_gemm_mode`): "pdl" (default) runs every
+bias-free projection on the GEMV kernels (gpu/kernels.py) and launches every kernel of the layer
+with programmatic dependent launch (PDL), so each launch, and the first weight loads of each
+projection, overlap the kernel before it. It sums in another order than cuBLAS, so its logits
+are not cuBLAS's bits, but they are as close to a float32 model
+(tests/test_fused_ops_gpu.py::test_pdl_mode_is_as_accurate_as_cublas). "cublas" keeps every
+GEMM on cuBLAS (F.linear): the fused path then gives the same bits as the torch ops path.
+Random-weight models amplify the summation-order differences through depth (logits 2-4 % apart
+at 16-32 layers; a near-tie argmax can flip).
 """
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
-from swiftspec_mpi.core.config import FUSED_GEMM_MODES, env_switch
-from swiftspec_mpi.gpu.kernels import _function, _launch, _launch_pdl, _ptr, available
+from swiftspec_mpi.core import switches
+from swiftspec_mpi.gpu.kernels import MAX_GEMM_ROWS
+from swiftspec_mpi.gpu.launch import available, function, launch_pdl, ptr
+from swiftspec_mpi.gpu.launch import launch as launch_plain
 
 _SOURCE = "fused_ops"
 _RMS_MAX_THREADS = 512      # must not exceed __launch_bounds__ of add_rmsnorm_v* in fused_ops.cu
 _EW_THREADS = 256           # rope_kv_write_v*, silu_mul_v* (__launch_bounds__(256))
 _EW_MAX_BLOCKS = 4096       # grid-stride loops: more work than this just loops
-_enabled = env_switch("SWIFTSPEC_FUSED_OPS")
-
-
-_gemm_mode = os.environ.get("SWIFTSPEC_FUSED_GEMM", "pdl").strip().lower()
-
-
-GEMM_MODES = FUSED_GEMM_MODES     # ("pdl", "cublas", "auto"); config.check_environment refuses others
+_enabled = switches.flag("SWIFTSPEC_FUSED_OPS")
+GEMM_MODES = switches.SWITCHES["SWIFTSPEC_FUSED_GEMM"].choices      # ("pdl", "cublas")
+_gemm_mode = switches.choice("SWIFTSPEC_FUSED_GEMM")
 
 
 def set_gemm_mode(mode: str) -> None:
@@ -58,8 +52,7 @@ def set_gemm_mode(mode: str) -> None:
     weights, <= kernels.MAX_GEMM_ROWS tokens; see `pdl_gemm_ok`) on our GEMV kernels, and every
     kernel of the layer launched with programmatic dependent launch, so each kernel's launch and
     the next projection's first weight loads overlap the kernel before it; "cublas": always
-    F.linear; "auto": let `prefer_rowparallel` time cuBLAS against kernels.gemm_rowparallel per
-    projection kind."""
+    F.linear."""
     global _gemm_mode
     if mode not in GEMM_MODES:
         raise ValueError(f"gemm mode must be one of {GEMM_MODES}, not {mode!r}")
@@ -67,73 +60,18 @@ def set_gemm_mode(mode: str) -> None:
 
 
 def gemm_mode() -> str:
-    return _gemm_mode if _gemm_mode in GEMM_MODES else "pdl"
+    """The projections' mode: "pdl" or "cublas" (see set_gemm_mode)."""
+    return _gemm_mode
 
 
 def pdl_gemm_ok(weights: list, m: int) -> bool:
     """Whether the "pdl" mode can run `kernels.gemm_rowparallel(x [m, K], w)` for every w: [N, K]
     bfloat16 contiguous CUDA weights, N and K multiples of 8, 16-byte aligned, m <= MAX_GEMM_ROWS."""
-    from swiftspec_mpi.gpu import kernels
-
-    if not weights or not 1 <= m <= kernels.MAX_GEMM_ROWS:
+    if not weights or not 1 <= m <= MAX_GEMM_ROWS:
         return False
     return all(w is not None and w.dim() == 2 and w.is_cuda and w.dtype == torch.bfloat16
                and w.is_contiguous() and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0
-               and w.data_ptr() % 16 == 0 for w in weights)
-
-
-def prefer_rowparallel(weights: list, m: int, reps: int = 5) -> bool:
-    """Whether `kernels.gemm_rowparallel(x [m, K], w)` beats cuBLAS `F.linear(x, w)` for these
-    weights: one projection kind of every layer, all [N, K] bfloat16 contiguous (nn.Linear
-    layout). Both are timed over the whole list, so the weights stream from HBM as in a decode
-    step (one layer's matrix alone would sit in the 60 MB L2), `reps` alternating passes each,
-    the best pass of each compared; the custom kernel must win by 2 % and be as accurate as cuBLAS
-    (error vs an fp32 product on up to 4096 rows of the first weight at most 1.5x cuBLAS's plus
-    1e-4). Syncs the device: call it outside graph capture (returns False
-    while the current stream is capturing, in "cublas" mode, for m > kernels.MAX_GEMM_ROWS, for
-    shapes the kernel does not take, and if the kernel fails to build or run)."""
-    from swiftspec_mpi.gpu import kernels
-
-    if gemm_mode() != "auto" or not weights or not 1 <= m <= kernels.MAX_GEMM_ROWS:
-        return False
-    w0 = weights[0]
-    n, k = w0.shape if w0.dim() == 2 else (0, 0)
-    if n == 0 or n % 8 or k % 8 or not all(
-            w.is_cuda and w.dtype == torch.bfloat16 and w.is_contiguous() and w.shape == w0.shape
-            and w.data_ptr() % 16 == 0 for w in weights):
-        return False
-    if torch.cuda.is_current_stream_capturing():
-        return False
-    F = torch.nn.functional
-    try:
-        gen = torch.Generator(device=w0.device).manual_seed(0)
-        x = torch.randn(m, k, generator=gen, device=w0.device, dtype=torch.float32).to(torch.bfloat16)
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=w0.device)
-        kernels.gemm_rowparallel(x, w0, out)
-        rows = min(n, 4096)
-        exact = x.float() @ w0[:rows].float().t()
-
-        def err(y):
-            return ((y[:, :rows].float() - exact).norm() / exact.norm().clamp_min(1e-30)).item()
-        if not err(out) <= 1.5 * err(F.linear(x, w0)) + 1e-4:
-            return False
-        stream = torch.cuda.current_stream(w0.device)
-        best = {"cublas": float("inf"), "rowpar": float("inf")}
-        for _ in range(reps):
-            for name in best:
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record(stream)
-                for w in weights:
-                    if name == "cublas":
-                        F.linear(x, w)
-                    else:
-                        kernels.gemm_rowparallel(x, w, out)
-                e1.record(stream)
-                e1.synchronize()
-                best[name] = min(best[name], e0.elapsed_time(e1))
-        return best["rowpar"] < 0.98 * best["cublas"]
-    except Exception:       # a kernel that does not build or launch here: keep cuBLAS
-        return False
+               and w.dataptr() % 16 == 0 for w in weights)
 
 
 def set_enabled(flag: bool) -> None:
@@ -152,7 +90,7 @@ def launch(pdl: bool, f: int, grid: tuple, block: int, smem: int, stream: int, a
     overlaps the tail of the previous kernel in the stream, the kernel waits for that kernel
     (griddepcontrol.wait) before reading anything and then lets the next kernel launch. Same
     results either way; in a CUDA graph the dependency becomes a programmatic edge."""
-    (_launch_pdl if pdl else _launch)(f, grid, block, smem, stream, args)
+    (launch_pdl if pdl else launch_plain)(f, grid, block, smem, stream, args)
 
 
 def _dev(t: torch.Tensor) -> int:
@@ -165,7 +103,7 @@ def _is_bf16_cuda(t: torch.Tensor) -> bool:
 
 def _aligned(*ts: torch.Tensor) -> bool:
     """16-byte aligned bases and row strides that are multiples of 8 elements (V = 8 path)."""
-    return all(t.data_ptr() % 16 == 0 and (t.dim() < 2 or t.stride(0) % 8 == 0) for t in ts)
+    return all(t.dataptr() % 16 == 0 and (t.dim() < 2 or t.stride(0) % 8 == 0) for t in ts)
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -214,11 +152,11 @@ def add_rmsnorm(x: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor, e
     chunks = H // V
     threads = min(_RMS_MAX_THREADS, max(32, -(-chunks // 32) * 32))
     dev = _dev(x)
-    f = _function(_SOURCE, "", f"add_rmsnorm_v{V}", dev)
-    args = [_ptr(x), ctypes.c_int64(x.stride(0)),
-            ctypes.c_uint64(a.data_ptr() if a is not None else 0),
+    f = function(_SOURCE, "", f"add_rmsnorm_v{V}", dev)
+    args = [ptr(x), ctypes.c_int64(x.stride(0)),
+            ctypes.c_uint64(a.dataptr() if a is not None else 0),
             ctypes.c_int64(a.stride(0) if a is not None else 0),
-            _ptr(weight), _ptr(out), ctypes.c_int64(out.stride(0)), ctypes.c_int32(H), ctypes.c_float(eps)]
+            ptr(weight), ptr(out), ctypes.c_int64(out.stride(0)), ctypes.c_int32(H), ctypes.c_float(eps)]
     launch(pdl, f, (N, 1, 1), threads, 0, torch.cuda.current_stream(dev).cuda_stream, args)
     return out
 
@@ -273,9 +211,9 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, write_slots: torch
     total = N * units
     blocks = min(-(-total // _EW_THREADS), _EW_MAX_BLOCKS)
     dev = _dev(qkv)
-    f = _function(_SOURCE, "", f"rope_kv_write_v{V}", dev)
-    args = [_ptr(qkv), ctypes.c_int64(qkv.stride(0)), _ptr(positions), _ptr(write_slots),
-            _ptr(cos), _ptr(sin), ctypes.c_int32(cos.shape[0]), _ptr(k_cache), _ptr(v_cache),
+    f = function(_SOURCE, "", f"rope_kv_write_v{V}", dev)
+    args = [ptr(qkv), ctypes.c_int64(qkv.stride(0)), ptr(positions), ptr(write_slots),
+            ptr(cos), ptr(sin), ctypes.c_int32(cos.shape[0]), ptr(k_cache), ptr(v_cache),
             ctypes.c_int64(k_cache.stride(0)), ctypes.c_int32(S), ctypes.c_int32(N),
             ctypes.c_int32(n_heads), ctypes.c_int32(Hkv), ctypes.c_int32(D)]
     launch(pdl, f, (blocks, 1, 1), _EW_THREADS, 0, torch.cuda.current_stream(dev).cuda_stream, args)
@@ -307,8 +245,8 @@ def silu_mul(gu: torch.Tensor, out: torch.Tensor | None = None, pdl: bool = Fals
     total = N * (I // V)
     blocks = min(-(-total // _EW_THREADS), _EW_MAX_BLOCKS)
     dev = _dev(gu)
-    f = _function(_SOURCE, "", f"silu_mul_v{V}", dev)
-    args = [_ptr(gu), ctypes.c_int64(gu.stride(0)), _ptr(out), ctypes.c_int64(out.stride(0)),
+    f = function(_SOURCE, "", f"silu_mul_v{V}", dev)
+    args = [ptr(gu), ctypes.c_int64(gu.stride(0)), ptr(out), ctypes.c_int64(out.stride(0)),
             ctypes.c_int32(N), ctypes.c_int32(I)]
     launch(pdl, f, (blocks, 1, 1), _EW_THREADS, 0, torch.cuda.current_stream(dev).cuda_stream, args)
     return out
@@ -362,14 +300,14 @@ def logits_topk(logits: torch.Tensor, k: int, logprobs: bool = True) -> tuple[to
     pi = torch.empty((N * P * K,), dtype=torch.int32, device=logits.device)
     pm, ps = pv[N * P * K:N * P * (K + 1)], pv[N * P * (K + 1):]
     stream = torch.cuda.current_stream(dev).cuda_stream
-    f = _function(_SOURCE, "", f"logits_topk_part_k{K}_l{1 if logprobs else 0}", dev)
+    f = function(_SOURCE, "", f"logits_topk_part_k{K}_l{1 if logprobs else 0}", dev)
     launch(False, f, (P, N, 1), _TOPK_THREADS, 0, stream,
-           [_ptr(logits), ctypes.c_int64(logits.stride(0)), ctypes.c_int32(V), ctypes.c_int32(chunk),
-            ctypes.c_int32(k), _ptr(pv), _ptr(pi), _ptr(pm), _ptr(ps)])
-    f = _function(_SOURCE, "", f"logits_topk_merge_k{K}", dev)
+           [ptr(logits), ctypes.c_int64(logits.stride(0)), ctypes.c_int32(V), ctypes.c_int32(chunk),
+            ctypes.c_int32(k), ptr(pv), ptr(pi), ptr(pm), ptr(ps)])
+    f = function(_SOURCE, "", f"logits_topk_merge_k{K}", dev)
     launch(False, f, (N, 1, 1), 32, 0, stream,
-           [_ptr(pv), _ptr(pi), _ptr(pm), _ptr(ps), ctypes.c_int32(P), ctypes.c_int32(k),
-            ctypes.c_int32(1 if logprobs else 0), _ptr(ids), ctypes.c_int64(k), _ptr(vals), ctypes.c_int64(k)])
+           [ptr(pv), ptr(pi), ptr(pm), ptr(ps), ctypes.c_int32(P), ctypes.c_int32(k),
+            ctypes.c_int32(1 if logprobs else 0), ptr(ids), ctypes.c_int64(k), ptr(vals), ctypes.c_int64(k)])
     return ids, vals
 
 

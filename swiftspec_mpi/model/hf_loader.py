@@ -39,10 +39,10 @@ def read_config_json(folder: str) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({exc}); {_FIX}") from None
 
 
-def _safe_open(path: str):
+def _safe_open(path: str, framework: str = "pt"):
     from safetensors import safe_open
     try:
-        return safe_open(path, framework="pt", device="cpu")
+        return safe_open(path, framework=framework, device="cpu")
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; {_FIX}") from None
     except Exception as exc:  # SafetensorError (truncated / corrupt header), OSError
@@ -51,10 +51,12 @@ def _safe_open(path: str):
 
 
 class SafetensorsSource:
-    """Tensors of a HF folder by name; see the module doc for the protocol."""
+    """Tensors of a HF folder by name; see the module doc for the protocol. `framework` "numpy"
+    reads headers without importing torch (rank 0's checks: `shapes()`); `get` needs "pt"."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, framework: str = "pt"):
         self.folder = os.fspath(folder)
+        self._framework = framework
         if not os.path.isdir(self.folder):
             raise CheckpointError(f"{self.folder}: not a directory; pass a Hugging Face model "
                                   "folder or a .gguf file")
@@ -88,7 +90,7 @@ class SafetensorsSource:
             if not os.path.isfile(path):
                 raise CheckpointError(f"{path}: missing (listed in model.safetensors.index.json); "
                                       f"{_FIX}")
-            with _safe_open(path) as h:  # validates the header against the file size
+            with _safe_open(path, framework) as h:  # validates the header against the file size
                 for name in h.keys():
                     self._where[name] = path
         if weight_map is not None:
@@ -102,8 +104,17 @@ class SafetensorsSource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         path = self._path(name)
-        with _safe_open(path) as h:
+        with _safe_open(path, self._framework) as h:
             return tuple(h.get_slice(name).get_shape())
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape from the headers (each file opened once), no data read."""
+        out = {}
+        for path in sorted(set(self._where.values())):
+            with _safe_open(path, self._framework) as h:
+                for name in h.keys():
+                    out[name] = tuple(h.get_slice(name).get_shape())
+        return out
 
     def _path(self, name: str) -> str:
         try:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from swiftspec_mpi.core import switches
 from swiftspec_mpi.core.errors import CheckpointError, UserError
 
 PREPARED_FORMAT = 1          # bump when the prepared folder's layout or content changes
@@ -103,9 +104,9 @@ def _quiet(msg: str) -> None:
 # ---------------------------------------------------------------------------------------- paths
 
 def cache_root() -> Path:
-    env = os.environ.get("SWIFTSPEC_CACHE")
+    env = switches.path("SWIFTSPEC_CACHE")
     if env:
-        return Path(env).expanduser()
+        return Path(env)
     checkout = Path(__file__).resolve().parent.parent.parent
     if (checkout / "setup.py").is_file() and (checkout / "swiftspec_mpi").is_dir():
         return checkout / ".cache" / "models"

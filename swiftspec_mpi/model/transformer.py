@@ -35,75 +35,20 @@ import torch.nn.functional as F
 
 from swiftspec_mpi.model import cpu_linear
 from swiftspec_mpi.core.comm import SingleComm
-from swiftspec_mpi.core.errors import CheckpointError, UserError
+from swiftspec_mpi.core.errors import UserError
 from swiftspec_mpi.model.config import ModelConfig
+from swiftspec_mpi.model.layer import Layer
+from swiftspec_mpi.model.rope import rope_inv_freq
+from swiftspec_mpi.model.weight_loading import load_weights
 
 # (n_new * group) at or below which GQA is folded into the query-length dimension (no KV copy,
 # additive float mask shared by all layers); above it SDPA's own GQA path with the bool mask.
 _FOLD_MAX_ROWS = 256
-# elements per block when loading a large matrix (bounds the loader's temporaries to ~32 MiB)
-_FETCH_CHUNK = 8 << 20
 
 
 def chain_mask(start: int, n: int) -> torch.Tensor:
     """BoolTensor [n, start+n]: the whole prefix [0, start) visible, causal over the n new."""
     return torch.ones(n, start + n, dtype=torch.bool).tril_(diagonal=start)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] (float32) and the cos/sin scale, as transformers computes
-    them for rope types default, linear, llama3 and yarn."""
-    dim = cfg.head_dim
-    base = cfg.rope_theta
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    rs = cfg.rope_scaling or {}
-    rtype = cfg.rope_type
-    scale = 1.0
-    if rtype == "linear":
-        inv = inv / float(rs["factor"])
-    elif rtype == "llama3":
-        factor = float(rs["factor"])
-        low = float(rs.get("low_freq_factor", 1.0))
-        high = float(rs.get("high_freq_factor", 4.0))
-        old_ctx = float(rs.get("original_max_position_embeddings", 8192))
-        low_wl, high_wl = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv
-        inv_l = torch.where(wavelen > low_wl, inv / factor, inv)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
-        medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
-        inv = torch.where(medium, smoothed, inv_l)
-    elif rtype == "yarn":
-        factor = rs.get("factor")
-        omax = float(rs.get("original_max_position_embeddings", cfg.max_position_embeddings))
-        if factor is None:
-            factor = cfg.max_position_embeddings / omax
-        factor = float(factor)
-        att = rs.get("attention_factor")
-        mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
-
-        def get_mscale(s, m=1.0):
-            return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
-        if att is None:
-            att = (get_mscale(factor, mscale) / get_mscale(factor, mscale_all)
-                   if mscale and mscale_all else get_mscale(factor))
-        scale = float(att)
-        beta_fast = rs.get("beta_fast") or 32
-        beta_slow = rs.get("beta_slow") or 1
-
-        def corr_dim(rot):
-            return (dim * math.log(omax / (rot * 2 * math.pi))) / (2 * math.log(base))
-        lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
-        if rs.get("truncate", True):
-            lo, hi = math.floor(lo), math.ceil(hi)
-        lo, hi = max(lo, 0), min(hi, dim - 1)
-        if lo == hi:
-            hi += 0.001
-        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo), 0, 1)
-        pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
-        extra = 1 - ramp
-        inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
-    return inv, scale
 
 
 class _Shard:
@@ -208,9 +153,8 @@ class Transformer(torch.nn.Module):
             sin[:, :self._half] = -sin[:, :self._half]
             self.rope_cos = cos.to(**kw)
             self.rope_sin = sin.to(**kw)
-        # per layer: (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, k_cache[l], v_cache[l]); the four
-        # matrices in `weight_layout` (wqkv rows/cols = this rank's q heads, then its K, then V)
-        self.layers: list[tuple] = []
+        # one Layer per decoder layer (model/layer.py), filled by load_weights
+        self.layers: list[Layer] = []
         self.embed = None   # [vocab, hidden] (a transposed view of a [hidden, vocab] store when
         self.norm = None    # the head is tied on CPU; None when a tied packed head serves the
         #                     lookup); head: [v_chunk, hidden], [hidden, v_chunk] or PackedWeight
@@ -220,133 +164,9 @@ class Transformer(torch.nn.Module):
     # ------------------------------------------------------------------------------ loading
     def load_weights(self, source) -> None:
         """Read this rank's shard from a TensorSource (`get(name, dim, start, stop)`), one tensor
-        at a time, straight into the fused per-layer buffers. Shapes are checked against the
-        config; a mismatch raises CheckpointError naming the tensor."""
-        cfg, sh, hd, H = self.cfg, self.shard, self.cfg.head_dim, self.cfg.hidden_size
-        kw = dict(dtype=self.dtype, device=self.device)
-        src_cfg = getattr(source, "config", None)
-        if src_cfg is not None:
-            for field in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
-                          "intermediate_size"):
-                if getattr(src_cfg, field) != getattr(cfg, field):
-                    raise CheckpointError(f"checkpoint {field}={getattr(src_cfg, field)} differs "
-                                          f"from the model's {field}={getattr(cfg, field)}")
-            if src_cfg.num_layers < cfg.num_layers:
-                raise CheckpointError(f"checkpoint has {src_cfg.num_layers} layers, the model "
-                                      f"wants {cfg.num_layers}")
-
-        get_into = getattr(source, "get_into", None)   # GGUF: dequantized a few MiB at a time
-
-        def fetch(dst: torch.Tensor, name: str, dim=None, start=0, stop=None, expect=None):
-            if get_into is not None and expect is None:
-                get_into(dst, name, dim, start, stop)     # checks the shape itself
-                return
-            rows = dst.shape[0] if len(dst.shape) == 2 else 0
-            if expect is None and dim in (None, 0) and rows * dst.shape[-1] > _FETCH_CHUNK:
-                # big matrices (the embedding) in row blocks: no full-size temporaries
-                a0 = start if dim == 0 else 0
-                if (stop if dim == 0 and stop is not None else a0 + rows) != a0 + rows:
-                    raise CheckpointError(f"tensor {name!r}: slice [{start}:{stop}) does not "
-                                          f"give the {rows} rows the config implies")
-                step = max(1, _FETCH_CHUNK // dst.shape[-1])
-                for r in range(0, rows, step):
-                    fetch(dst[r:r + step], name, 0, a0 + r, a0 + min(r + step, rows))
-                return
-            t = source.get(name, dim, start, stop)
-            want = tuple(dst.shape) if expect is None else expect
-            if tuple(t.shape) != want:
-                raise CheckpointError(f"tensor {name!r}: shape {list(t.shape)} (slice "
-                                      f"[{start}:{stop}) along dim {dim}) but the config implies "
-                                      f"{list(want)}; the checkpoint and its config.json disagree")
-            dst.copy_(t.reshape(dst.shape))
-            del t
-
-        def mat(rows: int, cols: int):
-            """-> (stored tensor in weight_layout, its [rows, cols] = [out, in] view)."""
-            if self.packed:
-                pw = cpu_linear.PackedWeight(rows, cols, self.weight_dtype)
-                return pw, pw.rows()
-            if self.transposed:
-                store = torch.empty(cols, rows, **kw)
-                return store, store.t()
-            store = torch.empty(rows, cols, **kw)
-            return store, store
-
-        v0, v1 = sh.vocab
-        tied = cfg.tie_word_embeddings or "lm_head.weight" not in set(_names(source))
-        if tied and not cfg.tie_word_embeddings:
-            raise CheckpointError("the checkpoint has no 'lm_head.weight' but config says "
-                                  "tie_word_embeddings=false; the checkpoint is incomplete")
-        wkw = dict(dtype=self.weight_dtype, device=self.device)
-        packed_tied = self.packed and tied and v1 - v0 == cfg.vocab_size
-        with torch.no_grad():
-            if packed_tied:                # the packed head serves the lookup too (gather_rows)
-                self.head, head_rows = mat(cfg.vocab_size, H)
-                self.embed = None
-                fetch(head_rows, "model.embed_tokens.weight")
-            elif tied and self.transposed:   # one [hidden, vocab] store serves lookup and head
-                emb_store, self.embed = mat(cfg.vocab_size, H)
-            else:
-                self.embed = emb_store = torch.empty(cfg.vocab_size, H, **wkw)
-            if not packed_tied:
-                fetch(self.embed, "model.embed_tokens.weight")
-            layers = []
-            q_rows = sh.q_rows[1] - sh.q_rows[0]
-            kv_rows = sh.nkv_l * hd
-            runs = sh.kv_runs(hd)
-
-            def fetch_qkv(dst, prefix: str, what: str) -> None:
-                """dst [q_rows + 2 kv_rows, ...]: this rank's q rows, then its runs of the k and
-                v rows, from the checkpoint's q_proj / k_proj / v_proj `what` (weight or bias)."""
-                fetch(dst[:q_rows], prefix + f"self_attn.q_proj.{what}", 0, *sh.q_rows)
-                for j, proj in enumerate(("k_proj", "v_proj")):
-                    off = q_rows + j * kv_rows
-                    for a, b in runs:
-                        fetch(dst[off:off + b - a], prefix + f"self_attn.{proj}.{what}", 0, a, b)
-                        off += b - a
-
-            for i in range(cfg.num_layers):
-                p = f"model.layers.{i}."
-                ln1 = torch.empty(H, **kw)
-                fetch(ln1, p + "input_layernorm.weight")
-                ln2 = torch.empty(H, **kw)
-                fetch(ln2, p + "post_attention_layernorm.weight")
-                wqkv, wqkv_v = mat(q_rows + 2 * kv_rows, H)
-                fetch_qkv(wqkv_v, p, "weight")
-                bqkv = None
-                if cfg.attention_bias:
-                    bqkv = torch.empty(q_rows + 2 * kv_rows, **kw)
-                    fetch_qkv(bqkv, p, "bias")
-                wo, wo_v = mat(H, q_rows)
-                fetch(wo_v, p + "self_attn.o_proj.weight", 1, *sh.q_rows)
-                bo = None
-                if cfg.o_bias and self.comm.rank == 0:   # added once, before the all-reduce
-                    bo = torch.empty(H, **kw)
-                    fetch(bo, p + "self_attn.o_proj.bias")
-                il = sh.inter_l
-                wgu, wgu_v = mat(2 * il, H)
-                fetch(wgu_v[:il], p + "mlp.gate_proj.weight", 0, *sh.ff)
-                fetch(wgu_v[il:], p + "mlp.up_proj.weight", 0, *sh.ff)
-                wd, wd_v = mat(H, il)
-                fetch(wd_v, p + "mlp.down_proj.weight", 1, *sh.ff)
-                layers.append((ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd,
-                               self._k_layers[i], self._v_layers[i]))
-            self.norm = torch.empty(H, **kw)
-            fetch(self.norm, "model.norm.weight")
-            if packed_tied:
-                pass
-            elif tied and v1 - v0 == sh.v_chunk and not self.packed:   # a view: no extra memory
-                self.head = emb_store[:, v0:v1] if self.transposed else emb_store[v0:v1]
-            else:                                      # zero-padded to v_chunk rows
-                self.head, head_v = mat(sh.v_chunk, H)
-                if not self.packed:                    # (packed weights start zeroed)
-                    self.head.zero_()
-                if v1 > v0:
-                    if tied:
-                        head_v[:v1 - v0].copy_(self.embed[v0:v1])
-                    else:
-                        fetch(head_v[:v1 - v0], "lm_head.weight", 0, v0, v1)
-            self.layers = layers
+        at a time, straight into the fused per-layer buffers (model/weight_loading.py). Shapes
+        are checked against the config; a mismatch raises CheckpointError naming the tensor."""
+        load_weights(self, source)
         self.loaded = True
 
     def weight_bytes(self) -> int:
@@ -366,7 +186,7 @@ class Transformer(torch.nn.Module):
         seen, total = set(), 0
         tensors = list(tensors)
         for lay in self.layers:
-            tensors.extend(lay[:8])
+            tensors.extend(lay.weights())
         for t in tensors:
             if t is None:
                 continue
@@ -468,20 +288,20 @@ class Transformer(torch.nn.Module):
         x = self._embed(tokens)                                            # [N, hidden]
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)   # [N, 1, hd]
         sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
-        for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in self.layers:
-            h = F.rms_norm(x, hshape, ln1, eps)
-            qkv = lin(h, wqkv, bqkv)                                        # [N, (nh+2kv)*hd]
+        for lay in self.layers:
+            h = F.rms_norm(x, hshape, lay.ln1, eps)
+            qkv = lin(h, lay.wqkv, lay.bqkv)                                # [N, (nh+2kv)*hd]
             qk = qkv[:, :qk_cols].view(N, nh_l + nkv_l, hd)
             qk = torch.addcmul(qk * cos, torch.roll(qk, half, -1), sin)     # RoPE on q and k
-            write_kv(kc, vc, qk[:, nh_l:], qkv[:, qk_cols:].view(N, nkv_l, hd))
-            o = attend(qk[:, :nh_l], kc, vc)
-            a = lin(o, wo, bo)
+            write_kv(lay.k_cache, lay.v_cache, qk[:, nh_l:], qkv[:, qk_cols:].view(N, nkv_l, hd))
+            o = attend(qk[:, :nh_l], lay.k_cache, lay.v_cache)
+            a = lin(o, lay.wo, lay.bo)
             comm.all_reduce_(a)
             x.add_(a)
-            h = F.rms_norm(x, hshape, ln2, eps)
-            gu = lin(h, wgu)                                               # [N, 2*inter_l]
+            h = F.rms_norm(x, hshape, lay.ln2, eps)
+            gu = lin(h, lay.wgu)                                           # [N, 2*inter_l]
             m = F.silu(gu[:, :il]).mul_(gu[:, il:])
-            d = lin(m, wd)
+            d = lin(m, lay.wd)
             comm.all_reduce_(d)
             x.add_(d)
         return x
@@ -552,8 +372,8 @@ class Transformer(torch.nn.Module):
 
     def _fused_gemm_choice(self, n: int, ws: dict) -> dict:
         """Per projection ("qkv", "o", "gu", "down", "head"): True = kernels.gemm_rowparallel,
-        False = cuBLAS, for n tokens; timed once per (n, fused_ops.gemm_mode()) outside graph
-        capture by fused_ops.prefer_rowparallel (cuBLAS while capturing, not cached then).
+        False = cuBLAS, for n tokens, decided once per (n, fused_ops.gemm_mode()): in "pdl" mode
+        every projection the GEMV kernel takes (fused_ops.pdl_gemm_ok), in "cublas" mode none.
         Projections with a bias, and weights stored [in, out], stay on cuBLAS."""
         from swiftspec_mpi.gpu import fused_ops
 
@@ -562,14 +382,13 @@ class Transformer(torch.nn.Module):
         rp = ws.get(key)
         if rp is None:
             lays = self.layers
-            kinds = {"qkv": (1, 2), "o": (3, 4), "gu": (6, None), "down": (7, None)}
-            plain = self.weight_layout == "out_in"
-            pick = fused_ops.pdl_gemm_ok if mode == "pdl" else fused_ops.prefer_rowparallel
+            kinds = {"qkv": ("wqkv", "bqkv"), "o": ("wo", "bo"), "gu": ("wgu", None), "down": ("wd", None)}
+            on_gemv = self.weight_layout == "out_in" and mode == "pdl"
             rp = {}
-            for kind, (wi, bi) in kinds.items():
-                ok = plain and all(bi is None or lay[bi] is None for lay in lays)
-                rp[kind] = ok and pick([lay[wi] for lay in lays], n)
-            rp["head"] = plain and pick([self.head], n)
+            for kind, (weight, bias) in kinds.items():
+                ok = on_gemv and all(bias is None or getattr(lay, bias) is None for lay in lays)
+                rp[kind] = ok and fused_ops.pdl_gemm_ok([getattr(lay, weight) for lay in lays], n)
+            rp["head"] = on_gemv and fused_ops.pdl_gemm_ok([self.head], n)
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 return rp
             ws[key] = rp
@@ -614,7 +433,7 @@ class Transformer(torch.nn.Module):
 
         torch.index_select(self.embed, 0, tokens, out=x)
         pending = None                      # the previous layer's MLP output, not yet added to x
-        for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in self.layers:
+        for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd, kc, vc) in self.layers:     # Layer's fields
             fused_ops.add_rmsnorm(x, pending, ln1, eps, out=h, pdl=pdl)
             if pdl and rp["qkv"] and hd % 16 == 0:                         # QKV GEMM + RoPE + KV write
                 qkv = ws["qkv"]
@@ -657,8 +476,3 @@ class Transformer(torch.nn.Module):
 def _linear_in_out(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None):
     """x [M, in] @ w [in, out] (+ b [out]): nn.Linear for weights stored transposed."""
     return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
-
-
-def _names(source) -> list[str]:
-    names = getattr(source, "names", None)
-    return list(names()) if callable(names) else []

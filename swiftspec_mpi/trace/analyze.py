@@ -225,7 +225,8 @@ def json_safe(x):
 # ---------------------------------------------------------------------------------------------
 # table
 
-def _f(x, digits: int = 2, suffix: str = "") -> str:
+def fmt_number(x, digits: int = 2, suffix: str = "") -> str:
+    """x with `digits` decimals and `suffix`; "-" for None, NaN or infinity (table cells)."""
     if not _finite(x):
         return "-"
     return f"{float(x):.{digits}f}{suffix}"
@@ -238,14 +239,14 @@ def _pct(x) -> str:
 def _stats_cell(st: dict | None) -> str:
     if not st or not st.get("count"):
         return "-"
-    return f"{_f(st['mean_ms'])} / {_f(st['p50_ms'])} / {_f(st['p95_ms'])} (n={st['count']})"
+    return f"{fmt_number(st['mean_ms'])} / {fmt_number(st['p50_ms'])} / {fmt_number(st['p95_ms'])} (n={st['count']})"
 
 
 def describe_warmup(graphs: dict | None) -> str:
     """env_json["graphs"] (job.warm_graphs, rank 0's models) -> one cell, '-' when absent."""
     if not graphs:
         return "-"
-    return (f"{_f(graphs.get('warm_s'), 1)} s: {graphs.get('captured', 0)} step graphs, "
+    return (f"{fmt_number(graphs.get('warm_s'), 1)} s: {graphs.get('captured', 0)} step graphs, "
             f"{graphs.get('prompt_graphs', 0)} prompt graphs / {graphs.get('prompt_buckets', 0)} prompt lengths")
 
 
@@ -269,16 +270,16 @@ def table_rows(summaries: list[dict]) -> list[tuple[str, list[str]]]:
         rows.append(("GPU warm-up (rank 0)", col(lambda s: describe_warmup((s.get("env") or {}).get("graphs")))))
     rows.append(("requests", col(lambda s: str(s["n_requests"]))))
     rows.append(("new tokens", col(lambda s: str(s["new_tokens"]))))
-    rows.append(("request seconds", col(lambda s: _f(s["seconds"], 3))))
-    rows.append(("tokens/s", col(lambda s: _f(s["tokens_per_s"]))))
-    rows.append(("tokens/s, mean of requests", col(lambda s: _f(s["mean_request_tokens_per_s"]))))
+    rows.append(("request seconds", col(lambda s: fmt_number(s["seconds"], 3))))
+    rows.append(("tokens/s", col(lambda s: fmt_number(s["tokens_per_s"]))))
+    rows.append(("tokens/s, mean of requests", col(lambda s: fmt_number(s["mean_request_tokens_per_s"]))))
     rows.append(("TTFT ms mean / p50 / p95", col(lambda s: "-" if not s["ttft_s"]["count"] else
-                                                  f"{_f(s['ttft_s']['mean'] * 1e3, 1)} / "
-                                                  f"{_f(s['ttft_s']['p50'] * 1e3, 1)} / "
-                                                  f"{_f(s['ttft_s']['p95'] * 1e3, 1)}")))
+                                                  f"{fmt_number(s['ttft_s']['mean'] * 1e3, 1)} / "
+                                                  f"{fmt_number(s['ttft_s']['p50'] * 1e3, 1)} / "
+                                                  f"{fmt_number(s['ttft_s']['p95'] * 1e3, 1)}")))
     rows.append(("verify steps", col(lambda s: "-" if s["verify_steps"] is None else str(s["verify_steps"]))))
-    rows.append(("mean accepted length", col(lambda s: _f(s["mean_accepted_length"], 3))))
-    rows.append(("mean verified tree size", col(lambda s: _f(s["mean_tree_size"], 2))))
+    rows.append(("mean accepted length", col(lambda s: fmt_number(s["mean_accepted_length"], 3))))
+    rows.append(("mean verified tree size", col(lambda s: fmt_number(s["mean_tree_size"], 2))))
     max_d = max((len(s["acceptance_by_depth"]) for s in summaries), default=0)
     if max_d:
         rows.append(("steps accepting >= d draft tokens", [""] * len(summaries)))
@@ -297,7 +298,7 @@ def table_rows(summaries: list[dict]) -> list[tuple[str, list[str]]]:
             rows.append((f"  {role}: {kind}", col(lambda s, r=role, k=kind:
                                                    _stats_cell(((s.get("roles") or {}).get(r) or {})
                                                                .get("kinds", {}).get(k)))))
-        rows.append(("wall seconds (events)", col(lambda s: _f(s.get("wall_s"), 3))))
+        rows.append(("wall seconds (events)", col(lambda s: fmt_number(s.get("wall_s"), 3))))
         roles = []
         for s in summaries:
             roles += [r for r in (s.get("roles") or {}) if r not in roles]
@@ -307,7 +308,7 @@ def table_rows(summaries: list[dict]) -> list[tuple[str, list[str]]]:
         for role in roles:
             def comm(s, r=role):
                 info = (s.get("roles") or {}).get(r)
-                return "-" if not info else f"{_f(info['comm_s'], 3)} s ({_pct(info['comm_fraction'])})"
+                return "-" if not info else f"{fmt_number(info['comm_s'], 3)} s ({_pct(info['comm_fraction'])})"
             rows.append((f"comm {role}", col(comm)))
     if any(s.get("events_dropped") for s in summaries):
         rows.append(("events dropped", col(lambda s: str(s.get("events_dropped")))))
@@ -323,7 +324,7 @@ def table_rows(summaries: list[dict]) -> list[tuple[str, list[str]]]:
                 e = s["categories"].get(c)
                 if not e:
                     return "-"
-                return f"{_f(e['tokens_per_s'])} | {_f(e['mean_accepted_length'], 2)} | {e['n_requests']}"
+                return f"{fmt_number(e['tokens_per_s'])} | {fmt_number(e['mean_accepted_length'], 2)} | {e['n_requests']}"
             rows.append((f"  {c}", col(cell)))
     return rows
 
