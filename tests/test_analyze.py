@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import synthetic_trace as st  # noqa: E402
 
-from swiftspec_mpi.trace import analyze  # noqa: E402
+from swiftspec_mpi.trace import analyze, plots  # noqa: E402
 from swiftspec_mpi.core.errors import UserError  # noqa: E402
 from swiftspec_mpi.trace.read import read_trace  # noqa: E402
 
@@ -234,7 +234,7 @@ def test_plots_are_pngs(async_file, tmp_path, capsys):
 
 def test_default_window(async_run, async_file):
     t = read_trace(str(async_file))
-    start, end = analyze.default_window(t)
+    start, end = plots.default_window(t)
     ev = async_run["events"]
     m0 = ev["request"] == 0
     assert start == pytest.approx(ev["t_start"][m0].min())

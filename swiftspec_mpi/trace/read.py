@@ -313,3 +313,23 @@ def read_trace(path: str) -> Trace:
                             "reporting what was written")
         t.warnings = warnings
         return t
+
+
+ROLE_NAMES = {0: "verify", 1: "draft"}     # trace role -> name (record.ROLE_VERIFY, ROLE_DRAFT)
+
+
+def group_leaders(trace) -> dict[int, int]:
+    """role -> world rank of its group leader (group rank 0; else the lowest rank seen)."""
+    leaders = {}
+    ev = trace.events
+    if trace.ranks is not None:
+        for rank, role, grank in zip(trace.ranks.rank, trace.ranks.role, trace.ranks.group_rank):
+            if int(grank) == 0 and int(role) >= 0 and int(role) not in leaders:
+                leaders[int(role)] = int(rank)
+    if ev is not None:
+        for role in np.unique(ev.role):
+            role = int(role)
+            ranks = ev.rank[ev.role == role]
+            if role not in leaders or leaders[role] not in set(ranks.tolist()):
+                leaders[role] = int(ranks.min())
+    return leaders
