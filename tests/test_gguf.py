@@ -29,16 +29,10 @@ _CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}
 
 
 def _byte_alphabet() -> list[str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs))]
+    """GPT-2's byte alphabet, byte 0 first (the table the GGUF tokenizer builder spells with)."""
+    from swiftspec_mpi.model.gguf_tokenizer import bytes_to_unicode
+    table = bytes_to_unicode()
+    return [table[b] for b in range(256)]
 
 
 def tiny_tokens() -> tuple[list[str], list[int]]:
@@ -267,9 +261,9 @@ def test_tiny_get_into(tiny_llama):
 
 
 def test_header_parser_matches_gguf_reader(tiny_qwen):
-    from swiftspec_mpi.model.gguf_loader import _read_header
+    from swiftspec_mpi.model.gguf_loader import read_header
 
-    h = _read_header(tiny_qwen[0])
+    h = read_header(tiny_qwen[0])
     reader = gguf.GGUFReader(tiny_qwen[0])
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     assert meta == h.meta
@@ -311,7 +305,7 @@ def test_unsupported_tensor_type_refused_by_name(tmp_path):
 # ------------------------------------------------------------------------------ tiny: tokenizer
 
 def test_tiny_tokenizer(tiny_llama):
-    from swiftspec_mpi.model.gguf_loader import tokenizer_from_gguf
+    from swiftspec_mpi.model.gguf_tokenizer import tokenizer_from_gguf
 
     tokens, _ = tiny_tokens()
     tok = tokenizer_from_gguf(tiny_llama[0])
@@ -328,7 +322,7 @@ def test_tiny_tokenizer(tiny_llama):
 
 
 def test_unknown_pre_tokenizer_refused(tmp_path):
-    from swiftspec_mpi.model.gguf_loader import build_tokenizer
+    from swiftspec_mpi.model.gguf_tokenizer import build_tokenizer
 
     tokens, types = tiny_tokens()
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "made-up",
@@ -419,7 +413,7 @@ TOKENIZER_STRINGS = [
 
 def test_smollm2_tokenizer_matches_transformers(smollm2_gguf):
     transformers = pytest.importorskip("transformers")
-    from swiftspec_mpi.model.gguf_loader import tokenizer_from_gguf
+    from swiftspec_mpi.model.gguf_tokenizer import tokenizer_from_gguf
 
     ours = tokenizer_from_gguf(smollm2_gguf)
     hf = transformers.AutoTokenizer.from_pretrained(os.fspath(smollm2_gguf.parent),
@@ -437,7 +431,7 @@ def test_qwen_tokenizer_matches_transformers():
     """Qwen2.5 (qwen2 pre-tokenizer). Ours adds the upstream NFC normalizer, which transformers'
     GGUF tokenizer lacks: they agree on NFC text (all of these), differ on decomposed text."""
     transformers = pytest.importorskip("transformers")
-    from swiftspec_mpi.model.gguf_loader import tokenizer_from_gguf
+    from swiftspec_mpi.model.gguf_tokenizer import tokenizer_from_gguf
 
     path = _registry_gguf("qwen2.5-coder-0.5b")
     ours = tokenizer_from_gguf(path)

@@ -31,6 +31,7 @@ from pathlib import Path
 from swiftspec_mpi.core.errors import EXIT_RUNTIME_ERROR, UserError
 from swiftspec_mpi.gpu.sharing import describe as describe_gpu_sharing
 from swiftspec_mpi.gpu.sharing import time_sliced
+from swiftspec_mpi.model import registry
 from swiftspec_mpi.trace.analyze import fmt_number
 
 OUR_SYSTEMS = ("ar", "sync", "async")
@@ -336,18 +337,12 @@ def _resolve_models(args) -> None:
         raise UserError("give both --target and --draft, or neither (the embedded pair)")
     log = lambda msg: print(f"swiftspec bench: {msg}", file=sys.stderr)  # noqa: E731
     try:
-        from swiftspec_mpi.model import registry
-    except ImportError as exc:
-        if not args.target:
-            raise UserError(f"the embedded model pair is not available ({exc}); pass --target DIR --draft DIR") from None
-        registry = None
-    try:
         if not args.target:
             target, draft = registry.default_pair(log=log)
             args.target, args.draft = str(target), str(draft)
-        elif registry is not None:
-            args.target = str(registry.resolve_model(args.target, log=log))
-            args.draft = str(registry.resolve_model(args.draft, log=log))
+        else:
+            args.target = registry.resolve_flag(args.target, "--target", log)
+            args.draft = registry.resolve_flag(args.draft, "--draft", log)
     except UserError:
         raise
     except Exception as exc:  # fetching/converting the embedded models failed (no network, disk)

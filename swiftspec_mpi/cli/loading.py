@@ -173,7 +173,7 @@ def warm_graphs(ctx, loop_forward) -> None:
     token + the new root). Every rank of a group runs the same list (bs and w are the group's
     decision), so their collectives pair up. The padded length of each of the job's prompts
     (decoding.prompt_bucket; every rank has the same requests; in an --interactive session every
-    bucket up to the room for a turn) gets a prompt graph up to cuda_graphs.PROMPT_GRAPH_MAX
+    bucket up to the room for a turn) gets a prompt graph up to graphs.PROMPT_GRAPH_MAX
     tokens, one eager forward above. Records the captures and the
     time in ctx.scratch["graphs"]."""
     cfg = ctx.cfg

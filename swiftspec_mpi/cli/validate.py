@@ -21,16 +21,6 @@ from swiftspec_mpi.model.dummy import dummy_tokenizer, shape_config
 from swiftspec_mpi.model.hf_loader import SafetensorsSource
 
 
-def _resolve(spec: str | None, role: str) -> str:
-    try:
-        return os.fspath(registry.resolve_model(spec, log=lambda m: print(m, file=sys.stderr, flush=True)))
-    except UserError:
-        raise
-    except FileNotFoundError:
-        raise UserError(f"--{role} {spec}: no such file, folder or registry name; give an HF model "
-                        "folder, a .gguf file, or a name from `swiftspec models list`") from None
-
-
 def prepare_config(flags: dict, config_path: str | None, world_size: int,
                    ranks_on_node: int = 1) -> C.RunConfig:
     """Everything rank 0 checks before any rank reads weights; raises UserError with the fix.
@@ -278,12 +268,12 @@ def resolve_models(cfg: C.RunConfig):
         if cfg.target is None:
             raise UserError("--draft given without --target; give both (or neither, for the "
                             "embedded default pair)")
-        cfg.target = _resolve(cfg.target, "target")
+        cfg.target = registry.resolve_flag(cfg.target, "--target", log)
         if cfg.mode != "ar":
             if cfg.draft is None and cfg.draft_layers is None:
                 raise UserError(f"--mode {cfg.mode} needs a draft model: give --draft PATH, or "
                                 "--draft-layers N to use the target's first N layers")
-            cfg.draft = _resolve(cfg.draft, "draft") if cfg.draft is not None else cfg.target
+            cfg.draft = registry.resolve_flag(cfg.draft, "--draft", log) if cfg.draft is not None else cfg.target
         else:
             cfg.draft = None
     tcfg = _checked(checkpoint.read_model_config, cfg.target, "target")

@@ -2,8 +2,8 @@
 
 `RunConfig` is a plain dataclass so it pickles for the MPI broadcast and serializes to JSON for
 the HDF5 trace. Validation that needs the file system or the models' config.json (cheap, no
-weights) happens in `validate_on_rank0`; its verdict is broadcast by run_cmd so every rank exits
-together with the same message.
+weights) happens in cli/validate.py on rank 0; cli/job.py broadcasts its verdict so every rank
+exits together with the same message.
 """
 from __future__ import annotations
 

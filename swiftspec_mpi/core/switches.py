@@ -75,9 +75,9 @@ def _parse(name: str, raw: str):
     return os.path.expanduser(raw) if raw else None
 
 
-def flag(name: str) -> bool:
-    """A boolean switch: its default when unset or not a switch word (check_all refuses those on
-    rank 0 before any rank reads one)."""
+def _value(name: str):
+    """Switch `name`'s value: its default when unset or not a value it takes (check_all refuses
+    those on rank 0 before any rank reads one)."""
     raw = _raw(name)
     if raw is None:
         return SWITCHES[name].default
@@ -85,17 +85,16 @@ def flag(name: str) -> bool:
         return _parse(name, raw)
     except UserError:
         return SWITCHES[name].default
+
+
+def flag(name: str) -> bool:
+    """A boolean switch."""
+    return bool(_value(name))
 
 
 def choice(name: str) -> str:
-    """A choice switch: its value, or its default when unset or not one of its choices."""
-    raw = _raw(name)
-    if raw is None:
-        return SWITCHES[name].default
-    try:
-        return _parse(name, raw)
-    except UserError:
-        return SWITCHES[name].default
+    """A choice switch: one of its choices."""
+    return _value(name)
 
 
 def path(name: str) -> str | None:

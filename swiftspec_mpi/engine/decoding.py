@@ -43,7 +43,7 @@ def _prefill(model, prompt_ids: list[int]) -> int:
     `Transformer.forward` with the causal flag (SDPA's causal kernel, no mask). On a GPU the
     prompt is padded at its end to `prompt_bucket` tokens, and the CUDA-graph wrapper replays
     the prompt graph the warm-up captured for that length (`GraphedModel.forward_prompt`; eager
-    above cuda_graphs.PROMPT_GRAPH_MAX, each such length of the job run once by the warm-up,
+    above graphs.PROMPT_GRAPH_MAX, each such length of the job run once by the warm-up,
     since the first eager forward of a new length costs ~50 ms more than the next ones on an
     H200). Padding is
     harmless: the real rows do not see the later padded ones (causal), whose KV lands in slots

@@ -71,7 +71,7 @@ def pdl_gemm_ok(weights: list, m: int) -> bool:
         return False
     return all(w is not None and w.dim() == 2 and w.is_cuda and w.dtype == torch.bfloat16
                and w.is_contiguous() and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0
-               and w.dataptr() % 16 == 0 for w in weights)
+               and w.data_ptr() % 16 == 0 for w in weights)
 
 
 def set_enabled(flag: bool) -> None:
@@ -103,7 +103,7 @@ def _is_bf16_cuda(t: torch.Tensor) -> bool:
 
 def _aligned(*ts: torch.Tensor) -> bool:
     """16-byte aligned bases and row strides that are multiples of 8 elements (V = 8 path)."""
-    return all(t.dataptr() % 16 == 0 and (t.dim() < 2 or t.stride(0) % 8 == 0) for t in ts)
+    return all(t.data_ptr() % 16 == 0 and (t.dim() < 2 or t.stride(0) % 8 == 0) for t in ts)
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -154,7 +154,7 @@ def add_rmsnorm(x: torch.Tensor, a: torch.Tensor | None, weight: torch.Tensor, e
     dev = _dev(x)
     f = function(_SOURCE, "", f"add_rmsnorm_v{V}", dev)
     args = [ptr(x), ctypes.c_int64(x.stride(0)),
-            ctypes.c_uint64(a.dataptr() if a is not None else 0),
+            ctypes.c_uint64(a.data_ptr() if a is not None else 0),
             ctypes.c_int64(a.stride(0) if a is not None else 0),
             ptr(weight), ptr(out), ctypes.c_int64(out.stride(0)), ctypes.c_int32(H), ctypes.c_float(eps)]
     launch(pdl, f, (N, 1, 1), threads, 0, torch.cuda.current_stream(dev).cuda_stream, args)

@@ -172,7 +172,7 @@ class GraphedModel:
     """A GPU `Transformer` whose decode-sized forwards replay CUDA graphs, one per (N, read-back).
 
     A graph is captured the first time its (N, read-back) is asked for. The engine asks for
-    every shape its loops can use while it warms up (`job.warm_graphs`), then calls `freeze()`:
+    every shape its loops can use while it warms up (`cli.loading.warm_graphs`), then calls `freeze()`:
     a capture after that happened inside a request, which it should not (a capture costs tens
     of milliseconds and allocates), so it is counted in `late_captures` (the trace's ranks
     table reports it). Prompts (`forward_prompt`) replay a prompt graph of their padded length

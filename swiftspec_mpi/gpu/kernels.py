@@ -38,17 +38,21 @@ def _gemm_checks(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None):
     M, K = x.shape
     N, Kw = w.shape
     if (Kw != K or not 1 <= M <= MAX_GEMM_ROWS or N % 8 or K % 8 or not w.is_contiguous() or x.stride(0) % 8
-            or w.dataptr() % 16 or x.dataptr() % 16):
+            or w.data_ptr() % 16 or x.data_ptr() % 16):
         raise ValueError(f"gemm: x {tuple(x.shape)} w {tuple(w.shape)}: need M <= {MAX_GEMM_ROWS}, "
                          "N and K multiples of 8, w contiguous, x row stride a multiple of 8, "
                          "16-byte aligned x and w")
+    return M, N, K, _output(x, out, M, N)
+
+
+def _output(x: torch.Tensor, out: torch.Tensor | None, rows: int, cols: int) -> torch.Tensor:
+    """`out` checked to be a [rows, cols] bfloat16 CUDA tensor, or a new one on x's device."""
     if out is None:
-        out = torch.empty((M, N), dtype=torch.bfloat16, device=x.device)
-    else:
-        check_bf16("out", out, 2)
-        if tuple(out.shape) != (M, N):
-            raise ValueError(f"out must be [M, N] = {(M, N)}")
-    return M, N, K, out
+        return torch.empty((rows, cols), dtype=torch.bfloat16, device=x.device)
+    check_bf16("out", out, 2)
+    if tuple(out.shape) != (rows, cols):
+        raise ValueError(f"out must be [{rows}, {cols}]")
+    return out
 
 
 def gemm_rowparallel_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
@@ -130,12 +134,7 @@ def gemm_swiglu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     if Kw != K or I2 % 16 or not 1 <= M <= MAX_GEMM_ROWS or K % 8 or not w.is_contiguous() or x.stride(0) % 8:
         raise ValueError(f"gemm_swiglu: x {tuple(x.shape)} w {tuple(w.shape)}: need M <= {MAX_GEMM_ROWS}, "
                          "w rows 2I with I a multiple of 8, K a multiple of 8, w contiguous")
-    if out is None:
-        out = torch.empty((M, I), dtype=torch.bfloat16, device=x.device)
-    else:
-        check_bf16("out", out, 2)
-        if tuple(out.shape) != (M, I):
-            raise ValueError(f"out must be [M, I] = {(M, I)}")
+    out = _output(x, out, M, I)
     if config not in (None, "regs"):
         raise ValueError(f"gemm_swiglu config must be None or 'regs', not {config!r}")
     # T = 2 (a gate and an up tile per block) and U = 4, the plain kernel's summation order, or

@@ -1,12 +1,11 @@
-"""`GGUFSource`: the TensorSource of a llama.cpp GGUF file, and the tokenizer the file embeds.
+"""`GGUFSource`: the TensorSource of a llama.cpp GGUF file (its header parser, config and tensors;
+the tokenizer the file embeds is rebuilt by model/gguf_tokenizer.py).
 
     GGUFSource(path, dtype=None)  config: ModelConfig (from the GGUF metadata); names() -> HF
                               names; get(name, dim=None, start=0, stop=None) -> float32 (or
                               `dtype`) tensor or slice; get_into(dst, name, dim, start, stop)
                               (dequantize straight into dst); shape(name); close()
-    tokenizer_from_gguf(path) -> TextTokenizer (byte-level BPE rebuilt from tokenizer.ggml.*)
-    gguf_tokenizer_files(path) -> (tokenizer.json text, tokenizer_config dict, generation_config
-                              dict) for writing a Hugging Face folder (registry.prepare_folder)
+    read_header(path) -> Header (metadata + tensor table; cached for the most recent file)
 
 Names. llama.cpp -> HF: token_embd -> model.embed_tokens, output_norm -> model.norm,
 output -> lm_head, blk.N.attn_{q,k,v} -> model.layers.N.self_attn.{q,k,v}_proj,
@@ -29,7 +28,7 @@ back to the OS after each tensor (malloc_trim). Peak extra memory while loading:
 The header (metadata + tensor table) is read by a small struct/numpy parser of the GGUF spec
 (gguf.GGUFReader needs 15-60 s for a 150k-token vocabulary on a 2-core CPU, this well under a
 second; tests cross-check the two). gguf supplies the type tables and the dequantization. The
-parse is cached for the most recent file, so GGUFSource and tokenizer_from_gguf share it.
+parse is cached for the most recent file, so GGUFSource and gguf_tokenizer share it.
 """
 from __future__ import annotations
 
@@ -43,7 +42,7 @@ import numpy as np
 
 from swiftspec_mpi.core.errors import CheckpointError
 
-_FIX = "re-download it (`swiftspec models prepare`) or re-convert the model"
+FIX = "re-download it (`swiftspec models prepare`) or re-convert the model"
 
 # ggml types we dequantize (all through gguf.quants); anything else is refused by name
 _SUPPORTED_QTYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -64,7 +63,7 @@ _BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
               "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>",
               "<end_of_utterance>")
-_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
+TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -91,7 +90,7 @@ class _TensorInfo:
 
 
 @dataclass(frozen=True)
-class _Header:
+class Header:
     path: str
     meta: dict               # key -> python value (lists for arrays)
     tensors: dict            # gguf name -> _TensorInfo
@@ -181,7 +180,7 @@ def _parse(buf, path: str):
     return meta, table, data_start
 
 
-def _read_header(path: str) -> _Header:
+def read_header(path: str) -> Header:
     """Parse metadata + tensor table (cached for the most recent file), with extent checks."""
     import gguf
 
@@ -195,7 +194,7 @@ def _read_header(path: str) -> _Header:
     if hit is not None:
         return hit
     if st.st_size < 24:
-        raise CheckpointError(f"{path}: {st.st_size} bytes is too short for a GGUF file; {_FIX}")
+        raise CheckpointError(f"{path}: {st.st_size} bytes is too short for a GGUF file; {FIX}")
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             meta, table, data_start = _parse(mm, path)
@@ -217,15 +216,15 @@ def _read_header(path: str) -> _Header:
             tensors[name] = _TensorInfo(name, qtype, shape, data_start + int(offset),
                                         n // block * tsize, int(row_bytes))
     except (_Truncated, struct.error) as exc:
-        raise CheckpointError(f"{path}: truncated GGUF file (header: {exc}); {_FIX}") from None
+        raise CheckpointError(f"{path}: truncated GGUF file (header: {exc}); {FIX}") from None
     except (ValueError, UnicodeDecodeError, OverflowError) as exc:
-        raise CheckpointError(f"{path}: corrupt GGUF file ({exc}); {_FIX}") from None
+        raise CheckpointError(f"{path}: corrupt GGUF file ({exc}); {FIX}") from None
     for info in tensors.values():
         if info.offset + info.nbytes > st.st_size:
             raise CheckpointError(f"{path}: truncated GGUF file: tensor {info.gguf_name!r} ends at "
                                   f"byte {info.offset + info.nbytes} but the file has "
-                                  f"{st.st_size}; {_FIX}")
-    header = _Header(path, meta, tensors, st.st_size)
+                                  f"{st.st_size}; {FIX}")
+    header = Header(path, meta, tensors, st.st_size)
     _HEADER_CACHE.clear()
     _HEADER_CACHE[key] = header
     return header
@@ -233,7 +232,7 @@ def _read_header(path: str) -> _Header:
 
 # ------------------------------------------------------------------------------ config
 
-def _eos_ids(meta: dict) -> tuple[int, ...]:
+def eos_ids(meta: dict) -> tuple[int, ...]:
     """EOS first, then the other end-of-generation tokens llama.cpp stops on."""
     ids: list[int] = []
     for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
@@ -244,7 +243,7 @@ def _eos_ids(meta: dict) -> tuple[int, ...]:
     tokens = meta.get("tokenizer.ggml.tokens") or []
     types = meta.get("tokenizer.ggml.token_type") or []
     for i, (text, ttype) in enumerate(zip(tokens, types)):
-        if ttype == _TOKEN_CONTROL and text in _EOG_TEXTS and i not in ids:
+        if ttype == TOKEN_CONTROL and text in _EOG_TEXTS and i not in ids:
             ids.append(i)
     return tuple(ids)
 
@@ -281,25 +280,25 @@ def _f32(v) -> float:
     return float(str(np.float32(v)))
 
 
-def config_from_header(h: _Header):
+def config_from_header(h: Header):
     """ModelConfig from GGUF metadata (`<arch>.*` keys) and the tensor table."""
     from swiftspec_mpi.model.config import ModelConfig, normalize_arch
 
     meta = h.meta
     arch = meta.get("general.architecture")
     if arch is None:
-        raise CheckpointError(f"{h.path}: GGUF has no general.architecture; {_FIX}")
+        raise CheckpointError(f"{h.path}: GGUF has no general.architecture; {FIX}")
     normalize_arch(str(arch))                       # refuses unsupported archs by name
 
     def need(k):
         v = meta.get(f"{arch}.{k}")
         if v is None:
-            raise CheckpointError(f"{h.path}: GGUF metadata lacks {arch}.{k}; {_FIX}")
+            raise CheckpointError(f"{h.path}: GGUF metadata lacks {arch}.{k}; {FIX}")
         return v
 
     emb = h.tensors.get("token_embd.weight")
     if emb is None:
-        raise CheckpointError(f"{h.path}: GGUF has no token_embd.weight tensor; {_FIX}")
+        raise CheckpointError(f"{h.path}: GGUF has no token_embd.weight tensor; {FIX}")
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
     kv = int(meta.get(f"{arch}.attention.head_count_kv") or heads)
@@ -318,7 +317,7 @@ def config_from_header(h: _Header):
         attention_bias="blk.0.attn_q.bias" in h.tensors,
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 4096)),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_eos_ids(meta))
+        eos_token_ids=eos_ids(meta))
 
 
 # ------------------------------------------------------------------------------ tensors
@@ -361,14 +360,14 @@ class GGUFSource:
         knows the model's dtype passes it, so no float32 copy of a large tensor is ever held."""
         self.path = os.fspath(path)
         self.dtype = dtype
-        self._header = h = _read_header(self.path)
+        self._header = h = read_header(self.path)
         try:
             self.config = config_from_header(h)
         except CheckpointError:
             raise
         except Exception as exc:  # noqa: BLE001 - corrupt values: head_count 0, a string count...
             raise CheckpointError(f"{self.path}: corrupt GGUF metadata ({type(exc).__name__}: "
-                                  f"{exc}); {_FIX}") from None
+                                  f"{exc}); {FIX}") from None
         import gguf
 
         self._names: dict[str, _TensorInfo] = {}
@@ -414,7 +413,7 @@ class GGUFSource:
             return self._names[name]
         except KeyError:
             raise CheckpointError(f"{self.path}: has no tensor {name!r} (GGUF lacks its llama.cpp "
-                                  f"counterpart); {_FIX}") from None
+                                  f"counterpart); {FIX}") from None
 
     def _read(self, offset: int, nbytes: int) -> np.ndarray:
         buf = np.empty(nbytes, dtype=np.uint8)
@@ -424,7 +423,7 @@ class GGUFSource:
         got = self._file.readinto(memoryview(buf))
         if got != nbytes:
             raise CheckpointError(f"{self.path}: truncated GGUF file (short read at byte "
-                                  f"{offset}); {_FIX}")
+                                  f"{offset}); {FIX}")
         return buf
 
     def get(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None):
@@ -506,165 +505,3 @@ class GGUFSource:
 
     def __exit__(self, *exc):
         self.close()
-
-
-# ------------------------------------------------------------------------------ tokenizer
-
-# llama.cpp pre-tokenizer names (tokenizer.ggml.pre) -> split regex, as in the HF tokenizers
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PRE_QWEN2 = ("qwen2", "deepseek-r1-qwen")
-_PRE_LLAMA3 = ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe")
-_PRE_DIGITS = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")
-_PRE_GPT2 = ("default", "gpt2", "gpt-2")
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-def build_tokenizer(meta: dict, path: str = "<gguf>"):
-    """A `tokenizers.Tokenizer` equal to the model's fast tokenizer, from GGUF metadata.
-
-    Byte-level BPE (tokenizer.ggml.model == "gpt2"): vocab (tokens outside the byte alphabet
-    re-spelled in it), merges, control tokens as special added tokens, user-defined ones as plain
-    added tokens (both matched whole), the split regex named by tokenizer.ggml.pre, byte-level
-    decoder. Two deliberate differences from transformers' GGUF tokenizer, both following the
-    upstream tokenizer.json and llama.cpp: qwen2 gets the NFC normalizer, smollm/starcoder split
-    digits one by one.
-    """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
-    from tokenizers.models import BPE
-
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise CheckpointError(f"{path}: GGUF tokenizer type {kind!r} is not supported (only "
-                              "byte-level BPE, 'gpt2', as Qwen/Llama-3/SmolLM use); use the "
-                              "model's Hugging Face folder with its tokenizer.json")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    merges = meta.get("tokenizer.ggml.merges")
-    if not tokens or merges is None:
-        raise CheckpointError(f"{path}: GGUF lacks tokenizer.ggml.tokens/merges; {_FIX}")
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    pre = meta.get("tokenizer.ggml.pre", "default")
-
-    spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
-    vocab = {}
-    for i, t in enumerate(tokens):
-        vocab[t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))] = i
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    try:   # corrupt tokens/merges: tokenizers raises a bare Exception ("out of vocabulary")
-        tok = Tokenizer(BPE(vocab=vocab, merges=pairs, dropout=None, continuing_subword_prefix="",
-                            end_of_word_suffix="", fuse_unk=False))
-    except Exception as exc:  # noqa: BLE001
-        raise CheckpointError(f"{path}: corrupt GGUF tokenizer ({str(exc)!r}); {_FIX}") from None
-    if pre in _PRE_QWEN2:
-        tok.normalizer = normalizers.NFC()
-        split = _QWEN2_SPLIT
-    elif pre in _PRE_LLAMA3:
-        split = _LLAMA3_SPLIT
-    elif pre in _PRE_DIGITS:
-        split = None
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    elif pre in _PRE_GPT2:
-        split = None
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        known = ", ".join(_PRE_QWEN2 + _PRE_LLAMA3 + _PRE_DIGITS + _PRE_GPT2)
-        raise CheckpointError(f"{path}: GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not "
-                              f"supported (known: {known}); use the model's Hugging Face folder "
-                              "with its tokenizer.json")
-    if split is not None:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    # control tokens spelled outside the byte alphabet are llama.cpp mislabels: adding them would
-    # grow the vocabulary past the embedding, so skip them (as transformers does)
-    special = [AddedToken(t, normalized=False, special=True)
-               for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL and set(t) <= alphabet]
-    if special:
-        tok.add_special_tokens(special)
-    user = [AddedToken(t, normalized=False, special=False)
-            for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED and t in vocab]
-    if user:
-        tok.add_tokens(user)
-    if tok.get_vocab_size(with_added_tokens=True) != len(tokens):
-        raise CheckpointError(f"{path}: the GGUF tokenizer rebuilt to "
-                              f"{tok.get_vocab_size(with_added_tokens=True)} tokens, the file "
-                              f"lists {len(tokens)} (duplicate token strings?); {_FIX}")
-    return tok
-
-
-def _tokenizer_info(h: _Header) -> dict:
-    meta = h.meta
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-
-    def text(key):
-        i = meta.get(key)
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
-    eos = _eos_ids(meta)
-    if not eos:
-        raise CheckpointError(f"{h.path}: GGUF has no tokenizer.ggml.eos_token_id; {_FIX}")
-    return {
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_ids": eos,
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-        "bos_token": text("tokenizer.ggml.bos_token_id"),
-        "eos_token": text("tokenizer.ggml.eos_token_id"),
-        "pad_token": text("tokenizer.ggml.padding_token_id"),
-        "unk_token": text("tokenizer.ggml.unknown_token_id"),
-        "add_bos": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "chat_template": meta.get("tokenizer.chat_template"),
-        "context_length": meta.get(f"{meta.get('general.architecture')}.context_length"),
-    }
-
-
-def tokenizer_from_gguf(path):
-    """The TextTokenizer embedded in a GGUF file."""
-    from swiftspec_mpi.model.tokenizer import TextTokenizer
-
-    h = _read_header(path)
-    info = _tokenizer_info(h)
-    tok = build_tokenizer(h.meta, h.path)
-    return TextTokenizer(tok, info["eos_token_ids"], info["bos_token_id"], info["chat_template"],
-                         info["add_bos"])
-
-
-def gguf_tokenizer_files(path) -> tuple[str, dict, dict]:
-    """(tokenizer.json text, tokenizer_config.json dict, generation_config.json dict) that make a
-    Hugging Face folder's tokenizer equal to the GGUF's."""
-    h = _read_header(path)
-    info = _tokenizer_info(h)
-    tok = build_tokenizer(h.meta, h.path)
-    eos = list(info["eos_token_ids"])
-    tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": info["bos_token"], "eos_token": info["eos_token"],
-        "pad_token": info["pad_token"], "unk_token": info["unk_token"],
-        "add_bos_token": info["add_bos"], "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(info["context_length"] or 4096),
-    }
-    if info["chat_template"]:
-        tok_cfg["chat_template"] = info["chat_template"]
-    gen_cfg = {"bos_token_id": info["bos_token_id"],
-               "eos_token_id": eos if len(eos) > 1 else eos[0],
-               "pad_token_id": info["pad_token_id"]}
-    return tok.to_str(), tok_cfg, gen_cfg

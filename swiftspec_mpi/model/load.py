@@ -48,8 +48,8 @@ def read_model_config(path) -> ModelConfig:
 def load_tokenizer(path):
     """The TextTokenizer of a checkpoint (HF folder's tokenizer files, or the GGUF's own)."""
     if _kind(path) == "gguf":
-        from swiftspec_mpi.model import gguf_loader
-        return gguf_loader.tokenizer_from_gguf(os.fspath(path))
+        from swiftspec_mpi.model.gguf_tokenizer import tokenizer_from_gguf
+        return tokenizer_from_gguf(os.fspath(path))
     from swiftspec_mpi.model.tokenizer import TextTokenizer
     return TextTokenizer.from_hf_folder(path)
 

@@ -302,7 +302,8 @@ def prepare_folder(gguf_file: Path, dest: Path, dtype: str = "bfloat16", sha256:
     """Convert a GGUF to an HF folder at `dest` (written to a temp dir, then renamed)."""
     import torch
 
-    from swiftspec_mpi.model.gguf_loader import GGUFSource, gguf_tokenizer_files
+    from swiftspec_mpi.model.gguf_loader import GGUFSource
+    from swiftspec_mpi.model.gguf_tokenizer import gguf_tokenizer_files
 
     if dtype not in _DTYPES:
         raise UserError(f"unsupported cache dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
@@ -367,3 +368,14 @@ def resolve_model(spec: str, dtype: str = "bfloat16", log: Log = _quiet) -> Path
         raise UserError(f"model {spec!r} is neither a registry name ({', '.join(MODELS)}) nor an "
                         f"existing path; fix the path or run `swiftspec models list`")
     return path
+
+
+def resolve_flag(spec: str, flag: str, log: Log = _quiet) -> str:
+    """The model a command-line flag names (`flag`, e.g. "--target"): a registry name -> its
+    prepared folder, else an existing path; UserError naming the flag and the fix otherwise.
+    `swiftspec run` and `swiftspec bench` resolve their --target / --draft through it."""
+    try:
+        return os.fspath(resolve_model(spec, log=log))
+    except FileNotFoundError:
+        raise UserError(f"{flag} {spec}: no such file, folder or registry name; give an HF model "
+                        "folder, a .gguf file, or a name from `swiftspec models list`") from None

@@ -225,7 +225,7 @@ def _stats_cell(st: dict | None) -> str:
 
 
 def describe_warmup(graphs: dict | None) -> str:
-    """env_json["graphs"] (job.warm_graphs, rank 0's models) -> one cell, '-' when absent."""
+    """env_json["graphs"] (cli.loading.warm_graphs, rank 0's models) -> one cell, '-' when absent."""
     if not graphs:
         return "-"
     return (f"{fmt_number(graphs.get('warm_s'), 1)} s: {graphs.get('captured', 0)} step graphs, "
