@@ -581,67 +581,31 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
 }
 
-template <int D, int MT_BLK, int CS, int STAGES, int NW>
-__device__ __forceinline__ void body(
+// Versions 2 and 3 alike: stream the tiles [t_begin, t_begin + my_tiles) of KV head h through
+// the STAGES-deep mbarrier ring (all copies of the first STAGES tiles issued up front), read the
+// mask once per tile as bits (MAXT tiles a chunk), and accumulate this warp's 16 rows (row tile
+// warp % MT_BLK, slice warp / MT_BLK of every tile) into o / m_run / l_run (online softmax, log2
+// units). Rows of the block: tokens [tok_lo, tok_lo + ntok). Leaves the ring in use: the caller
+// syncs before reusing the shared memory.
+template <int D, int MT_BLK, int STAGES, int NW, int LDS, int RB>
+__device__ __forceinline__ void accumulate_tiles(
+    __nv_bfloat16* smem, unsigned long long* bits, uint32_t mbar0,
     const __nv_bfloat16* __restrict__ q, long long q_tok_stride,
     const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc, long long kv_slot_stride,
-    const uint8_t* __restrict__ mask, long long mask_stride,
-    const int* __restrict__ n_valid_ptr, int n_valid,
-    __nv_bfloat16* __restrict__ out, long long out_tok_stride,
-    int N, int H, int Hkv, float scale_log2) {
-  using LY = Layout<D, MT_BLK, CS, STAGES>;
+    const uint8_t* __restrict__ mask, long long mask_stride, float scale_log2,
+    int L, int t_begin, int my_tiles, int h, int rg, int G, int R, int tok_lo, int ntok,
+    float (&o)[D / 8][4], float (&m_run)[2], float (&l_run)[2]) {
   constexpr int THREADS = NW * 32;
-  constexpr int KV_PARTS = NW / MT_BLK;       // warps sharing one row tile
-  constexpr int PW = TILE / KV_PARTS;         // slots of a tile per warp
-  static_assert(PW >= 16 && PW % 16 == 0, "P V needs k = 16 slots per warp");
+  constexpr int KV_PARTS = NW / MT_BLK;
+  constexpr int PW = TILE / KV_PARTS;
   constexpr int NT = PW / 8;
   constexpr int DK = D / 16;
   constexpr int DN = D / 8;
-  constexpr int LDS = LY::LDS;
-  constexpr int RB = LY::RB;
   constexpr int CHUNKS = D / 8;
   constexpr int STAGE_ELEMS = 2 * TILE * LDS;
-  constexpr int D4 = D / 4;
-  constexpr int ITEMS = LY::ITEMS;
-  constexpr int PER = LY::PER;
-  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
-  static_assert(LY::RING >= (NW * 16 * D + NW * 16 * 2) * 4, "warp partials fit in the K/V ring");
-
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  __nv_bfloat16* smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);
-  float4* recv_o = reinterpret_cast<float4*>(smem_raw + LY::RECV_O);
-  float2* recv_ml = reinterpret_cast<float2*>(smem_raw + LY::RECV_ML);
-  unsigned long long* bits = reinterpret_cast<unsigned long long*>(smem_raw + LY::BITS);
-  const uint32_t mbar0 = smem_u32(smem_raw + LY::MBAR);
-
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  // Cluster barrier phase 0: arrive now, wait just before the first DSMEM store (all blocks of
-  // the cluster are then known to run). Relaxed: nothing to publish.
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) mbar_init(mbar0 + 8 * s, THREADS);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-
-  // PDL: wait for the previous grid before reading any input, then let the next one launch.
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-
-  cg::cluster_group cluster = cg::this_cluster();
-  const int crank = (int)cluster.block_rank();
-  const int h = blockIdx.y;
-  const int rg = blockIdx.z;
-  const int G = H / Hkv;
-  const int R = N * G;
   const int g = lane >> 2, qd = lane & 3;
   const int mt = warp % MT_BLK, part = warp / MT_BLK;
-  const int L = n_valid_ptr ? __ldg(n_valid_ptr) : n_valid;
-
-  const int n_tiles = (L + TILE - 1) / TILE;
-  const int t_begin = (int)(((long long)n_tiles * crank) / CS);
-  const int t_end = (int)(((long long)n_tiles * (crank + 1)) / CS);
-  const int my_tiles = t_end - t_begin;
 
   const __nv_bfloat16* kh = kc + (long long)h * D;
   const __nv_bfloat16* vh = vc + (long long)h * D;
@@ -666,12 +630,6 @@ __device__ __forceinline__ void body(
 
   const int n_pro = min(my_tiles, STAGES);
   for (int s = 0; s < n_pro; ++s) issue_tile(t_begin + s, s);
-
-  // Tokens of this block's rows: [tok_lo, tok_hi]; ntok <= RB.
-  const int row_lo = rg * RB;
-  const int row_hi = min(R, row_lo + RB) - 1;
-  const int tok_lo = row_lo / G;
-  const int ntok = row_hi / G - tok_lo + 1;
 
   // Mask bits of tiles [t_begin + c0, t_begin + c0 + nt) -> bits[ti * RB + token - tok_lo].
   auto build_bits = [&](int c0, int nt) {
@@ -725,11 +683,10 @@ __device__ __forceinline__ void body(
   const int lA = validA ? tokA - tok_lo : -1, lB = validB ? tokB - tok_lo : -1;
   const int bit0 = part * PW + 2 * qd;   // this lane's first slot within a tile
 
-  float o[DN][4];
 #pragma unroll
   for (int i = 0; i < DN; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.f, 0.f};
+  m_run[0] = m_run[1] = -INFINITY;
+  l_run[0] = l_run[1] = 0.f;
 
   for (int it = 0; it < my_tiles; ++it) {
     if (it % MAXT == 0) {
@@ -757,6 +714,75 @@ __device__ __forceinline__ void body(
       issue_tile(t_begin + it + STAGES, stage);
     }
   }
+}
+
+template <int D, int MT_BLK, int CS, int STAGES, int NW>
+__device__ __forceinline__ void body(
+    const __nv_bfloat16* __restrict__ q, long long q_tok_stride,
+    const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc, long long kv_slot_stride,
+    const uint8_t* __restrict__ mask, long long mask_stride,
+    const int* __restrict__ n_valid_ptr, int n_valid,
+    __nv_bfloat16* __restrict__ out, long long out_tok_stride,
+    int N, int H, int Hkv, float scale_log2) {
+  using LY = Layout<D, MT_BLK, CS, STAGES>;
+  constexpr int THREADS = NW * 32;
+  constexpr int KV_PARTS = NW / MT_BLK;       // warps sharing one row tile
+  constexpr int PW = TILE / KV_PARTS;         // slots of a tile per warp
+  static_assert(PW >= 16 && PW % 16 == 0, "P V needs k = 16 slots per warp");
+  constexpr int DN = D / 8;
+  constexpr int LDS = LY::LDS;
+  constexpr int RB = LY::RB;
+  constexpr int D4 = D / 4;
+  constexpr int ITEMS = LY::ITEMS;
+  constexpr int PER = LY::PER;
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  static_assert(LY::RING >= (NW * 16 * D + NW * 16 * 2) * 4, "warp partials fit in the K/V ring");
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __nv_bfloat16* smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);
+  float4* recv_o = reinterpret_cast<float4*>(smem_raw + LY::RECV_O);
+  float2* recv_ml = reinterpret_cast<float2*>(smem_raw + LY::RECV_ML);
+  unsigned long long* bits = reinterpret_cast<unsigned long long*>(smem_raw + LY::BITS);
+  const uint32_t mbar0 = smem_u32(smem_raw + LY::MBAR);
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // Cluster barrier phase 0: arrive now, wait just before the first DSMEM store (all blocks of
+  // the cluster are then known to run). Relaxed: nothing to publish.
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) mbar_init(mbar0 + 8 * s, THREADS);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  // PDL: wait for the previous grid before reading any input, then let the next one launch.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int crank = (int)cluster.block_rank();
+  const int h = blockIdx.y;
+  const int rg = blockIdx.z;
+  const int G = H / Hkv;
+  const int R = N * G;
+  const int L = n_valid_ptr ? __ldg(n_valid_ptr) : n_valid;
+
+  const int n_tiles = (L + TILE - 1) / TILE;
+  const int t_begin = (int)(((long long)n_tiles * crank) / CS);
+  const int t_end = (int)(((long long)n_tiles * (crank + 1)) / CS);
+  const int my_tiles = t_end - t_begin;
+
+  // Tokens of this block's rows: [tok_lo, tok_hi]; ntok <= RB.
+  const int row_lo = rg * RB;
+  const int row_hi = min(R, row_lo + RB) - 1;
+  const int tok_lo = row_lo / G;
+  const int ntok = row_hi / G - tok_lo + 1;
+
+  float o[DN][4];
+  float m_run[2], l_run[2];
+  accumulate_tiles<D, MT_BLK, STAGES, NW, LDS, RB>(smem, bits, mbar0, q, q_tok_stride, kc, vc, kv_slot_stride,
+                                                   mask, mask_stride, scale_log2, L, t_begin, my_tiles, h, rg,
+                                                   G, R, tok_lo, ntok, o, m_run, l_run);
   __syncthreads();  // all warps done with the ring (every issued stage was waited on): reuse it
 
   float* part_o = reinterpret_cast<float*>(smem_raw);   // [NW][16][D]
@@ -988,13 +1014,9 @@ __device__ __forceinline__ void body(
   constexpr int KV_PARTS = NW / MT_BLK;       // warps sharing one row tile
   constexpr int PW = TILE / KV_PARTS;         // slots of a tile per warp
   static_assert(PW >= 16 && PW % 16 == 0, "P V needs k = 16 slots per warp");
-  constexpr int NT = PW / 8;
-  constexpr int DK = D / 16;
   constexpr int DN = D / 8;
   constexpr int LDS = LY::LDS;
   constexpr int RB = LY::RB;
-  constexpr int CHUNKS = D / 8;
-  constexpr int STAGE_ELEMS = 2 * TILE * LDS;
   constexpr int D4 = D / 4;
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static_assert(LY::RING >= (NW * 16 * D + NW * 16 * 2) * 4, "warp partials fit in the K/V ring");
@@ -1022,8 +1044,6 @@ __device__ __forceinline__ void body(
   const int rg = blockIdx.z, RG = gridDim.z;
   const int G = H / Hkv;
   const int R = N * G;
-  const int g = lane >> 2, qd = lane & 3;
-  const int mt = warp % MT_BLK, part = warp / MT_BLK;
   const int L = n_valid_ptr ? __ldg(n_valid_ptr) : n_valid;
 
   const int n_tiles = (L + TILE - 1) / TILE;
@@ -1031,115 +1051,17 @@ __device__ __forceinline__ void body(
   const int t_end = (int)(((long long)n_tiles * (split + 1)) / S);
   const int my_tiles = t_end - t_begin;
 
-  const __nv_bfloat16* kh = kc + (long long)h * D;
-  const __nv_bfloat16* vh = vc + (long long)h * D;
-
-  auto issue_tile = [&](int t, int stage) {
-    __nv_bfloat16* ks = smem + stage * STAGE_ELEMS;
-    __nv_bfloat16* vs = ks + TILE * LDS;
-    const int slot0 = t * TILE;
-#pragma unroll
-    for (int i = tid; i < TILE * CHUNKS; i += THREADS) {
-      const int r = i / CHUNKS, c = i % CHUNKS;
-      const int slot = slot0 + r;
-      const bool ok = slot < L;
-      const long long off = (long long)(ok ? slot : 0) * kv_slot_stride + c * 8;
-      cp_async_16(smem_u32(ks + r * LDS + c * 8), kh + off, ok);
-      cp_async_16(smem_u32(vs + r * LDS + c * 8), vh + off, ok);
-    }
-    cp_async_mbar_arrive(mbar0 + 8 * stage);
-  };
-
-  const int n_pro = min(my_tiles, STAGES);
-  for (int s = 0; s < n_pro; ++s) issue_tile(t_begin + s, s);
-
   // Rows of this block: [row_lo, row_lo + rows); tokens [tok_lo, tok_lo + ntok).
   const int row_lo = rg * RB;
   const int rows = min(R - row_lo, RB);
   const int tok_lo = row_lo / G;
   const int ntok = (row_lo + rows - 1) / G - tok_lo + 1;
 
-  auto build_bits = [&](int c0, int nt) {
-    const int total = nt * ntok;
-    constexpr int UNR = 4;
-    for (int base = warp; base < total; base += NW * UNR) {
-      uint8_t b[UNR][2];
-#pragma unroll
-      for (int u = 0; u < UNR; ++u) {
-        const int idx = base + NW * u;
-        b[u][0] = b[u][1] = 0;
-        if (idx < total) {
-          const int ti = idx / ntok, tk = idx % ntok;
-          const int s0 = (t_begin + c0 + ti) * TILE + lane;
-          const uint8_t* mr = mask + (long long)(tok_lo + tk) * mask_stride;
-          if (s0 < L) b[u][0] = __ldg(mr + s0);
-          if (s0 + 32 < L) b[u][1] = __ldg(mr + s0 + 32);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < UNR; ++u) {
-        const int idx = base + NW * u;
-        if (idx < total) {   // warp-uniform
-          const unsigned lo = __ballot_sync(0xffffffffu, b[u][0] != 0);
-          const unsigned hi = __ballot_sync(0xffffffffu, b[u][1] != 0);
-          if (lane == 0) {
-            const int ti = idx / ntok, tk = idx % ntok;
-            bits[ti * RB + tk] = (unsigned long long)lo | ((unsigned long long)hi << 32);
-          }
-        }
-      }
-    }
-  };
-
-  const int row_base = rg * RB + mt * 16;
-  const int rowA = row_base + g, rowB = row_base + g + 8;
-  const bool validA = rowA < R, validB = rowB < R;
-  const int tokA = validA ? rowA / G : 0, tokB = validB ? rowB / G : 0;
-  const __nv_bfloat16* qA = q + (long long)tokA * q_tok_stride + (long long)(h * G + rowA % G) * D;
-  const __nv_bfloat16* qB = q + (long long)tokB * q_tok_stride + (long long)(h * G + rowB % G) * D;
-  uint32_t qf[DK][4];
-#pragma unroll
-  for (int s = 0; s < DK; ++s) {
-    const int c0 = s * 16 + 2 * qd;
-    qf[s][0] = validA ? __ldg(reinterpret_cast<const uint32_t*>(qA + c0)) : 0u;
-    qf[s][1] = validB ? __ldg(reinterpret_cast<const uint32_t*>(qB + c0)) : 0u;
-    qf[s][2] = validA ? __ldg(reinterpret_cast<const uint32_t*>(qA + c0 + 8)) : 0u;
-    qf[s][3] = validB ? __ldg(reinterpret_cast<const uint32_t*>(qB + c0 + 8)) : 0u;
-  }
-  const int lA = validA ? tokA - tok_lo : -1, lB = validB ? tokB - tok_lo : -1;
-  const int bit0 = part * PW + 2 * qd;
-
   float o[DN][4];
-#pragma unroll
-  for (int i = 0; i < DN; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.f, 0.f};
-
-  for (int it = 0; it < my_tiles; ++it) {
-    if (it % MAXT == 0) {
-      if (it > 0) __syncthreads();
-      build_bits(it, min(MAXT, my_tiles - it));
-      __syncthreads();
-    }
-    const int stage = it % STAGES;
-    mbar_wait(mbar0 + 8 * stage, (uint32_t)((it / STAGES) & 1));
-
-    const __nv_bfloat16* ks = smem + stage * STAGE_ELEMS;
-    const __nv_bfloat16* vs = ks + TILE * LDS;
-    const unsigned long long wA = lA >= 0 ? bits[(it % MAXT) * RB + lA] >> bit0 : 0ull;
-    const unsigned long long wB = lB >= 0 ? bits[(it % MAXT) * RB + lB] >> bit0 : 0ull;
-
-    float sacc[NT][4];
-    piece_qk<NT, D>(ks, part * PW, lane, qf, sacc);
-
-    uint32_t pf[NT][2];
-    piece_softmax<NT, DN>(sacc, wA, wB, scale_log2, m_run, l_run, o, pf);
-    piece_pv<NT, D>(vs, part * PW, lane, pf, o);
-    if (it + STAGES < my_tiles) {
-      __syncthreads();
-      issue_tile(t_begin + it + STAGES, stage);
-    }
-  }
+  float m_run[2], l_run[2];
+  tree_attn2::accumulate_tiles<D, MT_BLK, STAGES, NW, LDS, RB>(smem, bits, mbar0, q, q_tok_stride, kc, vc, kv_slot_stride,
+                                                   mask, mask_stride, scale_log2, L, t_begin, my_tiles, h, rg,
+                                                   G, R, tok_lo, ntok, o, m_run, l_run);
   __syncthreads();  // all warps done with the ring (every issued stage was waited on): reuse it
 
   float* part_o = reinterpret_cast<float*>(smem_raw);   // [NW][16][D]

@@ -96,12 +96,18 @@ class TreeInbox:
 
 def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
                 tracker: OutputTracker | None, acceptor: Acceptor) -> None:
+    """The verify group's loop of one `async` request: prefill the target with `prompt_ids`
+    (token ids, int), then until the request ends: take the draft's latest tree (tokens int64[n],
+    parents int32[n], n <= bs = cfg.verify_size), verify it in one target forward (logits
+    [n, vocab] float32, or the greedy argmax int64[n]), accept a path with `acceptor` and send
+    the result (accepted node indices and the bonus token) to the draft leader. The group's
+    leader records `result` (RequestResult) and feeds `tracker`; other ranks pass None."""
     cfg, rec, clock, topo = ctx.cfg, ctx.recorder, ctx.clock, ctx.topo
     leader = topo.is_leader
     bs = cfg.verify_size
     chan = ctx.scratch.setdefault("chan", LeaderChannel(bs, send_size(cfg)))
     target = TargetSide(ctx.target)
-    decision = np.zeros(3 + 2 * bs, dtype=np.int64)   # see engine_context.decide
+    decision = np.zeros(3 + 2 * bs, dtype=np.int64)   # see context.decide
     # the tree the group verifies, broadcast by the leader: not chan.tree, which is the leader's
     # receive buffer for the draft's next tree (a message arriving during the broadcast would
     # land in the buffer being broadcast)

@@ -13,6 +13,10 @@ from swiftspec_mpi.trace.record import Clock, EventRecorder
 
 @dataclass
 class EngineContext:
+    """What a decode loop needs from its job: the run's config, this rank's topology, the clock
+    and event recorder, the stop flag and abort watch, the models of this rank's group (target,
+    draft; None where the group has none) and the target's tokenizer; `scratch` keeps buffers
+    between requests, `expansions` is d (draft forwards per verify in `sync`)."""
     cfg: RunConfig
     topo: Topology
     clock: Clock
@@ -27,6 +31,7 @@ class EngineContext:
     scratch: dict = field(default_factory=dict)
 
     def check_stop(self) -> None:
+        """Raise Interrupted once a SIGTERM / SIGINT arrived on this rank."""
         if self.stop_flag:
             raise Interrupted()
 
@@ -72,6 +77,7 @@ def make_topk_share(ctx: "EngineContext", ids_buf: np.ndarray, lps_buf: np.ndarr
 
 
 def comm_seconds(model) -> float:
+    """Seconds `model`'s tensor-parallel communicator spent in collectives so far (0 without one)."""
     comm = getattr(model, "comm", None)
     return float(getattr(comm, "seconds", 0.0)) if comm is not None else 0.0
 

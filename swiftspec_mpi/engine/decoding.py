@@ -62,6 +62,7 @@ def _prefill(model, prompt_ids: list[int]) -> int:
 
 
 def model_device(model) -> torch.device:
+    """The device a model (or a GraphedModel) runs on; CPU when it does not say."""
     return torch.device(getattr(model, "device", "cpu"))
 
 
@@ -74,6 +75,8 @@ class TargetSide:
         self.P = 0
 
     def prefill(self, prompt_ids: list[int]) -> None:
+        """Write the KV of prompt_ids[:-1] (P = len - 1 tokens) in slots [0, P); the last prompt
+        token is the first tree's root."""
         self.P = _prefill(self.model, prompt_ids)
 
     def forward_tree(self, tokens: np.ndarray, parents: np.ndarray, greedy: bool = False):
@@ -120,11 +123,14 @@ class DraftSide:
         self.max_slots = model.max_slots
 
     def prefill(self, prompt_ids: list[int]) -> None:
+        """Write the draft's KV of prompt_ids[:-1] in slots [0, P) and root a fresh tree at the
+        last prompt token (position P)."""
         P = _prefill(self.model, prompt_ids)
         self.tree.reset(int(prompt_ids[-1]), P)
         self.kv_used = P
 
     def root_expanded(self) -> bool:
+        """Whether the root has children and its KV slot is written."""
         return self.tree.num_expanded > 0 and int(self.tree.kv_slot[0]) >= 0
 
     def select(self) -> np.ndarray:
@@ -153,6 +159,8 @@ class DraftSide:
         self.kv_used += n
 
     def best_subtree(self, bs: int) -> tuple[np.ndarray, np.ndarray]:
+        """The `bs` most likely nodes as a subtree: (tokens int64[n], parents int32[n]), n <= bs,
+        node 0 the root, parents before children (-1 for the root)."""
         nodes, parents = self.tree.best_subtree(bs)
         return self.tree.tokens_of(nodes), parents
 
@@ -221,6 +229,8 @@ class Acceptor:
         return self.temperature == 0.0
 
     def start_request(self, request_index: int, max_new_tokens: int, verify_size: int) -> None:
+        """Seed the request's random streams from (seed, request_index): the same request gives
+        the same samples in every mode."""
         rng = np.random.default_rng([self.seed, request_index])
         self.uniforms = rng.random(max_new_tokens + verify_size + 2)
         self.residual_rng = np.random.default_rng([self.seed, request_index, 1])
@@ -293,6 +303,7 @@ class OutputTracker:
         return taken, False
 
     def finish(self) -> None:
+        """The request ended: its text without EOS tokens into the result; end the streamed line."""
         ids = [t for t in self.result.output_ids if t not in self.eos]
         self.result.text = self.tokenizer.decode(ids)
         if self.stream and self.sink is None:

@@ -3,9 +3,8 @@
 Two processes on one GPU time-slice it: each gets the whole GPU in turn, so the draft's
 expansions and the target's verification never run at the same time, which is what `async`
 is for. The CUDA Multi-Process Service (MPS) runs the kernels of several processes concurrently.
-Measured on one H200 (docs/benchmarks.md, sixth session): `async` with the 8B verify rank and the
-1B draft rank sharing the GPU gave 80-84 tok/s without MPS and 110-111 with it (`sync`, one
-process: 93-97).
+So ranks that share a GPU should run under MPS (docs/benchmarks.md, "GPU engine", has the
+figures); `jobs/mps.sh` starts a per-job daemon.
 
     entries = [(rank, role_name, host, gpu_uuid or None), ...]      # one per rank
     groups = sharing_groups(entries)         # [[0, 1]]: ranks 0 and 1 share a GPU

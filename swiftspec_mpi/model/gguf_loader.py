@@ -400,9 +400,11 @@ class GGUFSource:
 
     # ------------------------------------------------------------------ protocol
     def names(self) -> list[str]:
+        """Every tensor's HF name."""
         return list(self._names)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor `name` (torch order: [out, in] for a weight)."""
         return self._info(name).shape
 
     def ggml_type(self, name: str) -> str:
@@ -496,6 +498,7 @@ class GGUFSource:
         return out_shape, rows, cols
 
     def close(self) -> None:
+        """Close the GGUF file."""
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -100,9 +100,11 @@ class SafetensorsSource:
                                           f"{name!r} that the index lists; {_FIX}")
 
     def names(self) -> list[str]:
+        """Every tensor's HF name."""
         return list(self._where)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor `name` (torch order: [out, in] for a weight)."""
         path = self._path(name)
         with _safe_open(path, self._framework) as h:
             return tuple(h.get_slice(name).get_shape())
@@ -146,6 +148,7 @@ class SafetensorsSource:
             raise CheckpointError(f"{path}: cannot read tensor {name!r} ({exc}); {_FIX}") from None
 
     def close(self) -> None:
+        """Forget the tensor table (files are opened per read; nothing stays open)."""
         self._where = {}
 
     def __enter__(self):

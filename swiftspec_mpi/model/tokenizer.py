@@ -67,6 +67,7 @@ class TextTokenizer:
     # ---------------------------------------------------------------------------- construction
     @classmethod
     def from_hf_folder(cls, folder) -> "TextTokenizer":
+        """The tokenizer of a Hugging Face folder (tokenizer.json, its config and generation config)."""
         from tokenizers import Tokenizer
         folder = os.fspath(folder)
         path = os.path.join(folder, "tokenizer.json")
@@ -123,15 +124,18 @@ class TextTokenizer:
 
     # ---------------------------------------------------------------------------- text
     def encode(self, text: str) -> list[int]:
+        """text -> token ids (with the BOS token first when the model adds one)."""
         ids = self.tok.encode(text, add_special_tokens=False).ids
         if self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)
         return ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """token ids (any int sequence) -> text."""
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, i: int) -> str | None:
+        """The vocabulary entry of token id i (None if it has none)."""
         return self.tok.id_to_token(int(i))
 
     def apply_chat_template(self, user_text: str) -> str:
@@ -207,6 +211,7 @@ class StreamDecoder:
         self.read_offset = 0
 
     def push(self, ids) -> str:
+        """Append token ids; -> the text they complete (held back while a character is split)."""
         self.ids.extend(int(i) for i in ids)
         prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self.tok.decode(self.ids[self.prefix_offset:])
@@ -217,6 +222,7 @@ class StreamDecoder:
         return ""
 
     def flush(self) -> str:
+        """The text still held back, at the end of the stream."""
         prefix_text = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self.tok.decode(self.ids[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.ids)
