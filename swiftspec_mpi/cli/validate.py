@@ -245,10 +245,25 @@ def check_memory(cfg: C.RunConfig, tcfg, dcfg, world_size: int, ranks_on_node: i
                         "bfloat16, or spread the ranks over more nodes")
 
 
+def check_quant(cfg: C.RunConfig) -> None:
+    """--quant int4 runs packed 4-bit weights through the GPU's W4A16 kernels: it needs the GPU,
+    --dtype bfloat16 and random packed weights (--load-format dummy)."""
+    if cfg.quant != "int4":
+        return
+    if cfg.device == "cpu" or (cfg.device == "auto" and not _gpu_visible()):
+        raise UserError("--quant int4 runs on the GPU here; use --device cuda on a GPU node")
+    if cfg.dtype != "bfloat16":
+        raise UserError("--quant int4 runs bf16 activations; add --dtype bfloat16")
+    if cfg.load_format != "dummy":
+        raise UserError("--quant int4 on the GPU takes random 4-bit weights (--load-format dummy); "
+                        "drop --quant int4 to run this checkpoint as it is")
+
+
 def resolve_models(cfg: C.RunConfig):
     """Fill cfg.target / cfg.draft with paths; -> (target ModelConfig, target tokenizer, draft
     ModelConfig or None). Reads configs and tokenizers only."""
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    check_quant(cfg)
     if cfg.load_format == "dummy":
         if cfg.target is None:
             raise UserError("--load-format dummy needs --target SHAPE (e.g. llama-3-8b) or a checkpoint")

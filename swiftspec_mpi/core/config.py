@@ -34,6 +34,11 @@ class Request:
     stop: list[str] = field(default_factory=list)   # its own stop strings, besides the run's
 
 
+# --quant: auto = a quantized checkpoint runs packed, a dense one dense; int4 = packed 4-bit
+# (with --load-format dummy: random packed weights, group 128); none = dequantize to --dtype
+QUANTS = ("auto", "int4", "none")
+
+
 @dataclass
 class RunConfig:
     # models
@@ -41,6 +46,7 @@ class RunConfig:
     draft: str | None = None
     draft_layers: int | None = None    # truncate the draft to its first N layers (self-speculation)
     load_format: str = "auto"          # auto | dummy (random weights at the checkpoint's shape)
+    quant: str = "auto"                # auto | int4 | none: packed 4-bit weights (model/quant.py)
     # parallel layout
     mode: str = "async"
     draft_ranks: int | None = None     # async: ranks in the draft group (default: 1, or world/4 from 8 ranks)
@@ -185,6 +191,8 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         raise UserError(f"unknown sampling rule '{cfg.sampling_rule}'; use coupled or residual")
     if cfg.load_format not in ("auto", "dummy"):
         raise UserError(f"unknown load format '{cfg.load_format}'; use auto or dummy")
+    if cfg.quant not in QUANTS:
+        raise UserError(f"unknown --quant '{cfg.quant}'; use {', '.join(QUANTS)}")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise UserError(f"unknown device '{cfg.device}'; use auto, cpu or cuda")
     positive = {"max_new_tokens": cfg.max_new_tokens, "tree_topk": cfg.tree_topk,

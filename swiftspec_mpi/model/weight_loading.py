@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swiftspec_mpi.core.errors import CheckpointError
-from swiftspec_mpi.model import cpu_linear
+from swiftspec_mpi.model import cpu_linear, packed_layers
 from swiftspec_mpi.model.layer import Layer
 
 if TYPE_CHECKING:
@@ -111,24 +111,29 @@ def load_weights(self: "Transformer", source) -> None:
             fetch(ln1, p + "input_layernorm.weight")
             ln2 = torch.empty(H, **kw)
             fetch(ln2, p + "post_attention_layernorm.weight")
-            wqkv, wqkv_v = mat(q_rows + 2 * kv_rows, H)
-            fetch_qkv(wqkv_v, p, "weight")
+            if not self.quant4:
+                wqkv, wqkv_v = mat(q_rows + 2 * kv_rows, H)
+                fetch_qkv(wqkv_v, p, "weight")
             bqkv = None
             if cfg.attention_bias:
                 bqkv = torch.empty(q_rows + 2 * kv_rows, **kw)
                 fetch_qkv(bqkv, p, "bias")
-            wo, wo_v = mat(H, q_rows)
-            fetch(wo_v, p + "self_attn.o_proj.weight", 1, *sh.q_rows)
+            if not self.quant4:
+                wo, wo_v = mat(H, q_rows)
+                fetch(wo_v, p + "self_attn.o_proj.weight", 1, *sh.q_rows)
             bo = None
             if cfg.o_bias and self.comm.rank == 0:   # added once, before the all-reduce
                 bo = torch.empty(H, **kw)
                 fetch(bo, p + "self_attn.o_proj.bias")
             il = sh.inter_l
-            wgu, wgu_v = mat(2 * il, H)
-            fetch(wgu_v[:il], p + "mlp.gate_proj.weight", 0, *sh.ff)
-            fetch(wgu_v[il:], p + "mlp.up_proj.weight", 0, *sh.ff)
-            wd, wd_v = mat(H, il)
-            fetch(wd_v, p + "mlp.down_proj.weight", 1, *sh.ff)
+            if self.quant4:                            # the four projections packed 4-bit
+                wqkv, wo, wgu, wd = packed_layers.load_projections(source, p, sh, hd, self.device)
+            else:
+                wgu, wgu_v = mat(2 * il, H)
+                fetch(wgu_v[:il], p + "mlp.gate_proj.weight", 0, *sh.ff)
+                fetch(wgu_v[il:], p + "mlp.up_proj.weight", 0, *sh.ff)
+                wd, wd_v = mat(H, il)
+                fetch(wd_v, p + "mlp.down_proj.weight", 1, *sh.ff)
             layers.append(Layer(ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd,
                                  self._k_layers[i], self._v_layers[i]))
         self.norm = torch.empty(H, **kw)
