@@ -100,7 +100,7 @@ def bench_gemv(args) -> dict:
     print(f"copy bandwidth {bw:.2f} TB/s\n")
     res = {"copy_tbs": bw, "rows": []}
     gen = torch.Generator(device="cuda").manual_seed(0)
-    hdr = ("| shape | proj | N x K | g | M | MB read | ours us (T,U,E,ST) | % copy | ours PDL us | % copy | "
+    hdr = ("| shape | proj | N x K | g | M | MB read | ours us (T,U,E) | % copy | ours PDL us | % copy | "
            "torch int4 us | % copy |")
     print(hdr)
     print("|" + "---|" * 12)
@@ -185,7 +185,7 @@ def bench_step(args) -> dict:
     print(f"copy bandwidth {bw:.2f} TB/s\n")
     ctx = args.context
     res = {"copy_tbs": bw, "rows": []}
-    print("| shape (int4 g128) | GEMV (T,U,E,ST) | weights GB | step GB | floor ms | 1 token ms | 8-node verify ms | "
+    print("| shape (int4 g128) | GEMV (T,U,E) | weights GB | step GB | floor ms | 1 token ms | 8-node verify ms | "
           "ratio | w=8 expand + top-8 ms | peak mem GB | load s |")
     print("|" + "---|" * 11)
     for shape in args.shapes.split(","):
@@ -229,8 +229,7 @@ def main():
     ap.add_argument("--shapes", default="llama-3.2-1b,llama-3.2-3b,llama-3-8b,llama-3-70b")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--configs", type=lambda s: [tuple(int(v) for v in c.split("/")) for c in s.split(",")],
-                    default=[(1, 2, 1, 0), (1, 2, 1, 3), (1, 1, 1, 5), (1, 2, 0, 0)],
-                    help="GEMV variants T/U/E/ST to time the step with")
+                    default=[(1, 2, 1), (1, 2, 0)], help="GEMV variants T/U/E to time the step with")
     ap.add_argument("--json")
     args = ap.parse_args()
     res = bench_gemv(args) if args.what == "gemv" else bench_step(args)

@@ -55,20 +55,6 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
   return r;
 }
 
-// cp.async of one lane's 16 bytes of W (L2::256B prefetch hint) / BYTES of scales into shared memory.
-__device__ __forceinline__ void cp_async16(void* smem, const void* g) {
-  const unsigned int a = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(a), "l"(g) : "memory");
-}
-template <int BYTES>
-__device__ __forceinline__ void cp_async_small(void* smem, const void* g) {
-  const unsigned int a = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(a), "l"(g), "n"(BYTES) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
 __device__ __forceinline__ void mma_bf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -124,7 +110,7 @@ struct Chunk {
 // Partial Y tiles of the T tiles tile0 .. tile0 + T - 1 (those < n_tiles) over all of K, summed
 // over the block's warps, into res[t][n (16)][m (8 MB)] (shared, T * 128 * MB floats). red: shared
 // scratch [WARPS][T * 128 * MB]. All THREADS threads call it; ends with a barrier.
-template <int T, int U, int GS, int MB, bool EX, int ST>
+template <int T, int U, int GS, int MB, bool EX>
 __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, long long ldx,
                                          const uint8_t* __restrict__ qw, const uint32_t* __restrict__ so,
                                          int M, int K, int n_tiles, int tile0, float* red, float* res) {
@@ -272,49 +258,7 @@ __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, lo
   };
 
   int k0 = warp * KC;
-  if constexpr (ST > 0) {
-    // ST-stage cp.async ring in dynamic shared memory, per warp [ST][U][W | scales][2 rows][32
-    // lanes] x 16 bytes: ST - 1 chunks in flight per lane without holding them in registers. Each
-    // lane reads back only what it copied itself, so cp.async.wait_group orders it (no barrier).
-    static_assert(T == 1, "the ring holds one tile's rows");
-    extern __shared__ uint4 ring[];
-    uint4* mine = ring + warp * (ST * U * 4 * 32);
-    auto slot = [&](int st, int u, int kind, int h) { return mine + ((st * U + u) * 4 + kind * 2 + h) * 32 + lane; };
-    auto issue = [&](int st, int kc) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int k = kc + 128 * u;
-        if (k < K) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            cp_async16(slot(st, u, 0, h), wrow[0][h] + k / 2);
-            cp_async_small<4 * Scales<GS>::SW>(slot(st, u, 1, h), srowp[0][h] + k / GS);
-          }
-        }
-      }
-      cp_async_commit();                      // an empty group past K keeps the count
-    };
-#pragma unroll
-    for (int i = 0; i < ST - 1; ++i) issue(i, k0 + i * STEP);
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");   // no-op without PDL
-    for (int i = 0; k0 < K; ++i, k0 += STEP) {
-      cp_async_wait<ST - 2>();                // chunk i has landed
-      issue((i + ST - 1) % ST, k0 + (ST - 1) * STEP);   // into the slot chunk i - 1 was read from
-      Chunk<T, U, GS> ch;
-      const int st = i % ST;
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          ch.w[0][u][h] = *slot(st, u, 0, h);
-          const uint32_t* sp = reinterpret_cast<const uint32_t*>(slot(st, u, 1, h));
-#pragma unroll
-          for (int j = 0; j < Scales<GS>::SW; ++j) ch.s[0][u][h].v[j] = sp[j];
-        }
-      compute(ch, k0);
-    }
-    cp_async_wait<0>();
-  } else {
+  {
     Chunk<T, U, GS> c0, c1;
     if (k0 < K) load(c0, k0);
     asm volatile("griddepcontrol.wait;\n" ::: "memory");   // no-op without PDL
@@ -350,7 +294,7 @@ __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, lo
   __syncthreads();
 }
 
-template <int T, int U, int GS, int MB, bool EX, int ST>
+template <int T, int U, int GS, int MB, bool EX>
 __device__ __forceinline__ void gemm_body(const __nv_bfloat16* __restrict__ x, long long ldx,
                                           const uint8_t* __restrict__ qw, const uint32_t* __restrict__ so,
                                           __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K) {
@@ -360,7 +304,7 @@ __device__ __forceinline__ void gemm_body(const __nv_bfloat16* __restrict__ x, l
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int n_tiles = N / 16;
   for (int tile0 = blockIdx.x * T; tile0 < n_tiles; tile0 += gridDim.x * T) {
-    w4_tiles<T, U, GS, MB, EX, ST>(x, ldx, qw, so, M, K, n_tiles, tile0, red, res);
+    w4_tiles<T, U, GS, MB, EX>(x, ldx, qw, so, M, K, n_tiles, tile0, red, res);
     for (int e = threadIdx.x; e < T * TS; e += THREADS) {
       const int t = e / TS, n = (e % TS) / (8 * MB), m = e % (8 * MB);
       if (m < M && tile0 + t < n_tiles) y[(long long)m * ldy + (tile0 + t) * 16 + n] = __float2bfloat16_rn(res[e]);
@@ -370,28 +314,24 @@ __device__ __forceinline__ void gemm_body(const __nv_bfloat16* __restrict__ x, l
 
 }  // namespace w4
 
-// w4a16_gemm_mb<MB>_g<GS>_t<T>_u<U>_e<EX>_s<ST>: grid <= ceil(N / 16 / T) blocks of 256 threads
-// (blocks stride over the tile groups); MINB blocks per SM (2: at most 128 registers a thread).
-// ST = 0: register double buffering; ST >= 3: the cp.async ring, 8 * ST * U * 2 KiB of dynamic
-// shared memory (same arithmetic in the same order as ST = 0: the same bits).
-#define W4_GEMM(MB, GS, T, U, EX, ST, MINB)                                                            \
+// w4a16_gemm_mb<MB>_g<GS>_t<T>_u<U>_e<EX>: grid <= ceil(N / 16 / T) blocks of 256 threads (blocks
+// stride over the tile groups); MINB blocks per SM (2: at most 128 registers a thread).
+#define W4_GEMM(MB, GS, T, U, EX, MINB)                                                                \
   extern "C" __global__ void __launch_bounds__(w4::THREADS, MINB)                                     \
-  w4a16_gemm_mb##MB##_g##GS##_t##T##_u##U##_e##EX##_s##ST(const __nv_bfloat16* __restrict__ x,        \
-      long long ldx, const uint8_t* __restrict__ qw, const uint32_t* __restrict__ so,                 \
-      __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K) {                            \
-    w4::gemm_body<T, U, GS, MB, EX, ST>(x, ldx, qw, so, y, ldy, M, N, K);                            \
+  w4a16_gemm_mb##MB##_g##GS##_t##T##_u##U##_e##EX(const __nv_bfloat16* __restrict__ x, long long ldx, \
+      const uint8_t* __restrict__ qw, const uint32_t* __restrict__ so, __nv_bfloat16* __restrict__ y,   \
+      long long ldy, int M, int N, int K) {                                                           \
+    w4::gemm_body<T, U, GS, MB, EX>(x, ldx, qw, so, y, ldy, M, N, K);                                \
   }
-#define W4_GEMM_MB(GS, T, U, EX, ST, MINB) \
-  W4_GEMM(1, GS, T, U, EX, ST, MINB) W4_GEMM(2, GS, T, U, EX, ST, MINB) W4_GEMM(4, GS, T, U, EX, ST, MINB)
-#define W4_GEMM_ALL(T, U, EX, ST, MINB) \
-  W4_GEMM_MB(32, T, U, EX, ST, MINB) W4_GEMM_MB(64, T, U, EX, ST, MINB) W4_GEMM_MB(128, T, U, EX, ST, MINB)
-W4_GEMM_ALL(1, 2, 0, 0, 2)
-W4_GEMM_ALL(2, 2, 0, 0, 1)
-W4_GEMM_ALL(1, 2, 1, 0, 2)
-W4_GEMM_ALL(2, 2, 1, 0, 1)
-W4_GEMM_ALL(1, 4, 1, 0, 1)
-W4_GEMM_ALL(1, 2, 1, 3, 2)
-W4_GEMM_ALL(1, 1, 1, 5, 2)
+#define W4_GEMM_MB(GS, T, U, EX, MINB) \
+  W4_GEMM(1, GS, T, U, EX, MINB) W4_GEMM(2, GS, T, U, EX, MINB) W4_GEMM(4, GS, T, U, EX, MINB)
+#define W4_GEMM_ALL(T, U, EX, MINB) \
+  W4_GEMM_MB(32, T, U, EX, MINB) W4_GEMM_MB(64, T, U, EX, MINB) W4_GEMM_MB(128, T, U, EX, MINB)
+W4_GEMM_ALL(1, 2, 0, 2)
+W4_GEMM_ALL(2, 2, 0, 1)
+W4_GEMM_ALL(1, 2, 1, 2)
+W4_GEMM_ALL(2, 2, 1, 1)
+W4_GEMM_ALL(1, 4, 1, 1)
 
 // The dequantized matrix: out [N, K] bf16 (row stride ldo), the very values the GEMV multiplies.
 // One thread per code word (8 consecutive k's, one 16-byte store).
@@ -456,7 +396,7 @@ __device__ __forceinline__ void allreduce_body(const __nv_bfloat16* __restrict__
   const size_t base = s_parity * half_bytes;
   float* mine = reinterpret_cast<float*>(ncclGetLocalPointer(win, base));
   for (int tile0 = blockIdx.x * T; tile0 < n_tiles; tile0 += gridDim.x * T) {
-    w4_tiles<T, U, GS, MB, EX, 0>(x, ldx, qw, so, M, K, n_tiles, tile0, red, res);
+    w4_tiles<T, U, GS, MB, EX>(x, ldx, qw, so, M, K, n_tiles, tile0, red, res);
     for (int e = tid; e < T * TS; e += THREADS)
       if (tile0 + e / TS < n_tiles) mine[(size_t)tile0 * TS + e] = res[e];
   }

@@ -37,15 +37,13 @@ MAX_ROWS = 32                  # rows M of gemm (m-blocks of 8: 1, 2 or 4)
 MAX_ALLREDUCE_ROWS = 16        # rows M of gemm_allreduce (the DeviceAllReduce window's 16 rows)
 CHUNK = 128                    # k's of one lane-chunk; K % CHUNK == 0
 TILE = 16                      # W rows of one MMA tile; N % TILE == 0
-# (tiles per block T, 128-k units per warp and chunk U, exact group scaling E, cp.async stages ST)
-# of w4a16_gemm_mb*_g*_t<T>_u<U>_e<E>_s<ST>. E = 0: each weight dequantized to bf16 (a subtract
-# and an FMA per pair) before the MMA; E = 1: the MMAs take the codes as bf16 (128 + q), each
-# group's sum is scaled in fp32 afterwards (s P + (o - 128 s) X, X from an all-ones MMA): fewer
-# instructions and no rounding of W. ST = 0: the next chunk double-buffered in registers; ST > 0:
-# an ST-stage cp.async ring in shared memory (ST - 1 chunks in flight a lane; same bits as ST = 0
-# at the same T, U, E). The fused all-reduce exists for T = 1, U = 2, ST = 0 and both E.
-VARIANTS = ((1, 2, 0, 0), (2, 2, 0, 0), (1, 2, 1, 0), (2, 2, 1, 0), (1, 4, 1, 0), (1, 2, 1, 3), (1, 1, 1, 5))
-_default = (1, 2, 1, 0)
+# (tiles per block T, 128-k units per warp and chunk U, exact group scaling E) of
+# w4a16_gemm_mb*_g*_t<T>_u<U>_e<E>. E = 0: each weight dequantized to bf16 (a subtract and an FMA
+# per pair) before the MMA; E = 1: the MMAs take the codes as bf16 (128 + q), each group's sum is
+# scaled in fp32 afterwards (s P + (o - 128 s) X, X from an all-ones MMA): fewer instructions and
+# no rounding of W. The fused all-reduce exists for T = 1, U = 2 and both E.
+VARIANTS = ((1, 2, 0), (2, 2, 0), (1, 2, 1), (2, 2, 1), (1, 4, 1))
+_default = (1, 2, 1)
 _THREADS = 256
 # nibble i of a device word holds relative k PERM[i]: pairs (i, i + 4) are k's (2i, 2i + 1)
 PERM = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -165,15 +163,17 @@ def _mb(m: int) -> int:
     return 1 if m <= 8 else 2 if m <= 16 else 4
 
 
-def default_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(T, U, E, ST) for an [m, k] x [n, k]^T product: one 16-row tile a block, 2 chunks of 128
-    k's a warp, 2 blocks per SM, exact group scaling (benchmarks/bench_w4a16.py sweeps VARIANTS)."""
+def default_config(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(T, U, E) for an [m, k] x [n, k]^T product: one 16-row tile a block, 2 chunks of 128 k's a
+    warp, 2 blocks per SM, exact group scaling at every M (E = 0 is 5-10 % faster at M = 16-32,
+    but then a row's bits would depend on the batch size; benchmarks/bench_w4a16.py sweeps
+    VARIANTS)."""
     return _default
 
 
 def set_default(config: tuple) -> None:
     """The variant `gemm` and `gemm_allreduce` use by default (benchmarks compare them; a CUDA
-    graph keeps the variant it captured). gemm_allreduce runs T = 1, U = 2, ST = 0 with the same E."""
+    graph keeps the variant it captured). gemm_allreduce runs T = 1, U = 2 with the same E."""
     global _default
     if tuple(config) not in VARIANTS:
         raise ValueError(f"config {config} must be one of {VARIANTS}")
@@ -189,7 +189,7 @@ def gemm(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None = None, pdl: 
       w:      W4A16Weight [N, K] on x's device.
       out:    [M, N] bfloat16, last stride 1; allocated if None (written in full).
       pdl:    programmatic dependent launch (the weight loads overlap the previous kernel).
-      config: (T, U, E, ST), one of VARIANTS; default `default_config`.
+      config: (T, U, E), one of VARIANTS; default `default_config`.
 
     Returns:
       out: [M, N] bfloat16, float32 accumulation.
@@ -198,14 +198,13 @@ def gemm(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None = None, pdl: 
     config = default_config(m, n, k) if config is None else tuple(config)
     if config not in VARIANTS:
         raise ValueError(f"config {config} must be one of {VARIANTS}")
-    t, u, e, st = config
+    t, u, e = config
     dev = _dev(x)
-    smem = 8 * st * u * 2048                       # the cp.async ring (cuda/w4a16.cu)
-    f = function(_SOURCE, "", f"w4a16_gemm_mb{_mb(m)}_g{w.group}_t{t}_u{u}_e{e}_s{st}", dev, dyn_smem=smem)
+    f = function(_SOURCE, "", f"w4a16_gemm_mb{_mb(m)}_g{w.group}_t{t}_u{u}_e{e}", dev)
     args = [ptr(x), ctypes.c_int64(x.stride(0)), ptr(w.qweight), ptr(w.so), ptr(out),
             ctypes.c_int64(out.stride(0)), ctypes.c_int32(m), ctypes.c_int32(n), ctypes.c_int32(k)]
     grid = -(-(n // TILE) // t)
-    (launch_pdl if pdl else launch)(f, (grid, 1, 1), _THREADS, smem, torch.cuda.current_stream(dev).cuda_stream, args)
+    (launch_pdl if pdl else launch)(f, (grid, 1, 1), _THREADS, 0, torch.cuda.current_stream(dev).cuda_stream, args)
     return out
 
 
