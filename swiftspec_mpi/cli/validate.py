@@ -18,7 +18,7 @@ from swiftspec_mpi.core.errors import CheckpointError, UserError
 from swiftspec_mpi.model import gguf_loader, registry
 from swiftspec_mpi.model import load as checkpoint
 from swiftspec_mpi.model.dummy import dummy_tokenizer, shape_config
-from swiftspec_mpi.model.hf_loader import SafetensorsSource
+from swiftspec_mpi.model.hf_loader import SafetensorsSource, logical_shapes
 
 
 def prepare_config(flags: dict, config_path: str | None, world_size: int,
@@ -53,6 +53,7 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
             raise UserError(f"the {name} has {mcfg.num_heads} attention heads, not divisible by its "
                             f"group of {tp} ranks; choose a group size (--draft-ranks / -n) that "
                             "divides it")
+        check_packed(cfg, cfg.target if name == "target" else cfg.draft, mcfg, tp, name)
     # requests
     limit = min(tcfg.max_position_embeddings,
                 dcfg.max_position_embeddings if cfg.draft is not None else 1 << 30)
@@ -93,6 +94,15 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
     return cfg
 
 
+def check_packed(cfg: C.RunConfig, path: str, mcfg, tp: int, role: str) -> None:
+    """UserError when --quant does not fit the checkpoint, or when a tensor-parallel group of
+    `tp` ranks would cut its 4-bit groups (model.quant.check_tp_groups)."""
+    from swiftspec_mpi.model.quant import check_tp_groups
+    group = checkpoint.packed_group(path, cfg.quant, cfg.load_format)
+    if group is not None:
+        check_tp_groups(mcfg, group, tp, f"the {role}")
+
+
 def check_weight_files(path: str, mcfg=None) -> None:
     """Rank 0's cheap check of a checkpoint's weight files (headers only, no torch, no weights
     read), so a broken file fails here instead of after every rank loaded its other model:
@@ -106,7 +116,7 @@ def check_weight_files(path: str, mcfg=None) -> None:
     Raises CheckpointError (a UserError)."""
     if os.path.isdir(path):
         with SafetensorsSource(path, framework="numpy") as src:
-            shapes = src.shapes()
+            shapes = logical_shapes(path, src.shapes())      # AWQ/GPTQ layers: [N, K]
     else:
         src = gguf_loader.GGUFSource(path)       # the header read_model_config parsed (cached)
         try:

@@ -105,11 +105,14 @@ def check_shapes(prefix: str, shapes: dict, quant: HFQuant) -> tuple[int, int]:
         if len(shapes[part]) != 2:
             raise ValueError(f"tensor {prefix}.{part} has shape {list(shapes[part])}, not 2-D")
     qw, sc = shapes["qweight"], shapes["scales"]
-    n = sc[1]
+    n, rows = sc[1], sc[0]
     k = qw[0] if quant.method == "awq" else qw[0] * 8
     if k % g:
-        raise ValueError(f"group_size {g} does not divide the input dimension {k} of {prefix} "
-                         "(the config's group_size does not belong to these weights)")
+        if rows and k % rows == 0 and k // rows in GROUP_SIZES:   # the tensors agree on a group
+            raise ValueError(f"group_size {g} does not divide the input dimension {k} of {prefix} "
+                             f"(its tensors hold groups of {k // rows}: the config's group_size "
+                             "does not belong to these weights)")
+        k = rows * g                          # the words disagree with the scales: named below
     want = {"qweight": (k, n // 8) if quant.method == "awq" else (k // 8, n),
             "qzeros": (k // g, -(-n // 8)), "scales": (k // g, n)}
     if quant.method == "awq" and n % 8:

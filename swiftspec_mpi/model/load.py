@@ -2,6 +2,8 @@
 file), build the sharded `Transformer` and the `TextTokenizer`.
 
     read_model_config(path) -> ModelConfig      cheap: reads config.json / GGUF metadata only
+    packed_group(path, quant, load_format) -> int | None
+                                                cheap: the 4-bit group size the run keeps packed
     load_tokenizer(path)    -> TextTokenizer
     load_model(path, comm=None, max_slots=4096, dtype=torch.float32, device="cpu",
                num_layers=None) -> (Transformer, TextTokenizer)
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from swiftspec_mpi.core.errors import CheckpointError
+from swiftspec_mpi.core.errors import CheckpointError, UserError
 from swiftspec_mpi.model.config import ModelConfig
 
 
@@ -43,6 +45,35 @@ def read_model_config(path) -> ModelConfig:
             src.close()
     from swiftspec_mpi.model.hf_loader import read_config_json
     return ModelConfig.from_hf_dict(read_config_json(os.fspath(path)))
+
+
+def packed_group(path, quant: str, load_format: str = "auto") -> int | None:
+    """The group size of the 4-bit weights a run with `--quant quant` keeps packed for this
+    checkpoint (or --load-format dummy shape), None when its weights run dense. Reads config.json
+    only. UserError for --quant int4 on a dense Hugging Face checkpoint and for a GPTQ checkpoint
+    in act order (desc_act=True) unless --quant none dequantizes it. (GGUF files: gguf_loader
+    decides their 4-bit kinds.)"""
+    if quant == "none":
+        return None
+    if load_format == "dummy":
+        from swiftspec_mpi.model.dummy import RandomPackedSource
+        return RandomPackedSource.GROUP if quant == "int4" else None
+    if _kind(path) != "hf":
+        return None
+    from swiftspec_mpi.model.hf_loader import read_quantization
+    q = read_quantization(os.fspath(path))
+    if q is None:
+        if quant == "int4":
+            raise UserError(f"--quant int4: {path} holds dense weights (no quantization_config in "
+                            "config.json); int4 runs 4-bit checkpoints (AWQ, GPTQ, GGUF Q4) or "
+                            "random weights with --load-format dummy; use --quant auto")
+        return None
+    if q.desc_act:
+        raise UserError(f"{path}: a GPTQ checkpoint in act order (desc_act=true) scatters each "
+                        "4-bit group over the input, which the packed form cannot hold without "
+                        "permuting every layer's activations; run it with --quant none "
+                        "(dequantized to --dtype) or use one quantized with desc_act=false")
+    return q.group
 
 
 def load_tokenizer(path):
