@@ -131,8 +131,10 @@ def check_tp_groups(cfg, group: int, tp: int, what: str) -> None:
     bad = cut(tp)
     if bad is None:
         return
-    ok = [t for t in range(1, 17) if cfg.num_heads % t == 0 and cut(t) is None]
+    ok = [t for t in range(2, 17) if cfg.num_heads % t == 0 and cut(t) is None]
+    fix = (f"use a group of {' or '.join(map(str, ok))} ranks" if ok else
+           "no tensor-parallel degree keeps them whole: give it one rank")
     raise UserError(f"{what}'s 4-bit weights come in groups of {group} inputs, and a "
                     f"tensor-parallel group of {tp} ranks would cut its {bad[0]} at input "
-                    f"{bad[1]}, inside a group; use a group of {' or '.join(map(str, ok))} "
-                    "rank(s), or --quant none (dequantized weights)")
+                    f"{bad[1]}, inside a group; {fix}, or run it with --quant none "
+                    "(dequantized weights)")
