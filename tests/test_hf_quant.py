@@ -216,6 +216,51 @@ def test_dequantized_model_equals_dense_model_of_the_reference_weights(quantized
     assert rel < 0.3, rel           # 4-bit round to nearest of a random model: ~0.17
 
 
+@pytest.mark.parametrize("layout", ["awq", "gptq-v2"])
+def test_tensor_parallel_shards_cover_each_layer_on_group_boundaries(quantized_pairs, layout):
+    """Every rank of a group of 2 takes its shards as the Transformer cuts them (column-parallel
+    rows of q/k/v and gate/up, row-parallel inputs of o_proj and down_proj in whole groups);
+    put back together they are the whole layer, bit for bit."""
+    from swiftspec_mpi.model.transformer import _Shard
+    src = SafetensorsSource(quantized_pairs[layout][0])
+    cfg, hd = src.config, src.config.head_dim
+    shards = [_Shard(cfg, r, 2) for r in range(2)]
+    p = "model.layers.2."
+    for proj, dim, ranges in (
+            ("self_attn.q_proj", 0, [sh.q_rows for sh in shards]),
+            ("mlp.gate_proj", 0, [sh.ff for sh in shards]),
+            ("self_attn.o_proj", 1, [sh.q_rows for sh in shards]),
+            ("mlp.down_proj", 1, [sh.ff for sh in shards])):
+        name = p + proj + ".weight"
+        whole = quant.dequantize(src.get_packed(name))
+        parts = [quant.dequantize(src.get_packed(name, dim, a, b)) for a, b in ranges]
+        assert torch.equal(torch.cat(parts, dim), whole), proj
+    for sh in shards:                                   # this rank's KV heads, run by run
+        for a, b in sh.kv_runs(hd):
+            w = src.get_packed(p + "self_attn.k_proj.weight", 0, a, b)
+            assert torch.equal(quant.dequantize(w),
+                               src.get(p + "self_attn.k_proj.weight")[a:b])
+
+
+def test_packed_chunks_cover_the_slice_in_row_order(quantized_pairs, monkeypatch):
+    from swiftspec_mpi.model import hf_loader
+    monkeypatch.setattr(hf_loader, "_CHUNK_BYTES", 16 * 96)         # 16-32 rows a block
+    src = SafetensorsSource(quantized_pairs["gptq"][0])
+    for proj, dim, a, b in (("up", None, 0, None), ("up", 0, 16, 180), ("down", 1, 64, 192)):
+        name = f"model.layers.0.mlp.{proj}_proj.weight"
+        whole = src.get(name)
+        chunks = list(src.packed_chunks(name, dim, a, b))
+        assert all(isinstance(w, quant.PackedInt4) for _, w in chunks)
+        assert [off for off, _ in chunks] == list(np.cumsum([0] + [w.shape[0] for _, w in chunks])[:-1])
+        assert all(off % 16 == 0 for off, _ in chunks)
+        got = torch.cat([quant.dequantize(w) for _, w in chunks])
+        want = whole if dim is None else whole[a:b] if dim == 0 else whole[:, a:b]
+        assert torch.equal(got, want)
+    emb = list(src.packed_chunks("model.embed_tokens.weight", 0, 0, 100))    # dense rows
+    assert len(emb) > 1 and all(w.dtype == torch.float32 for _, w in emb)
+    assert torch.equal(torch.cat([w for _, w in emb]), src.get("model.embed_tokens.weight")[:100])
+
+
 def test_truncated_and_mismatched_packed_tensors_are_named(quantized_pairs, tmp_path):
     from safetensors.torch import load_file, save_file
     target = quantized_pairs["awq"][0]

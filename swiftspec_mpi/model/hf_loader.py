@@ -12,6 +12,10 @@ The TensorSource protocol (GGUFSource implements the same):
     get_packed(name, dim=None, start=0, stop=None) -> quant.PackedInt4
                                               # its [N, K] or the slice of outputs (dim 0) or of
                                               # inputs (dim 1, on group boundaries)
+    packed_chunks(name, dim=None, start=0, stop=None)
+                                              # (row offset, rows) covering the slice in row
+                                              # order: PackedInt4 rows of a 4-bit layer, float32
+                                              # rows of any other matrix, a few MiB each
   `get` of a 4-bit layer gives its exact float32 dequantization (slices at any offset).
 
 AWQ and GPTQ folders (config.json's `quantization_config`; layouts in hf_quant.py) name a
@@ -39,6 +43,7 @@ if TYPE_CHECKING:
     from swiftspec_mpi.model.quant import PackedInt4
 
 _FIX = "re-download or re-convert the checkpoint"
+_CHUNK_BYTES = 8 << 20       # packed_chunks: bytes of packed (or float32) rows per block
 
 
 def read_config_json(folder: str) -> dict:
@@ -262,6 +267,26 @@ class SafetensorsSource:
         if dim == 0:
             return quant.take_rows(w, off, off + length)
         return quant.take_cols(w, off, off + length)
+
+    def packed_chunks(self, name: str, dim: int | None = None, start: int = 0,
+                      stop: int | None = None):
+        """Yield (row offset, rows) covering the slice of matrix `name` in row order: rows of
+        its PackedInt4 form (a 4-bit layer) or float32 rows (any other matrix), in blocks of a
+        multiple of 16 rows of about _CHUNK_BYTES, so a loader never holds a whole layer's
+        temporaries."""
+        if dim == 1:                              # a row-parallel shard: its rows, one block
+            yield 0, (self.get_packed(name, 1, start, stop) if self.is_packed(name)
+                      else self.get(name, 1, start, stop).float())
+            return
+        n, k = self.shape(name)[:2]
+        a = start if dim == 0 else 0
+        b = (stop if stop is not None else n) if dim == 0 else n
+        packed = self.is_packed(name)
+        step = max(16, (_CHUNK_BYTES // (k // 2 if packed else 4 * k)) // 16 * 16)
+        for r in range(a, b, step):
+            e = min(b, r + step)
+            yield r - a, (self.get_packed(name, 0, r, e) if packed else
+                          self.get(name, 0, r, e).float())
 
     def _dequantized(self, name: str, dim, start: int, stop) -> torch.Tensor:
         """float32 [N, K] (or its slice) of a 4-bit layer: exactly its reference
