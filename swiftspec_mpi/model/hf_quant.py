@@ -145,20 +145,26 @@ def unpack_zeros(qzeros: torch.Tensor, n: int, method: str, plus_one: bool = Fal
 
 
 def _awq_codes_into(dst: torch.Tensor, qweight: torch.Tensor) -> None:
-    """AWQ qweight int32 [B, N / 8] (B even) -> dst uint8 [N, B / 2] in PackedInt4's layout."""
-    lo, hi = qweight[0::2], qweight[1::2]                  # inputs 2i and 2i + 1
-    out = torch.empty(lo.shape[0], lo.shape[1], 8, dtype=torch.uint8)
-    for j, col in enumerate(AWQ_ORDER):
-        s = 4 * j
-        out[..., col] = (((lo >> s) & 0xF) | (((hi >> s) & 0xF) << 4)).to(torch.uint8)
-    dst.copy_(out.view(lo.shape[0], -1).t())
+    """AWQ qweight int32 [B, N / 8] (B even) -> dst uint8 [N, B / 2] in PackedInt4's layout.
+    Words of inputs 2i and 2i + 1 are merged nibble-wise: byte m of `even` holds nibble 2m of
+    both (input 2i low, 2i + 1 high), byte m of `odd` nibble 2m + 1: the output column
+    AWQ_ORDER[2m] or AWQ_ORDER[2m + 1] of the word."""
+    lo, hi = qweight[0::2], qweight[1::2]                    # [B / 2, N / 8]
+    m4 = 0x0F0F0F0F
+    even = ((lo & m4) | ((hi & m4) << 4)).t().contiguous()   # [N / 8, B / 2]
+    odd = (((lo >> 4) & m4) | (((hi >> 4) & m4) << 4)).t().contiguous()
+    rows = dst.view(-1, 8, dst.shape[1])                     # output 8c + i at [c, i]
+    for src, nibbles in ((even, AWQ_ORDER[0::2]), (odd, AWQ_ORDER[1::2])):
+        b = src.view(torch.uint8).view(src.shape[0], src.shape[1], 4)
+        for m, col in enumerate(nibbles):
+            rows[:, col].copy_(b[:, :, m])
 
 
 def _gptq_codes_into(dst: torch.Tensor, qweight: torch.Tensor) -> None:
     """GPTQ qweight int32 [B, N] -> dst uint8 [N, 4B]: byte m of word [r, n] holds inputs
-    8r + 2m (low nibble) and 8r + 2m + 1 (high), exactly PackedInt4's byte [n, 4r + m]."""
-    b, n = qweight.shape
-    dst.copy_(qweight.contiguous().view(torch.uint8).view(b, n, 4).permute(1, 0, 2).reshape(n, 4 * b))
+    8r + 2m (low nibble) and 8r + 2m + 1 (high), exactly PackedInt4's byte [n, 4r + m], so
+    each word moves whole (little-endian)."""
+    dst.view(torch.int32).copy_(qweight.t())
 
 
 def to_packed(quant: HFQuant, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
