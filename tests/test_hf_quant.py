@@ -157,6 +157,19 @@ def quantized_pairs(tmp_path_factory):
     return pairs
 
 
+def test_tiny_checkpoint_cli_writes_each_4bit_layout(tmp_path):
+    from swiftspec_mpi.cli import main as cli
+    assert cli.main(["tiny-checkpoint", "--quantize", "gptq-sym", "--group-size", "64",
+                     "--layers", "2", "--draft-layers", "1", str(tmp_path / "g")]) == 0
+    src = SafetensorsSource(str(tmp_path / "g" / "target"))
+    assert (src.quant.method, src.quant.group, src.quant.zero_plus_one) == ("gptq", 64, True)
+    qc = json.load(open(tmp_path / "g" / "draft" / "config.json"))["quantization_config"]
+    assert qc["sym"] is True and qc["checkpoint_format"] == "gptq"
+    # the default MLP (176) is no multiple of a group: --quantize takes 192 unless told
+    assert cli.main(["tiny-checkpoint", "--quantize", "awq", "--intermediate", "176",
+                     str(tmp_path / "bad")]) == 2
+
+
 @pytest.mark.parametrize("layout", ["awq", "gptq"])
 def test_source_shards_equal_slices_of_the_whole(quantized_pairs, layout):
     src = SafetensorsSource(quantized_pairs[layout][0])
