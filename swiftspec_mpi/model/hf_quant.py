@@ -23,6 +23,8 @@ The reference dequantization is that formula in float32: |q - z| <= 16 has 5 bit
 (q - z) * s is exact, and so is the PackedInt4 form scale = s, offset = -(z * s), whose
 q * scale + offset is the same value. (In float16, the formats' own kernels round it.)
 
+The config and shape checks import no torch (rank 0 runs them before anything heavy).
+
 desc_act=True GPTQ checkpoints whose g_idx is not k // g ("act order") are refused for the packed
 form: their groups are scattered over the input, which PackedInt4's contiguous groups hold only
 if every layer's activations were permuted at run time. `dequantize_gptq` reads them exactly
@@ -32,10 +34,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from swiftspec_mpi.model.quant import GROUP_SIZES, PackedInt4
+
+if TYPE_CHECKING:
+    import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)   # AWQ: nibble j of a word holds output column 8c + AWQ_ORDER[j]
 METHODS = ("awq", "gptq")
@@ -131,12 +135,14 @@ def check_shapes(prefix: str, shapes: dict, quant: HFQuant) -> tuple[int, int]:
 # ------------------------------------------------------------------------------ reading
 def _nibbles(words: torch.Tensor) -> torch.Tensor:
     """int32 [R, C] -> uint8 [R, C, 8]: nibble j of each word at [..., j]."""
+    import torch
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
     return ((words.unsqueeze(-1) >> shifts) & 0xF).to(torch.uint8)
 
 
 def unpack_zeros(qzeros: torch.Tensor, n: int, method: str, plus_one: bool = False) -> torch.Tensor:
     """qzeros int32 [G, ceil(n / 8)] -> float32 zero points [n, G] (AWQ order or sequential)."""
+    import torch
     z = _nibbles(qzeros)
     if method == "awq":
         z = z[..., torch.tensor(AWQ_ORDER).argsort()]     # column order 0..7 within each word
@@ -149,6 +155,7 @@ def _awq_codes_into(dst: torch.Tensor, qweight: torch.Tensor) -> None:
     Words of inputs 2i and 2i + 1 are merged nibble-wise: byte m of `even` holds nibble 2m of
     both (input 2i low, 2i + 1 high), byte m of `odd` nibble 2m + 1: the output column
     AWQ_ORDER[2m] or AWQ_ORDER[2m + 1] of the word."""
+    import torch
     lo, hi = qweight[0::2], qweight[1::2]                    # [B / 2, N / 8]
     m4 = 0x0F0F0F0F
     even = ((lo & m4) | ((hi & m4) << 4)).t().contiguous()   # [N / 8, B / 2]
@@ -164,6 +171,7 @@ def _gptq_codes_into(dst: torch.Tensor, qweight: torch.Tensor) -> None:
     """GPTQ qweight int32 [B, N] -> dst uint8 [N, 4B]: byte m of word [r, n] holds inputs
     8r + 2m (low nibble) and 8r + 2m + 1 (high), exactly PackedInt4's byte [n, 4r + m], so
     each word moves whole (little-endian)."""
+    import torch
     dst.view(torch.int32).copy_(qweight.t())
 
 
@@ -172,6 +180,7 @@ def to_packed(quant: HFQuant, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     """One layer's stored tensors (layouts in the module doc; N = scales' columns) ->
     PackedInt4 [N, K], exactly. The codes are converted a few MiB of inputs at a time.
     ValueError for dtypes that do not fit, or a GPTQ layer in act order."""
+    import torch
     if sys.byteorder != "little":
         raise ValueError("AWQ/GPTQ words are read as little-endian bytes; this host is big-endian")
     for name, t, dt in (("qweight", qweight, torch.int32), ("qzeros", qzeros, torch.int32)):
@@ -225,6 +234,7 @@ def quantize_rtn(w: torch.Tensor, group: int, sym: bool = False):
     as AutoAWQ (asymmetric, min/max) and GPTQ without calibration (sym: zero 8) compute it.
     -> (codes uint8 [N, K], zeros uint8 [N, K / group], scales float16 [N, K / group]);
     W ~ (codes - zeros) * scales."""
+    import torch
     n, k = w.shape
     wg = w.float().reshape(n, k // group, group)
     if sym:
@@ -240,6 +250,7 @@ def quantize_rtn(w: torch.Tensor, group: int, sym: bool = False):
 
 def _words(nibbles: torch.Tensor) -> torch.Tensor:
     """uint8 [R, C, 8] (0..15) -> int32 [R, C], nibble j at bits 4j (two's complement words)."""
+    import torch
     acc = torch.zeros(nibbles.shape[:2], dtype=torch.int64)
     for j in range(8):
         acc |= nibbles[..., j].to(torch.int64) << (4 * j)
@@ -261,6 +272,7 @@ def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
     """codes uint8 [N, K], zeros uint8 [N, K / g], scales float16 [N, K / g] -> GPTQ tensors
     {"qweight", "qzeros", "scales", "g_idx"}. zero_plus_one: the classic format (stores z - 1,
     four bits: a zero point of 0 reads back as 16, as in the format's own writer)."""
+    import torch
     n, k = codes.shape
     g = k // zeros.shape[1]
     stored = ((zeros.to(torch.int16) - 1) & 0xF).to(torch.uint8) if zero_plus_one else zeros

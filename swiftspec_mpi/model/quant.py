@@ -27,8 +27,10 @@ loaders produce and tests compare against.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 GROUP_SIZES = (32, 64, 128)
 
@@ -51,6 +53,7 @@ class PackedInt4:
 
     def check(self) -> None:
         """Raise ValueError when the parts do not fit together (shape, dtype, group)."""
+        import torch
         n, k = self.shape
         if self.group not in GROUP_SIZES or k % self.group:
             raise ValueError(f"4-bit group size {self.group} must be one of {GROUP_SIZES} and "
@@ -66,6 +69,7 @@ class PackedInt4:
 
 def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K // 2] -> uint8 codes [N, K] (0..15), low nibble first."""
+    import torch
     lo = qweight & 0x0F
     hi = qweight >> 4
     return torch.stack((lo, hi), dim=-1).reshape(qweight.shape[0], -1)
@@ -73,12 +77,14 @@ def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [N, K] (0..15, K even) -> uint8 [N, K // 2], the inverse of `unpack_codes`."""
+    import torch
     c = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2)
     return c[..., 0] | (c[..., 1] << 4)
 
 
 def dequantize(w: PackedInt4) -> torch.Tensor:
     """The reference dequantization: float32 [N, K], W = q * scale + offset per group."""
+    import torch
     n, k = w.shape
     q = unpack_codes(w.qweight).to(torch.float32).reshape(n, k // w.group, w.group)
     out = q * w.scale.unsqueeze(-1) + w.offset.unsqueeze(-1)
@@ -104,6 +110,7 @@ def take_cols(w: PackedInt4, start: int, stop: int) -> PackedInt4:
 
 def cat_rows(parts: list[PackedInt4]) -> PackedInt4:
     """Stack weights of the same inputs and group along the outputs (fused QKV, gate|up)."""
+    import torch
     if len({(p.shape[1], p.group) for p in parts}) != 1:
         raise ValueError("cat_rows: parts differ in input size or group")
     return PackedInt4(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]),
