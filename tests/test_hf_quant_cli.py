@@ -19,10 +19,14 @@ WALL_S = 30.0
 
 @pytest.fixture(scope="module")
 def q4(tmp_path_factory):
-    """{"awq": (target, draft), "gptq": (target, draft)}: the tiny pair, 4-bit, groups of 32."""
+    """{"awq": (target, draft), "gptq": (target, draft)}: the tiny pair, 4-bit, groups of 32;
+    "awq64": groups of 64."""
     out = tmp_path_factory.mktemp("q4cli")
-    return {layout: tiny.write_tiny_pair(str(out / layout), intermediate=192, quantize=layout)
-            for layout in ("awq", "gptq")}
+    pairs = {layout: tiny.write_tiny_pair(str(out / layout), intermediate=192, quantize=layout)
+             for layout in ("awq", "gptq")}
+    pairs["awq64"] = tiny.write_tiny_pair(str(out / "awq64"), intermediate=192, quantize="awq",
+                                          group=64)
+    return pairs
 
 
 @pytest.mark.parametrize("layout,modes", [("awq", ("ar", "sync", "async")), ("gptq", ("ar", "async"))])
@@ -75,19 +79,12 @@ BAD = [
     ("gptq-act-order-packed", 2,
      lambda q, t: ["--target", _with_quant(q["gptq"][0], t, desc_act=True), "--mode", "ar"],
      r"GPTQ checkpoint in act order \(desc_act=true\).*--quant none"),
-    ("int4-on-a-dense-checkpoint", 2,
-     lambda q, t: ["--target", _dense(t), "--mode", "ar", "--quant", "int4"],
-     r"--quant int4: .* holds dense weights .*use --quant auto"),
-    ("tp-cuts-a-group", 2,
-     lambda q, t: ["--load-format", "dummy", "--target", "qwen2.5-0.5b", "--mode", "ar",
-                   "--quant", "int4"],
-     r"groups of 128 inputs, and a tensor-parallel group of 2 ranks would cut its o_proj at "
-     r"input 448, inside a group; no tensor-parallel degree keeps them whole: give it one rank"),
+    ("tp-cuts-a-group", 2,                 # 4 heads of 16: o_proj cut at input 32 of 64
+     lambda q, t: ["--target", q["awq64"][0], "--mode", "ar"],
+     r"the target's 4-bit weights come in groups of 64 inputs, and a tensor-parallel group of 2 "
+     r"ranks would cut its o_proj at input 32, inside a group; no tensor-parallel degree keeps "
+     r"them whole: give it one rank, or run it with --quant none"),
 ]
-
-
-def _dense(tmp_path) -> str:
-    return tiny.write_tiny_pair(str(tmp_path / "dense"))[0]
 
 
 @pytest.mark.parametrize("name,n,make_args,pattern", BAD, ids=[c[0] for c in BAD])
