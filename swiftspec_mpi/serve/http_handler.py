@@ -87,6 +87,8 @@ def make_handler(source):
         server_version = "swiftspec-mpi"
         timeout = cfg.serve_read_timeout          # every socket read and write of the connection
         head_only = False
+        in_flight: Pending | None = None          # the decode this handler waits on
+        next_check = 0.0                          # when _next_event next asks whether the client left
 
         def log_message(self, fmt, *args):       # no per-request lines on rank 0's stderr
             pass
@@ -123,6 +125,7 @@ def make_handler(source):
                 headers["Allow"] = self._allow() or "GET, HEAD, POST"
             phrase = HTTPStatus(code).phrase if code in HTTPStatus._value2member_map_ else "error"
             self._json(code, api.error_body(f"{message or phrase} (HTTP {code})"), headers)
+            self._linger()
 
         def parse_request(self):
             try:
@@ -131,6 +134,7 @@ def make_handler(source):
                 self.close_connection = True
                 self._error(api.ApiError(408, f"the request headers did not arrive within "
                                               f"{cfg.serve_read_timeout:g} s", code="timeout"))
+                self._linger()
                 return False
 
         def _path(self) -> str:
@@ -155,11 +159,17 @@ def make_handler(source):
                 work()
             except api.ApiError as e:
                 self._error(e)
+                if self.close_connection:     # the body was not read whole
+                    self._linger()
             except ClientGone:
                 self.close_connection = True
             except (ConnectionError, TimeoutError) as exc:
                 self.close_connection = True
-                log(f"HTTP client {self.client()} disconnected ({type(exc).__name__})")
+                p = self.in_flight
+                if p is not None:              # the engine ends it at its next token
+                    p.gone = True
+                log(f"HTTP client {self.client()} disconnected ({type(exc).__name__})"
+                    + (f"; request {p.id} ends" if p is not None else ""))
             except Exception as exc:  # noqa: BLE001 - a bug must not reach a client's socket as a traceback
                 self.close_connection = True
                 log(f"HTTP {self.command} {self._path()} from {self.client()} failed: {type(exc).__name__}: {exc}")
@@ -291,12 +301,17 @@ def make_handler(source):
                                      "a Content-Length larger than the body ends this way", code="timeout")
 
         def _refuse_unread(self, e: api.ApiError) -> None:
-            """Answer `e` and close without reading the rest of the body: the writing side is
-            shut at once; for DRAIN_S the sender's bytes are discarded (so it can read the
-            answer instead of a reset), at most 1 MiB of them."""
+            """Answer `e` and close without reading the rest of the body."""
             self._error(e)
-            self.wfile.flush()
+            self._linger()
+            raise ClientGone()
+
+        def _linger(self) -> None:
+            """Before closing a connection whose input may not have been read whole: shut the
+            writing side, then discard what the client still sends for DRAIN_S seconds (1 MiB
+            at most), so it reads the answer instead of a connection reset."""
             try:
+                self.wfile.flush()
                 self.connection.shutdown(socket.SHUT_WR)
                 end, drained = time.monotonic() + DRAIN_S, 0
                 while drained < (1 << 20) and time.monotonic() < end:
@@ -307,7 +322,6 @@ def make_handler(source):
                     drained += len(chunk)
             except OSError:
                 pass
-            raise ClientGone()
 
         # -- waiting for the engine ------------------------------------------------------------
         def _gone(self) -> bool:
@@ -321,19 +335,24 @@ def make_handler(source):
         def _submit(self, ask: api.Ask, rid: str) -> Pending:
             p = Pending(ask, rid)
             source.submit(p)
+            self.in_flight = p
             return p
 
         def _next_event(self, p: Pending):
             """The next event of `p`; raises ClientGone (one log line) when the client left."""
             while True:
-                try:
-                    return p.events.get(timeout=POLL_S)
-                except queue.Empty:
+                now = time.monotonic()
+                if now >= self.next_check:           # events may come without pause: check anyway
+                    self.next_check = now + POLL_S
                     if self._gone():
                         p.gone = True
                         log(f"HTTP client {self.client()} disconnected; request {p.id} "
                             f"{'ends at its next token' if p.index >= 0 else 'leaves the queue'}")
-                        raise ClientGone() from None
+                        raise ClientGone()
+                try:
+                    return p.events.get(timeout=POLL_S)
+                except queue.Empty:
+                    pass
 
         def _whole(self, ask: api.Ask, rid: str, created: int) -> None:
             choices, done_tokens, last = [], 0, None

@@ -1,6 +1,6 @@
 """The OpenAI request and response shapes of `--serve`: a JSON body checked into a `Ask` (or an
 ApiError in OpenAI's error shape), and the response bodies, chunks and log-probabilities built
-from what the engine returns. No sockets here (http_server.py moves the bytes).
+from what the engine returns. No sockets here (http_handler.py moves the bytes).
 
 What a request may hold (anything else is ignored, as most OpenAI-style servers do):
 
