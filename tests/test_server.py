@@ -591,3 +591,54 @@ def test_serve_refusals(tiny_pair, tmp_path, extra, pattern):
     r = run_swiftspec(2, ["--serve", "0", "--target", tiny_pair[0], "--mode", "ar", *extra,
                           "--out", str(tmp_path / "x.h5")], check=False)
     assert r.returncode == 2 and pattern in r.stderr, r.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_gpu_serve_logprobs_through_the_graphs(tmp_path):
+    """bf16 on a GPU (CUDA graphs, the argmax read inside them): a request with log-probabilities
+    takes the logits graphs instead (captured at its first step) and commits the same tokens;
+    its log-probabilities are the best of their top_logprobs (greedy). Skipped without CUDA."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import subprocess
+    import sys
+    d = tmp_path / "tiny64"
+    subprocess.run([sys.executable, "-m", "swiftspec_mpi", "tiny-checkpoint", str(d), "--hidden", "256",
+                    "--heads", "4", "--kv-heads", "2", "--intermediate", "512"], check=True, timeout=300)
+    out, port = tmp_path / "gpu.h5", free_port()
+    job = Job(2, ["--serve", f"127.0.0.1:{port}", "--target", str(d / "target"), "--draft", str(d / "draft"),
+                  "--mode", "async", "--device", "cuda", "--dtype", "bfloat16", "--max-new-tokens", "64",
+                  "--ignore-eos", "--out", str(out)])
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if call(port, "/health", timeout=2)[0] == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            assert job.proc.poll() is None and time.monotonic() < deadline, job.communicate(5)
+            time.sleep(0.5)
+        body = {"prompt": PROMPTS[0], "max_tokens": 64}
+        timed = {}
+        for name, extra in (("plain", {}), ("logprobs", {"logprobs": 3}), ("plain again", {}),
+                            ("logprobs again", {"logprobs": 3})):
+            t = time.perf_counter()
+            status, r = call(port, "/v1/completions", {**body, **extra})
+            timed[name] = time.perf_counter() - t
+            assert status == 200, r
+            timed[name + " text"] = r["choices"][0]["text"]
+            if extra:
+                lp = r["choices"][0]["logprobs"]
+                assert len(lp["token_logprobs"]) == 64
+                assert all(max(top.values()) >= v - 1e-2 for top, v in zip(lp["top_logprobs"], lp["token_logprobs"]))
+        assert timed["plain text"] == timed["logprobs text"] == timed["logprobs again text"]
+        print("seconds per 64-token request:", {k: round(v, 4) for k, v in timed.items() if "text" not in k})
+        job.proc.send_signal(signal.SIGTERM)
+        rc = job.finish(timeout=120)
+    finally:
+        job.kill()
+    assert rc == 4, job.report()
+    assert "Traceback" not in job.stderr, job.stderr

@@ -190,6 +190,8 @@ def make_handler(source):
             self._guard(self._get)
 
         def _get(self):
+            if self.headers.get("Content-Length", "0").strip() != "0" or self.headers.get("Transfer-Encoding"):
+                self.close_connection = True       # a body nobody reads must not become a request
             path = self._path()
             if path == "/health":
                 self._json(200, {"status": "ok", "queued": source.pending.qsize()})
@@ -210,6 +212,7 @@ def make_handler(source):
             self._guard(self._post)
 
         def _post(self):
+            self.in_flight = None
             kind = KINDS.get(self._path())
             if kind is None:
                 self._not_allowed()

@@ -16,6 +16,10 @@ line per prompt, except:
     text \\              a line ending in a backslash continues on the next one
     {"prompt": "..."}   a JSON object, as a line of a --prompts file (newlines as \\n)
 
+A line that cannot be a prompt (a JSON line that does not parse or holds no prompt text, a lone
+surrogate escape, a prompt longer than the room or one the tokenizer or chat template refuses)
+gets one line on stderr and the session goes on; bytes that are not UTF-8 are read as U+FFFD.
+
 With --chat the prompts form one conversation: each is the next user turn, and the model sees the
 earlier turns and its own replies through its chat template. When the conversation no longer fits
 the KV cache (--max-context, less the new tokens and the tree's room), its oldest turns are left
