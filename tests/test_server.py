@@ -376,6 +376,8 @@ def test_raw_requests_are_refused_in_the_error_shape_and_the_server_goes_on(serv
         (post_bytes("/v1/completions", b'{"prompt": ' + b"[" * 20000 + b"]" * 20000 + b"}"), 400, "nested"),
         (post_bytes("/v1/completions", b'{"prompt": "\xff\xfe"}'), 400, "UTF-8"),
         (post_bytes("/v1/completions", b"{bad"), 400, "not valid JSON"),
+        (post_bytes("/v1/completions", json.dumps({"prompt": "x" * 30000}).encode()), 400, "bytes, more than"),
+        (post_bytes("/v1/completions", json.dumps({"prompt": "word " * 130}).encode()), 400, "has room for 120"),
         (b"POST /v1/completions HTTP/1.1\r\nContent-Length: -4\r\n\r\n", 400, "Content-Length"),
         (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 12abc\r\n\r\n", 400, "Content-Length"),
         (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400,

@@ -246,17 +246,36 @@ def parse_ask(kind: str, body, tokenizer, room: int, max_new: int, run: dict,
     if body.get("best_of") is not None and _int(body, "best_of", 1, MAX_N, 1) != n:
         raise ApiError(400, '"best_of" is not supported (send n)', "best_of")
     logprobs = _logprobs(kind, body)
+    where = "messages" if kind == "chat" else "prompt"
+    longest = max_token_bytes(tokenizer)
+    if longest and len(text.encode("utf-8")) > room * longest:      # too long without tokenizing it
+        raise ApiError(400, f"the prompt has {len(text.encode('utf-8'))} bytes, more than the {room} tokens "
+                       f"this server has room for can hold (start it with a larger --max-context)", where,
+                       code="context_length_exceeded")
     try:
         ids = tokenizer.encode(text)
     except Exception as exc:  # noqa: BLE001 - the checks above should leave nothing to fail here
         raise ApiError(400, f"the prompt cannot be tokenized ({type(exc).__name__})") from None
     if not ids:
-        raise ApiError(400, "the prompt tokenizes to nothing", "messages" if kind == "chat" else "prompt")
+        raise ApiError(400, "the prompt tokenizes to nothing", where)
     if len(ids) > room:
         raise ApiError(400, f"the prompt has {len(ids)} tokens and this server has room for {room} "
-                       "(start it with a larger --max-context)", "messages" if kind == "chat" else "prompt",
-                       code="context_length_exceeded")
+                       "(start it with a larger --max-context)", where, code="context_length_exceeded")
     return Ask(kind, shown, ids, max_tokens, stop, stream, include_usage, n, logprobs)
+
+
+def max_token_bytes(tokenizer) -> int | None:
+    """The UTF-8 length of the vocabulary's longest token string, a bound on the bytes of text
+    one token covers (a byte-level BPE string spends at least one byte a byte, SentencePiece's
+    '\u2581' three for a space); cached on the tokenizer. None when it has no vocabulary to read."""
+    cached = getattr(tokenizer, "_max_token_bytes", None)
+    if cached is None:
+        vocab = getattr(getattr(tokenizer, "tok", None), "get_vocab", None)
+        if vocab is None:
+            return None
+        cached = max((len(t.encode("utf-8")) for t in vocab(with_added_tokens=True)), default=0) or None
+        tokenizer._max_token_bytes = cached
+    return cached
 
 
 def _logprobs(kind: str, body: dict) -> int | None:
