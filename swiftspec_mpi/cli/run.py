@@ -51,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--serve", metavar="[HOST:]PORT",
                    help="serve OpenAI-style /v1/completions and /v1/chat/completions over HTTP on rank 0 "
                         "(host 127.0.0.1 unless given; one request at a time, the others queue)")
+    q.add_argument("--serve-max-body", type=int, metavar="BYTES",
+                   help="--serve: largest request body accepted, larger ones get 413 (default 4194304)")
+    q.add_argument("--serve-read-timeout", type=float, metavar="SECONDS",
+                   help="--serve: time a client may take to send its request, then 408 (default 30)")
     q.add_argument("--chat", action="store_true", default=None,
                    help="wrap prompts in the target's chat template")
     q.add_argument("--max-new-tokens", type=int, help="tokens to generate per prompt (default 128)")
@@ -85,7 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "quant", "dtype", "mode", "draft_ranks",
-               "threads", "device", "prompt", "prompts", "interactive", "serve", "chat", "max_new_tokens", "stop",
+               "threads", "device", "prompt", "prompts", "interactive", "serve", "serve_max_body",
+               "serve_read_timeout", "chat", "max_new_tokens", "stop",
                "stop_token_ids", "ignore_eos", "temperature", "seed", "sampling_rule", "tree_width", "tree_topk",
                "verify_size", "expansions", "max_depth", "tree_capacity", "max_context", "out",
                "overwrite", "peer_timeout", "quiet")

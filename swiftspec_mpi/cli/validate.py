@@ -34,7 +34,7 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
     # cheap checks that need no model first (fail fast); then the models' configs and headers
     C.check_output_path(cfg)
     if C.requests_stream_in(cfg):
-        cfg.requests = []            # they come from stdin or HTTP (interactive.py, server.py)
+        cfg.requests = []            # they come from stdin or HTTP (interactive.py, http_server.py)
     elif cfg.prompts is not None:
         cfg.requests = C.read_prompts_file(cfg.prompts)
     else:
@@ -354,8 +354,10 @@ def check_port_free(spec: str) -> None:
 
 
 def interactive_room(cfg: C.RunConfig) -> int:
-    """Prompt tokens an --interactive turn may have: the KV slots less the new tokens and the
-    tree's margin (with --chat, the oldest turns are left out to stay within it)."""
+    """Prompt tokens an --interactive turn or a --serve request may have: the KV slots less the
+    new tokens and the tree's margin (with --chat, the oldest turns are left out to stay within
+    it). Job.__init__ takes it before the startup profile fixes bs and w (the margin then counts
+    their largest choice), so it depends on the flags and models alone."""
     return cfg.max_context - cfg.max_new_tokens - tree_margin(cfg)
 
 

@@ -32,6 +32,8 @@ class Request:
     question_id: object = None     # the file's "question_id" (Spec-Bench), else its line number
     max_new_tokens: int | None = None   # this request's limit (<= the run's; --serve), None: the run's
     stop: list[str] = field(default_factory=list)   # its own stop strings, besides the run's
+    logprobs: int | None = None    # --serve: the target's log-probability of each committed token
+                                   # and this many alternatives (0..20); None: none (argmax only)
 
 
 # --quant: auto = a quantized checkpoint runs packed, a dense one dense; int4 = packed 4-bit
@@ -56,7 +58,9 @@ class RunConfig:
     prompt: str | None = None
     prompts: str | None = None         # JSONL file
     interactive: bool = False          # prompts from rank 0's stdin, one request each (interactive.py)
-    serve: str | None = None           # "[HOST:]PORT": an OpenAI-style HTTP endpoint on rank 0 (server.py)
+    serve: str | None = None           # "[HOST:]PORT": an OpenAI-style HTTP endpoint on rank 0 (http_server.py)
+    serve_max_body: int = 4 << 20      # --serve: the largest request body accepted (bytes; larger: 413)
+    serve_read_timeout: float = 30.0   # --serve: seconds a client may take to send a request (then 408)
     chat: bool = False
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)
@@ -241,6 +245,10 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         if cfg.interactive or cfg.prompt is not None or cfg.prompts is not None:
             raise UserError("--serve takes its prompts from HTTP requests; drop --interactive / --prompt / --prompts")
         parse_serve_address(cfg.serve)
+    if not isinstance(cfg.serve_max_body, int) or cfg.serve_max_body < 1024:
+        raise UserError(f"--serve-max-body must be at least 1024 bytes, got {cfg.serve_max_body}")
+    if not cfg.serve_read_timeout > 0:
+        raise UserError(f"--serve-read-timeout must be positive seconds, got {cfg.serve_read_timeout}")
     if cfg.prompt is not None and not cfg.prompt:
         raise UserError("--prompt is empty; give some text")
     return cfg

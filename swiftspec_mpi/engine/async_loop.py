@@ -140,7 +140,7 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
         tv = clock.now()
         rec.record(KIND["wait"], request, step, tw, tv)
         cv = comm_seconds(ctx.target)
-        logits = target.forward_tree(tokens, parents, greedy=acceptor.greedy)
+        logits = target.forward_tree(tokens, parents, greedy=acceptor.argmax_only)
         done, taken, path, accepted = decide(ctx, tokens, parents, logits, acceptor, tracker, result,
                                              decision, bs)
         a = len(path)

@@ -49,7 +49,7 @@ def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, 
                            comm_seconds(ctx.draft) - ce)
             tokens, parents = draft.best_subtree(bs)
         tv, cv = clock.now(), comm_seconds(ctx.target)
-        logits = target.forward_tree(tokens, parents, greedy=acceptor.greedy)
+        logits = target.forward_tree(tokens, parents, greedy=acceptor.argmax_only)
         done, taken, path, accepted = decide(ctx, tokens, parents, logits, acceptor, tracker, result,
                                              decision, bs)
         a = len(path)

@@ -73,6 +73,7 @@ class RequestResult:
     t_end: float | None = None
     stop_reason: str = "interrupted"
     steps: list[tuple] = field(default_factory=list)  # (step, tree_size, accepted, t_start, t_end)
+    logprobs: list[tuple] = field(default_factory=list)  # --serve logprobs: decoding.committed_logprobs
 
     @property
     def seconds(self) -> float:
