@@ -221,7 +221,7 @@ def test_int4_model_graphed_step_matches_eager():
     from swiftspec_mpi.model.dummy import dummy_model
     from swiftspec_mpi.model.transformer import chain_mask
     model, _ = dummy_model("llama-3.2-1b", SingleComm(), 512, torch.bfloat16, "cuda", num_layers=4, quant="int4")
-    assert isinstance(model.layers[0][1], w4a16.W4A16Weight) and graphs_supported(model)
+    assert isinstance(model.layers[0].wqkv, w4a16.W4A16Weight) and graphs_supported(model)
     dense_bytes = 4 * 2 * (3072 * 2048 + 2048 * 2048 + 2 * 8192 * 2048 + 2048 * 8192)
     assert model.weight_bytes() < 2 * 128256 * 2048 + dense_bytes * 0.3
     gm = GraphedModel(model)
