@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from swiftspec_mpi.core.config import MODES
+from swiftspec_mpi.core.config import DEFAULT_ASYNC_POLICY, MODES
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS  # flags not given stay absent (None) so the TOML file can supply them
@@ -38,6 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mode", help=f"{' | '.join(MODES)} (default async)")
     g.add_argument("--draft-ranks", type=int, help="ranks in the draft group (async; default 1, "
                                                    "world/4 from 8 ranks); the rest verify")
+    g.add_argument("--async-policy", help="async: which tree the verify group checks next. "
+                                          "stream: the newest the draft sent (it sends after every "
+                                          "expansion), else the rest of the last one; remnant: the same, "
+                                          "the draft sending only after each result; fresh: wait for the "
+                                          "tree the draft re-rooted on the latest result, the draft "
+                                          "expanding d times a step (the paper's; for a draft sharing a "
+                                          "GPU). Default: " + DEFAULT_ASYNC_POLICY)
     g.add_argument("--threads", type=int, help="torch threads per rank (default: the node's cores / "
                                                "ranks on the node; ranks are pinned to disjoint cores)")
     g.add_argument("--device", help="auto | cpu | cuda (GPU local_rank %% ngpus)")
@@ -72,8 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--tree-width", type=int, help="w: leaves expanded per draft forward (default 8)")
     t.add_argument("--tree-topk", type=int, help="children added per expanded leaf (default 8)")
     t.add_argument("--verify-size", type=int, help="bs: tree nodes verified per target pass (default 8)")
-    t.add_argument("--expansions", type=int, help="d: draft expansions per verify step in sync mode "
-                                                  "(default: floor(t_target / t_draft) from a startup profile)")
+    t.add_argument("--expansions", type=int, help="d: draft expansions per verify step in sync mode and "
+                                                  "async's fresh policy (default: floor(t_target / t_draft) "
+                                                  "from a startup profile)")
     t.add_argument("--max-depth", type=int, help="deepest tree level (default 16)")
     t.add_argument("--tree-capacity", type=int, help="tree nodes (default 1024)")
     t.add_argument("--max-context", type=int, help="KV slots per model (default: longest prompt + "
@@ -89,7 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "quant", "dtype", "mode", "draft_ranks",
-               "threads", "device", "prompt", "prompts", "interactive", "serve", "serve_max_body",
+               "async_policy", "threads", "device", "prompt", "prompts", "interactive", "serve", "serve_max_body",
                "serve_read_timeout", "chat", "max_new_tokens", "stop",
                "stop_token_ids", "ignore_eos", "temperature", "seed", "sampling_rule", "tree_width", "tree_topk",
                "verify_size", "expansions", "max_depth", "tree_capacity", "max_context", "out",

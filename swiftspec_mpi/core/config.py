@@ -16,6 +16,11 @@ from pathlib import Path
 from swiftspec_mpi.core.errors import UserError
 
 MODES = ("async", "sync", "ar")
+# how the async verify group picks its next tree (engine/async_loop.py): fresh = wait for the tree
+# the draft re-rooted on the latest result, the draft paced to d expansions a step (the paper's);
+# remnant = continue on the rest of the last tree; stream = the draft sends after every expansion
+ASYNC_POLICIES = ("stream", "remnant", "fresh")
+DEFAULT_ASYNC_POLICY = "remnant"
 INTERACTIVE_CONTEXT = 4096    # default KV slots with --interactive / --serve (prompts unknown ahead)
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
@@ -52,6 +57,7 @@ class RunConfig:
     # parallel layout
     mode: str = "async"
     draft_ranks: int | None = None     # async: ranks in the draft group (default: 1, or world/4 from 8 ranks)
+    async_policy: str | None = None    # async: one of ASYNC_POLICIES (None: DEFAULT_ASYNC_POLICY)
     threads: int | None = None         # torch threads per rank (default: cores of the node / ranks on it)
     device: str = "auto"               # auto | cpu | cuda
     # prompts and stopping
@@ -75,7 +81,7 @@ class RunConfig:
     tree_width: int | None = None      # w: leaves expanded per draft forward (None: = bs)
     tree_topk: int = 8                 # children added per expanded leaf
     verify_size: int | None = None     # bs: nodes (incl. root) per target pass (None: from profile)
-    expansions: int | None = None      # d: draft expansions per verify step (sync); None = from profile
+    expansions: int | None = None      # d: draft expansions per verify step (sync, async fresh); None = from profile
     max_depth: int = 16
     tree_capacity: int = 1024
     max_context: int | None = None     # KV slots per model; default prompt + new tokens + tree margin
@@ -233,7 +239,14 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         if cfg.draft_ranks >= world_size:
             raise UserError(f"--draft-ranks {cfg.draft_ranks} leaves no verify rank in a world of "
                             f"{world_size}; use at most {world_size - 1}")
+        if cfg.async_policy is None:
+            cfg.async_policy = DEFAULT_ASYNC_POLICY
+        if cfg.async_policy not in ASYNC_POLICIES:
+            raise UserError(f"unknown async policy '{cfg.async_policy}'; use --async-policy "
+                            f"{', '.join(ASYNC_POLICIES)}")
     else:
+        if cfg.async_policy is not None:
+            raise UserError(f"--async-policy applies to --mode async only; drop it for --mode {cfg.mode}")
         if cfg.draft_ranks not in (None, 0):
             raise UserError(f"--draft-ranks applies to --mode async only; drop it for --mode {cfg.mode}")
         cfg.draft_ranks = 0
