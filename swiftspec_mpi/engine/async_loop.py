@@ -7,7 +7,7 @@ draft paces itself is the async policy (--async-policy):
     ------------                              -------------
     expand w best leaves      (repeat;        forward(best bs nodes) on committed KV
       fresh: d times a step, then wait)
-      stream: SEND best 4*bs after each  -->  accept path (+ bonus), commit KV, stream text
+      stream: SEND best 8*bs after each  -->  accept path (+ bonus), commit KV, stream text
     on RESULT: re-root, move KV        <--    SEND result
     then SEND best 4*bs nodes          -->    next tree:
                                                 fresh:   wait for the tree the draft re-rooted
@@ -48,8 +48,9 @@ ACT_EXPAND, ACT_SEND, ACT_RESULT, ACT_STOP = 1, 2, 3, 4
 
 def send_size(cfg) -> int:
     """Nodes per tree message: 4 x bs, so the verify leader can continue under the bonus token
-    for a step or two without waiting for the draft's next tree."""
-    return min(cfg.tree_capacity, 4 * cfg.verify_size)
+    for a step or two without waiting for the draft's next tree; 8 x bs with `stream`, whose
+    trees are mostly rooted a step back (cut below the accepted tokens, they keep more)."""
+    return min(cfg.tree_capacity, (8 if cfg.async_policy == "stream" else 4) * cfg.verify_size)
 
 
 class TreeInbox:
