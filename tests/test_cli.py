@@ -33,7 +33,7 @@ def test_each_subcommand_has_help(name):
 
 def test_run_help_explains_every_option():
     proc = run(sys.executable, "-m", "swiftspec_mpi", "run", "--help")
-    for flag in ("--target", "--draft", "--mode", "--draft-ranks", "--prompt", "--prompts",
+    for flag in ("--target", "--draft", "--mode", "--draft-ranks", "--async-policy", "--prompt", "--prompts",
                  "--max-new-tokens", "--temperature", "--seed", "--dtype", "--out", "--chat", "--config"):
         assert flag in proc.stdout
 
@@ -63,11 +63,23 @@ def test_toml_unknown_key_is_one_clear_error(tmp_path):
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--mode", "async"], "needs at least 2 MPI ranks"),
     (["--mode", "ar", "--draft-ranks", "1"], "--draft-ranks applies to --mode async only"),
+    (["--mode", "sync", "--async-policy", "fresh"], "--async-policy applies to --mode async only"),
 ])
 def test_bad_values_fail_with_one_line(args, needle):
     proc = run(sys.executable, "-m", "swiftspec_mpi", "run", *args)
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_async_policy_is_validated():
+    """The default is filled in for async; an unknown name is refused with the choices."""
+    from swiftspec_mpi.core.config import ASYNC_POLICIES, DEFAULT_ASYNC_POLICY, RunConfig, validate_basic
+    from swiftspec_mpi.core.errors import UserError
+    assert validate_basic(RunConfig(mode="async", prompt="x"), 2).async_policy == DEFAULT_ASYNC_POLICY
+    for policy in ASYNC_POLICIES:
+        assert validate_basic(RunConfig(mode="async", prompt="x", async_policy=policy), 2).async_policy == policy
+    with pytest.raises(UserError, match="unknown async policy 'eager'; use --async-policy stream, remnant, fresh"):
+        validate_basic(RunConfig(mode="async", prompt="x", async_policy="eager"), 2)
 
 
 @pytest.mark.parametrize("var,value,needle", [
