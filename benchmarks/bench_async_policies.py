@@ -5,9 +5,11 @@
 
 The first N prompts of the file (default benchmarks/prompts_specbench32.jsonl: the 13 Spec-Bench
 categories round-robin, so 26 = two of each) are cut into chunks of --chunk prompts. For each
-chunk every system runs once (`sync` on one rank, `async` on 1 + 1 ranks, one job per system and
-chunk, the system order rotated from chunk to chunk), so a change in the machine's load falls on
-all systems alike. Greedy, chat template, the real Qwen2.5-Coder 0.5B -> 1.5B pair (embedded
+chunk every system runs once (`sync` on 2 ranks as one tensor-parallel group, `async` on 1 + 1
+ranks, one job per system and chunk, the system order rotated from chunk to chunk), so a change
+in the machine's load falls on all systems alike. Pass --run-args "--expansions D" to fix the
+draft expansions per step of `sync` and of the `fresh` policy (else each job's startup profile
+picks floor(t_target / t_draft), which moves with the machine's load). Greedy, chat template, the real Qwen2.5-Coder 0.5B -> 1.5B pair (embedded
 default). Per system, over every finished chunk:
   tokens/s            sum of new tokens / sum of request seconds (prefill start to last token)
   accepted length     tokens committed per verify step (mean), and its ratio to sync's
@@ -46,7 +48,7 @@ def job_command(system: str, prompts: Path, out: Path, args) -> list[str]:
     if not os.path.exists(mpiexec):
         mpiexec = "mpiexec"
     mode, _, policy = system.partition("-")
-    n = 1 if mode == "sync" else 2
+    n = 2      # sync: one tensor-parallel group of 2 ranks; async: 1 draft + 1 verify rank
     cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "swiftspec_mpi", "run", "--mode", mode,
            "--prompts", str(prompts), "--chat", "--max-new-tokens", str(args.max_new_tokens),
            "--dtype", args.dtype, "--verify-size", str(args.verify_size), "--out", str(out),
