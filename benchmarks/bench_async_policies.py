@@ -18,6 +18,9 @@ default). Per system, over every finished chunk:
   fresh | rerooted | remnant, depth, drafted, fresh wait   where the verified trees came from
                       (trace/tree_sources.py)
   exact vs sync       requests whose output equals sync's (greedy: all)
+  acc x busy          accepted length x (1 - idle verify): the async policies' tokens per verify
+                      step time, a speed figure that does not move with the machine's load
+                      (the verify step costs the same under every policy at one tree size)
 Each job's trace is OUT_DIR/<system>-cNN.h5; a job whose trace is complete is not run again, so
 the script resumes. OUT_DIR/summary.md and summary.json are rewritten after every job.
 """
@@ -97,8 +100,9 @@ def render(figs: dict, args, chunks_done: dict) -> str:
              f"tree size {args.verify_size}, chunks of {args.chunk} (finished chunks per system: "
              + ", ".join(f"{k} {v}" for k, v in chunks_done.items()) + ")", "",
              "| system | requests | tok/s | accepted length | vs sync | >= 3 drafted | idle verify | "
-             "idle draft | fresh / rerooted / remnant | depth | drafted | fresh wait ms | d | exact vs sync |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "idle draft | acc x busy | fresh / rerooted / remnant | depth | drafted | fresh wait ms | d | "
+             "exact vs sync |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, f in figs.items():
         ts = f["tree_sources"]
         src = "-" if ts is None else " / ".join(f"{100 * ts['by_source'][k]['fraction']:.0f}%"
@@ -114,6 +118,7 @@ def render(figs: dict, args, chunks_done: dict) -> str:
         cells = [name, str(f["requests"]), num(f["tokens_per_s"], ".2f"),
                  num(f["mean_accepted_length"], ".3f"), "-" if ratio is None else f"{ratio:.3f}x",
                  pct(f["steps_3plus_drafted"]), pct(f["idle"].get("verify")), pct(f["idle"].get("draft")),
+                 "-" if name == "sync" else num(f["mean_accepted_length"] * (1 - f["idle"].get("verify", 0.0)), ".3f"),
                  src, "-" if ts is None else num(ts["mean_depth"], ".2f"),
                  "-" if ts is None else num(ts["mean_drafted"], ".2f"), fw,
                  ",".join(str(x) for x in f["expansions_per_verify"]), n_same]
@@ -132,6 +137,8 @@ def main() -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--run-args", default="", help="extra flags for every `swiftspec run`")
     ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--summary-only", action="store_true",
+                    help="run no job: rewrite the summary from the traces already in OUT_DIR")
     args = ap.parse_args()
     systems = args.systems.split(",")
     out = Path(args.out_dir)
@@ -144,7 +151,7 @@ def main() -> int:
         order = systems[c % len(systems):] + systems[:c % len(systems)]
         for system in order:
             trace = out / f"{system}-c{c:02d}.h5"
-            if complete(trace):
+            if complete(trace) or args.summary_only:
                 continue
             t0 = time.time()
             with open(out / f"{system}-c{c:02d}.log", "w") as log:
