@@ -19,7 +19,7 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    tiny = pytest.importorskip("swiftspec_mpi.model.tiny")
+    from swiftspec_mpi.model import tiny
     return tiny.write_tiny_pair(str(tmp_path_factory.mktemp("tiny")), seed=0)
 
 
@@ -125,7 +125,7 @@ def test_load_prompts_per_category(tmp_path):
     assert [x["index"] for x in p] == list(range(6))
     out = tmp_path / "prompts.jsonl"
     bench.write_prompts(p, str(out))
-    config = pytest.importorskip("swiftspec_mpi.core.config")
+    from swiftspec_mpi.core import config
     reqs = config.read_prompts_file(str(out))   # the engine's parser reads what bench writes
     assert [(r.prompt, r.category) for r in reqs] == [(x["text"], x["category"]) for x in p]
     with pytest.raises(UserError, match="per-category"):

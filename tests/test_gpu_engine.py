@@ -14,7 +14,7 @@ import pytest
 
 from engine_helpers import read_outputs, read_root, run_swiftspec, write_prompts
 
-torch = pytest.importorskip("torch")
+import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
