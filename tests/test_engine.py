@@ -80,6 +80,16 @@ def test_greedy_equals_ar(pair, prompts_file, tmp_path, ar_reference, mode, n, e
     assert len(root["ranks"]) == n
 
 
+def test_bfloat16_on_cpu_async_equals_ar(pair, prompts_file, tmp_path):
+    """--dtype bfloat16 on CPU (bf16 weights in the packed panels, float32 arithmetic): the
+    target's tree passes round like its one-token passes, so async equals ar token for token."""
+    bf16 = ["--dtype", "bfloat16"]
+    ar = read_outputs(_run(pair, prompts_file, tmp_path, "ar", 1, bf16, name="ar-bf16"))
+    out = _run(pair, prompts_file, tmp_path, "async", 2, ["--draft-ranks", "1", *bf16], name="async-bf16")
+    assert read_outputs(out) == ar and [len(o) for o in ar] == [64, 64, 64]
+    assert read_root(out)["config"]["dtype"] == "bfloat16"
+
+
 def test_stop_token_and_stop_string_end_all_modes_alike(pair, prompts_file, tmp_path, ar_reference):
     from swiftspec_mpi.model.load import load_tokenizer
     tok = load_tokenizer(pair[0])
