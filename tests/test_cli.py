@@ -2,6 +2,7 @@
 precedence, and one-line errors for bad values (no traceback)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -185,3 +186,23 @@ def test_slurm_world_check_refuses_only_singletons_of_a_multi_task_step(monkeypa
     check_slurm_world(2)
     monkeypatch.setenv("SLURM_NTASKS", "1")
     check_slurm_world(4)                                          # mpiexec: one proxy task
+
+
+def test_a_cpu_gemm_that_does_not_import_fails_loudly(tmp_path):
+    """The compiled CPU GEMM (_cpu_gemm) is part of every install: when it cannot be imported the
+    model code raises ImportError, never a quiet fallback to another weight layout."""
+    hook = tmp_path / "sitecustomize.py"
+    hook.write_text(
+        "import importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'swiftspec_mpi.model._cpu_gemm':\n"
+        "            raise ImportError('planted: _cpu_gemm does not load')\n"
+        "sys.meta_path.insert(0, Block())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", "import swiftspec_mpi.model.transformer"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0 and "planted: _cpu_gemm does not load" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-c", "import swiftspec_mpi.model.transformer"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
