@@ -113,9 +113,9 @@ def choose_tree_size(target_times: dict[int, float]) -> int:
     return max(sorted(target_times), key=lambda n: expected_tokens(n) / target_times[n])
 
 
-# TOML keys are the `swiftspec run` flag names (dashes or underscores); the one flag whose
-# name is not its RunConfig field's:
-FLAG_FIELDS = {"stop_token_id": "stop_token_ids"}
+# TOML keys are the `swiftspec run` flag names (dashes or underscores). Flags named otherwise
+# than the RunConfig field they set (flag name with underscores -> field):
+RENAMED_FLAGS = {"stop_token_id": "stop_token_ids"}
 _TOML_KINDS = {"str": ((str,), "a string"), "int": ((int,), "an integer"),
                "float": ((int, float), "a number"), "bool": ((bool,), "true or false")}
 
@@ -146,8 +146,7 @@ def load_toml(path: str) -> dict:
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"config file {path} is not valid TOML ({exc}); fix the syntax") from None
     fields = {f.name for f in dataclasses.fields(RunConfig)} - {"requests"}
-    flags = {name: FLAG_FIELDS.get(name, name) for name in fields - set(FLAG_FIELDS.values())}
-    flags.update((flag, field) for flag, field in FLAG_FIELDS.items())
+    flags = {name: name for name in fields - set(RENAMED_FLAGS.values())} | RENAMED_FLAGS
     out = {}
     for key, value in data.items():
         name = key.replace("-", "_")
