@@ -289,7 +289,7 @@ def test_not_a_trace(tmp_path, capsys):
 
 def test_reader_reads_engine_writer(tmp_path):
     """The engine's own writer (swiftspec_mpi.trace.record) and this reader agree on the schema."""
-    trace = pytest.importorskip("swiftspec_mpi.trace.record")
+    from swiftspec_mpi.trace import record as trace
     req = trace.RequestResult(index=0, category="qa", prompt_text="hi", prompt_ids=[1, 2, 3],
                               output_ids=[4, 5, 6, 7], text="abcd", t_start=1.0, t_first=1.25, t_end=3.0,
                               stop_reason="eos",

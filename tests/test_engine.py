@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from engine_helpers import read_outputs, read_requests, read_root, run_swiftspec, write_prompts
+from engine_helpers import greedy_gaps, read_outputs, read_requests, read_root, run_swiftspec, write_prompts
 from swiftspec_mpi.core.config import ASYNC_POLICIES, DEFAULT_ASYNC_POLICY
 
 pytestmark = pytest.mark.mpi
@@ -125,6 +125,16 @@ def test_fresh_policy_paces_the_draft(pair, prompts_file, tmp_path, ar_reference
     assert steps["drafted"].max() >= d
 
 
+def test_bfloat16_on_cpu_async_equals_ar(pair, prompts_file, tmp_path):
+    """--dtype bfloat16 on CPU (bf16 weights in the packed panels, float32 arithmetic): the
+    target's tree passes round like its one-token passes, so async equals ar token for token."""
+    bf16 = ["--dtype", "bfloat16"]
+    ar = read_outputs(_run(pair, prompts_file, tmp_path, "ar", 1, bf16, name="ar-bf16"))
+    out = _run(pair, prompts_file, tmp_path, "async", 2, ["--draft-ranks", "1", *bf16], name="async-bf16")
+    assert read_outputs(out) == ar and [len(o) for o in ar] == [64, 64, 64]
+    assert read_root(out)["config"]["dtype"] == "bfloat16"
+
+
 def test_stop_token_and_stop_string_end_all_modes_alike(pair, prompts_file, tmp_path, ar_reference):
     from swiftspec_mpi.model.load import load_tokenizer
     tok = load_tokenizer(pair[0])
@@ -213,3 +223,25 @@ def test_sampling_matches_target_distribution(pair, tmp_path):
     second = samples[samples[:, 0] == top, 1]
     p2 = next_probs(ids + [top], T)
     assert _chi2_pvalue(np.bincount(second, minlength=len(p2)), len(second) * p2) > 1e-3
+
+
+def test_greedy_gaps_tells_a_greedy_output_from_a_wrong_token(pair, tmp_path):
+    """engine_helpers.greedy_gaps (the rule of the GPU bf16 equality test) on a float32 CPU ar
+    output: every token is the float32 target's best (gap ~ 0); one token swapped for the
+    position's worst has a gap far above any bf16 near-tie (tests/test_gpu_engine.BF16_TIE)."""
+    out = tmp_path / "ar.h5"
+    run_swiftspec(1, ["--target", pair[0], "--mode", "ar", "--prompt", PROMPTS[0], "--max-new-tokens", "16",
+                      "--ignore-eos", "--out", str(out), "--quiet"])
+    req = read_requests(out)[0]
+    gaps = greedy_gaps(pair[0], req["prompt_ids"], req["output_ids"])
+    assert len(gaps) == 16 and max(g for g, _ in gaps) < 1e-5, gaps
+    assert all(m >= 0 for _, m in gaps)
+    import torch
+
+    from swiftspec_mpi.model.load import load_model
+    from swiftspec_mpi.model.transformer import chain_mask
+    ids = req["prompt_ids"] + req["output_ids"][:5]
+    model, _ = load_model(pair[0], max_slots=len(ids) + 1)
+    worst = int(model(torch.tensor(ids), torch.arange(len(ids)), 0, chain_mask(0, len(ids)))[-1].argmin())
+    planted = req["output_ids"][:5] + [worst] + req["output_ids"][6:]
+    assert greedy_gaps(pair[0], req["prompt_ids"], planted)[5][0] > 0.5

@@ -282,7 +282,7 @@ def test_server_answers_like_the_batch_run_streams_queues_and_cancels(server, ba
 
 @pytest.mark.mpi
 def test_openai_client(server, tiny_pair):
-    openai = pytest.importorskip("openai")
+    import openai
     port, job, _ = server
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
     assert client.models.retrieve("target").id == "target"
@@ -601,7 +601,7 @@ def test_gpu_serve_logprobs_through_the_graphs(tmp_path):
     """bf16 on a GPU (CUDA graphs, the argmax read inside them): a request with log-probabilities
     takes the logits graphs instead (captured at its first step) and commits the same tokens;
     its log-probabilities are the best of their top_logprobs (greedy). Skipped without CUDA."""
-    torch = pytest.importorskip("torch")
+    import torch
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     import subprocess

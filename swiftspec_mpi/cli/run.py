@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from swiftspec_mpi.core.config import DEFAULT_ASYNC_POLICY, MODES
+from swiftspec_mpi.core.config import DEFAULT_ASYNC_POLICY, MODES, TREE_SIZES
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS  # flags not given stay absent (None) so the TOML file can supply them
@@ -76,12 +76,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--sampling-rule", help="coupled (default: reproducible, equals ar's sample) | "
                                            "residual (EAGLE-style multi-branch rule)")
     t = p.add_argument_group("token tree")
-    t.add_argument("--tree-width", type=int, help="w: leaves expanded per draft forward (default 8)")
+    t.add_argument("--tree-width", type=int, help="w: leaves expanded per draft forward (default: the "
+                                                  "verify size)")
     t.add_argument("--tree-topk", type=int, help="children added per expanded leaf (default 8)")
-    t.add_argument("--verify-size", type=int, help="bs: tree nodes verified per target pass (default 8)")
+    t.add_argument("--verify-size", type=int, help="bs: tree nodes verified per target pass, at most 64 "
+                                                   "(default: a startup profile of the target picks "
+                                                   f"{', '.join(map(str, TREE_SIZES[:-1]))} or {TREE_SIZES[-1]}, "
+                                                   "the most expected tokens per second of target time; "
+                                                   "the trace's env_json keeps the choice)")
     t.add_argument("--expansions", type=int, help="d: draft expansions per verify step in sync mode and "
-                                                  "async's fresh policy (default: floor(t_target / t_draft) "
-                                                  "from a startup profile)")
+                                                  "async's fresh policy "
+                                                  "(default: floor(t_target / t_draft) from a startup profile)")
     t.add_argument("--max-depth", type=int, help="deepest tree level (default 16)")
     t.add_argument("--tree-capacity", type=int, help="tree nodes (default 1024)")
     t.add_argument("--max-context", type=int, help="KV slots per model (default: longest prompt + "

@@ -77,7 +77,7 @@ class RunConfig:
     seed: int = 0
     sampling_rule: str = "coupled"     # coupled (reproducible in async, equals ar's sample) | residual
     dtype: str = "float32"
-    # tree shape (SwiftSpec defaults: bs = w = 8)
+    # tree shape (SwiftSpec's bs = w = 8; here bs is chosen by a startup profile unless given)
     tree_width: int | None = None      # w: leaves expanded per draft forward (None: = bs)
     tree_topk: int = 8                 # children added per expanded leaf
     verify_size: int | None = None     # bs: nodes (incl. root) per target pass (None: from profile)
@@ -123,7 +123,30 @@ def choose_tree_size(target_times: dict[int, float]) -> int:
     return max(sorted(target_times), key=lambda n: expected_tokens(n) / target_times[n])
 
 
+# TOML keys are the `swiftspec run` flag names (dashes or underscores). Flags named otherwise
+# than the RunConfig field they set (flag name with underscores -> field):
+RENAMED_FLAGS = {"stop_token_id": "stop_token_ids"}
+_TOML_KINDS = {"str": ((str,), "a string"), "int": ((int,), "an integer"),
+               "float": ((int, float), "a number"), "bool": ((bool,), "true or false")}
+
+
+def _toml_value(path: str, key: str, name: str, value):
+    """`value` checked against RunConfig field `name`'s type; a repeatable flag's key (a list
+    field) also takes one value. Raises UserError naming the key and the type it wants."""
+    kind = RunConfig.__dataclass_fields__[name].type.replace(" | None", "")
+    many = kind.startswith("list[")
+    kind = kind[5:-1] if many else kind
+    types, what = _TOML_KINDS[kind]
+    items = value if many and isinstance(value, list) else [value]
+    if not all(isinstance(v, types) and (kind == "bool" or not isinstance(v, bool)) for v in items):
+        want = f"{what} or a list of them" if many else what
+        raise UserError(f"config file {path}: '{key}' must be {want}, got {value!r}")
+    return items if many else value
+
+
 def load_toml(path: str) -> dict:
+    """A TOML file of `swiftspec run` options -> {RunConfig field: value}. Keys are the flag
+    names without the dashes (`max-new-tokens`, `stop-token-id`; `_` for `-` works too)."""
     import tomllib
     p = Path(path)
     if not p.is_file():
@@ -132,13 +155,16 @@ def load_toml(path: str) -> dict:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"config file {path} is not valid TOML ({exc}); fix the syntax") from None
-    known = {f.name for f in dataclasses.fields(RunConfig)} - {"requests"}
+    fields = {f.name for f in dataclasses.fields(RunConfig)} - {"requests"}
+    flags = {name: name for name in fields - set(RENAMED_FLAGS.values())} | RENAMED_FLAGS
     out = {}
     for key, value in data.items():
         name = key.replace("-", "_")
-        if name not in known:
-            raise UserError(f"config file {path}: unknown key '{key}'; known keys: {', '.join(sorted(known))}")
-        out[name] = value
+        if name not in flags:
+            known = ", ".join(sorted(k.replace("_", "-") for k in flags))
+            raise UserError(f"config file {path}: unknown key '{key}'; the keys are the flag "
+                            f"names: {known}")
+        out[flags[name]] = _toml_value(path, key, flags[name], value)
     return out
 
 

@@ -119,14 +119,14 @@ class Transformer(torch.nn.Module):
         # (MKL's M=1 GEMV is 15-30 % faster on x @ W than on nn.Linear's layout), [out, in] for
         # bf16 (x @ W[in, out] is ~10x slower there). GPU: [out, in] (cuBLAS, CUDA kernels).
         if weight_layout is None:
-            if cpu and cpu_linear.available() and dtype in (torch.float32, torch.bfloat16):
+            if cpu and cpu_linear.has_avx2() and dtype in (torch.float32, torch.bfloat16):
                 weight_layout = "packed"
             else:
                 weight_layout = "in_out" if cpu and dtype == torch.float32 else "out_in"
         if weight_layout not in ("packed", "in_out", "out_in"):
             raise ValueError("weight_layout must be 'packed', 'in_out' or 'out_in', not "
                              f"{weight_layout!r}")
-        if weight_layout == "packed" and not (cpu and cpu_linear.available()):
+        if weight_layout == "packed" and not (cpu and cpu_linear.has_avx2()):
             raise ValueError("weight_layout 'packed' needs the CPU and a CPU with AVX2 + FMA")
         self.weight_layout = weight_layout
         self.weight_dtype = dtype
