@@ -205,13 +205,18 @@ class NetnsCluster(SlurmCluster):
         for node in NODES:
             self.start_slurmd(node, out)
         out.close()
+        time.sleep(0.5)
+        for name, proc in [("slurmctld", self.ctld), *self.slurmds.items()]:
+            if proc.poll() is not None:
+                raise SlurmError(f"{name} exited with status {proc.returncode} at start\n"
+                                 + self.log_tail())
+        self.wait_nodes_idle(timeout)
+
+    def wait_nodes_idle(self, timeout: float = 90.0) -> None:
+        """Until every node is idle again (after a fault test), or raise."""
         deadline = time.monotonic() + timeout
         states = ""
         while time.monotonic() < deadline:
-            for name, proc in [("slurmctld", self.ctld), *self.slurmds.items()]:
-                if proc.poll() is not None:
-                    raise SlurmError(f"{name} exited with status {proc.returncode} at start\n"
-                                     + self.log_tail())
             r = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=15, check=False)
             states = r.stdout.strip()
             if r.returncode == 0 and sorted(states.splitlines()) == [f"{n} idle" for n in NODES]:

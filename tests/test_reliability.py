@@ -17,6 +17,7 @@ copies of it are made once per module.
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shutil
 import signal
@@ -459,8 +460,8 @@ def test_hung_draft_rank_is_reported_by_rank_and_role_after_peer_timeout(models,
     assert len(lines) == 1, report
     # the stop lands while the verify leader waits for a token tree, or (between requests) for
     # the draft's end-of-request acknowledgement: either way the report names rank 1 and its role
-    waited = r"no (token tree|end-of-request acknowledgement) from rank 1 \(draft leader\)"
-    assert re.search(r"error on rank 0 \(verify\): " + waited +
+    waited = r"no (token tree|end-of-request acknowledgement) from rank 1 \(draft leader on [^)]+\)"
+    assert re.search(r"error on rank 0 \(verify on [^)]+\): " + waited +
                      r" within 4 s \(--peer-timeout\).*raise --peer-timeout", lines[0]), report
     check_partial_file(out, r"^error: " + waited, "error")
 
@@ -482,10 +483,10 @@ def test_exception_on_draft_rank_mid_generation(models, prompts, tmp_path):
     assert after < WALL_S, f"{after:.1f} s from the fault to the end\n{report}"
     lines = error_lines(job.stderr)
     assert len(lines) == 1, report
-    assert re.search(r"error on rank 1 \(draft\): RuntimeError: injected fault in expand",
+    assert re.search(r"error on rank 1 \(draft on [^)]+\): RuntimeError: injected fault in expand",
                      lines[0]), report
     assert "Traceback" in job.stderr   # the failing rank's own traceback: it is a bug
-    reqs = check_partial_file(out, r"^error: rank 1 \(draft\) failed: RuntimeError: injected "
+    reqs = check_partial_file(out, r"^error: rank 1 \(draft on [^)]+\) failed: RuntimeError: injected "
                               r"fault", "error")
     assert sum(r["stop_reason"] == "max_new_tokens" for r in reqs) >= 1   # ~60 expansions each
 
@@ -510,8 +511,8 @@ def test_exception_on_tensor_parallel_member_ends_job(models, tmp_path):
     after = job.ended_at - float(stamp.read_text())
     assert after < WALL_S, f"{after:.1f} s from the fault to the end\n{report}"
     lines = error_lines(job.stderr)
-    assert lines == ["swiftspec run: error on rank 1 (verify): RuntimeError: injected fault in "
-                     "verify (call 3)"], report
+    assert lines == [f"swiftspec run: error on rank 1 (verify on {platform.node()}): RuntimeError: "
+                     "injected fault in verify (call 3)"], report
 
 
 def test_trace_writer_keeps_text_hdf5_cannot_store(tmp_path):

@@ -86,6 +86,7 @@ class Job:
         self.ctx = None
         self.env = {}
         self.last_write = 0.0
+        self.rows = None              # rank 0: every rank's RANK_DTYPE row, gathered after loading
         self.checkpoint_every = CHECKPOINT_EVERY_S
         self.source = None      # --interactive / --serve: where the requests come from
         # before the profile fixes bs and w: the room depends on the flags and models alone
@@ -157,6 +158,9 @@ class Job:
         self.env["profile"] = self.ctx.scratch.get("profile", {})
         self.env["graphs"] = self.ctx.scratch.get("graphs", {})
         self.env["gpu_sharing"] = gpu_sharing
+        # every rank's row (host, device) from the start, so that checkpoints, and so the file
+        # of a job killed mid-run, say where each rank ran; refreshed at the end
+        self.rows = self.world.gather(self.rank_row(), root=0)
         if self.rank == 0:
             self.ctx.on_progress = self.maybe_checkpoint
         return 0
@@ -252,7 +256,8 @@ class Job:
         if events is None:
             events = self.ctx.recorder.snapshot() if self.ctx else np.zeros(0)
         if ranks is None:
-            ranks = np.array([self.rank_row()], dtype=RANK_DTYPE)
+            rows = self.rows or [self.rank_row()]
+            ranks = np.array(rows, dtype=RANK_DTYPE)
         for r in self.results:   # a request still running: keep what it produced so far
             if r.t_end is None:
                 r.text = self.ctx.tokenizer.decode(r.output_ids) if self.ctx else ""
@@ -308,6 +313,7 @@ class Job:
         """Any exception: one line from rank 0 (naming the failing rank), the partial trace
         written, the job aborted. -> EXIT_RUNTIME_ERROR (when the abort returns at all)."""
         role = self.topo.role_name if getattr(self, "topo", None) else "?"
+        role = f"{role} on {platform.node()}"
         if isinstance(exc, (UserError, PeerError)):
             msg = str(exc)
         else:

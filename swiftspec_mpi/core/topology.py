@@ -29,6 +29,7 @@ class Topology:
     draft_size: int
     local_rank: int
     local_size: int
+    hosts: tuple[str, ...] = ()   # hostname of every world rank, in rank order (gathered at start)
 
     @property
     def rank(self) -> int:
@@ -42,8 +43,11 @@ class Topology:
     def role_name(self) -> str:
         return "verify" if self.role == ROLE_VERIFY else "draft"
 
-    def describe_rank(self, world_rank: int) -> str:
-        return f"rank {world_rank} ({'verify' if world_rank < self.verify_size else 'draft'})"
+    def describe_rank(self, world_rank: int, leader: bool = False) -> str:
+        """'rank 2 (draft leader on node3)': how messages name a peer."""
+        role = "verify" if world_rank < self.verify_size else "draft"
+        where = f" on {self.hosts[world_rank]}" if world_rank < len(self.hosts) else ""
+        return f"rank {world_rank} ({role}{' leader' if leader else ''}{where})"
 
 
 def build_topology(world: MPI.Intracomm, mode: str, draft_ranks: int) -> Topology:
@@ -52,15 +56,17 @@ def build_topology(world: MPI.Intracomm, mode: str, draft_ranks: int) -> Topolog
     node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank, local_size = node.Get_rank(), node.Get_size()
     node.Free()
+    hosts = tuple(world.allgather(socket.gethostname()))
     if mode == "async":
         verify_size = n - draft_ranks
         role = ROLE_VERIFY if rank < verify_size else ROLE_DRAFT
         group = world.Split(role, key=rank)
         remote_leader = verify_size if role == ROLE_VERIFY else 0
         inter = group.Create_intercomm(0, world, remote_leader, INTERCOMM_TAG)
-        return Topology(world, group, inter, role, verify_size, draft_ranks, local_rank, local_size)
+        return Topology(world, group, inter, role, verify_size, draft_ranks, local_rank, local_size,
+                        hosts)
     group = world.Split(0, key=rank)
-    return Topology(world, group, None, ROLE_VERIFY, n, 0, local_rank, local_size)
+    return Topology(world, group, None, ROLE_VERIFY, n, 0, local_rank, local_size, hosts)
 
 
 def pin_threads(topo: Topology, threads: int | None) -> int:

@@ -122,8 +122,9 @@ class TreeInbox:
         """End of request: receive every tree still in flight, up to the draft's acknowledgement,
         so nothing of this request is left unmatched."""
         while not self.acked:
+            topo = self.ctx.topo
             wait_for(self.req, self.ctx.cfg.peer_timeout, "end-of-request acknowledgement from "
-                     f"rank {self.ctx.topo.verify_size} (draft leader)", self.ctx.stop_flag,
+                     f"{topo.describe_rank(topo.verify_size, leader=True)}", self.ctx.stop_flag,
                      self.ctx.watch)
             req_id, _seq, _root, tokens, _parents = self.chan.unpack_tree()
             if len(tokens) == 0 and req_id == self.request:
@@ -167,7 +168,7 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
                comm_seconds(ctx.target) - c0)
     inbox = TreeInbox(ctx, chan, request) if leader else None
     committed = list(prompt_ids) if leader else None
-    wait_what = f"token tree from rank {topo.verify_size} (draft leader)"
+    wait_what = f"token tree from {topo.describe_rank(topo.verify_size, leader=True)}"
     step = 0
     while True:
         tw = clock.now()
@@ -270,7 +271,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
                 else:   # paced out, or tree (or KV) full: wait for the next verdict
                     tw = clock.now()
                     try:
-                        wait_for(result_req, cfg.peer_timeout, "verify result from rank 0 (verify leader)",
+                        wait_for(result_req, cfg.peer_timeout, f"verify result from {topo.describe_rank(0, leader=True)}",
                                  ctx.stop_flag, ctx.watch)
                         action = ACT_RESULT
                     except Interrupted:

@@ -123,8 +123,8 @@ def wait_for(req: MPI.Request, timeout: float, what: str, stop_flag: StopFlag,
             if time.perf_counter() - start > timeout:
                 if not collective:
                     req.Cancel()
-                raise PeerError(f"no {what} within {timeout:g} s (--peer-timeout): that rank died "
-                                "or hangs (if it is only slow, raise --peer-timeout)")
+                raise PeerError(f"no {what} within {timeout:g} s (--peer-timeout): that rank died, "
+                                "hangs or cannot be reached over the network (if it is only slow, raise --peer-timeout)")
 
 
 class LeaderChannel:

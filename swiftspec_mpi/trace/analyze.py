@@ -159,6 +159,22 @@ def _request_json(r) -> dict:
             "mean_accepted_length": float(acc.mean()) if acc is not None and len(acc) else None}
 
 
+def placement(trace) -> dict[str, list[str]]:
+    """Where the ranks ran: host -> ['rank 0 (verify)', ...], hosts in order of their first rank
+    (empty when the file has no /ranks)."""
+    out: dict[str, list[str]] = {}
+    if trace.ranks is None:
+        return out
+    for rank, role, host in sorted(zip(trace.ranks.rank, trace.ranks.role, trace.ranks.host)):
+        out.setdefault(str(host) or "?", []).append(f"rank {int(rank)} ({ROLE_NAMES.get(int(role), '?')})")
+    return out
+
+
+def describe_placement(nodes: dict[str, list[str]]) -> str:
+    """{'node1': ['rank 0 (verify)'], ...} -> 'node1: rank 0 (verify); node2: ...' ('-' if none)."""
+    return "; ".join(f"{host}: {', '.join(ranks)}" for host, ranks in nodes.items()) or "-"
+
+
 def summarize(trace, label: str | None = None) -> dict:
     """Everything the table shows, as a JSON-ready dict."""
     env = trace.env or {}
@@ -166,7 +182,8 @@ def summarize(trace, label: str | None = None) -> dict:
          "mode": trace.mode, "complete": trace.complete, "exit_status": trace.exit_status,
          "created": trace.created, "format_version": trace.format_version,
          "world_size": env.get("world_size", len(trace.ranks) if trace.ranks is not None else None),
-         "config": trace.config, "env": env, "n_requests": len(trace.requests)}
+         "config": trace.config, "env": env, "n_requests": len(trace.requests),
+         "nodes": placement(trace)}
     s.update(_speed(trace.requests))
     s.update(_acceptance(trace.requests))
     s.update(_event_summary(trace))
@@ -249,6 +266,7 @@ def table_rows(summaries: list[dict]) -> list[tuple[str, list[str]]]:
     rows.append(("mode", col(lambda s: s["mode"])))
     rows.append(("complete", col(lambda s: "yes" if s["complete"] else f"NO ({s['exit_status'] or '?'})")))
     rows.append(("ranks (groups)", col(groups)))
+    rows.append(("nodes", col(lambda s: describe_placement(s.get("nodes") or {}))))
     rows.append(("GPU shared by", col(lambda s: describe_gpu_sharing((s.get("env") or {}).get("gpu_sharing")))))
     if any((s.get("env") or {}).get("graphs") for s in summaries):
         rows.append(("GPU warm-up (rank 0)", col(lambda s: describe_warmup((s.get("env") or {}).get("graphs")))))

@@ -1,0 +1,263 @@
+"""jobs/generate.sbatch across nodes, on a real three-node Slurm cluster in network namespaces
+(tests/slurm_netns.py): the groups land where the template says, the output equals the one-node
+`ar` output token for token, and a lost rank, node or link ends the whole job in seconds with one
+line naming it, and a trace file that keeps what was generated until seconds before.
+
+Skipped only where network namespaces cannot be made (not root, no `ip`, no Slurm); CI runs as
+root and runs them.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from slurm_netns import NetnsCluster, netns_cluster  # noqa: E402,F401  (fixture, used by name)
+from test_slurm import JOBS, SWIFTSPEC, VENV, read_trace, tiny  # noqa: E402,F401
+
+pytestmark = pytest.mark.mpi
+
+JOB_TIMEOUT = 300
+MAX_NEW = 24
+PROMPTS = ["The quick brown fox", "def fibonacci(n):"]
+FAULT_END_S = 30              # a fault ends the whole job within this many seconds
+CHECKPOINT_LAG_S = 8          # the file holds what was committed until this many seconds before a kill
+PEER_TIMEOUT = "10"           # --peer-timeout of the fault jobs (a silent peer is reported after it)
+LONG = 400                    # tokens per request of the fault jobs: one request lasts several seconds
+
+# name -> (sbatch options, template knobs, expected host of each world rank)
+LAYOUTS = {
+    "async-draft-node1-verify-node2": (["--nodes=2", "--ntasks=2", "--nodelist=node[1-2]"],
+                                       {"MODE": "async", "DRAFT_RANKS": "1", "DRAFT_NODES": "node1"},
+                                       ["node2", "node1"]),
+    "async-tp2-nodes12-draft-node3": (["--nodes=3", "--ntasks=3"],
+                                      {"MODE": "async", "DRAFT_RANKS": "1"},
+                                      ["node1", "node2", "node3"]),
+    "sync-tp2-nodes12": (["--nodes=2", "--ntasks=2", "--nodelist=node[1-2]"], {"MODE": "sync"},
+                         ["node1", "node2"]),
+    "ar-tp2-nodes23": (["--nodes=2", "--ntasks=2", "--nodelist=node[2-3]"], {"MODE": "ar"},
+                       ["node2", "node3"]),
+}
+
+
+@pytest.fixture(scope="module")
+def submit_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("mn-submit")
+    (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    (d / "long.jsonl").write_text("".join(json.dumps({"prompt": f"Chapter {i}. Once upon a time"}) + "\n"
+                                          for i in range(40)))
+    return d
+
+
+@pytest.fixture(scope="module")
+def knobs(tiny) -> dict[str, str]:
+    return {**tiny, "SWIFTSPEC_VENV": str(VENV), "MAX_NEW_TOKENS": str(MAX_NEW), "DTYPE": "float32",
+            "THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def layouts(netns_cluster, knobs, submit_dir) -> dict:
+    """Every layout of LAYOUTS and the one-node `ar` reference, submitted at once."""
+    c = netns_cluster
+    jobs = {"ar-one-node": c.submit(JOBS / "generate.sbatch", cwd=submit_dir,
+                                    options=["--nodes=1", "--ntasks=1"], export={**knobs, "MODE": "ar"})}
+    for name, (options, env, _hosts) in LAYOUTS.items():
+        jobs[name] = c.submit(JOBS / "generate.sbatch", cwd=submit_dir, options=options,
+                              export={**knobs, **env})
+    done = {}
+    for name, job in jobs.items():
+        info = c.wait_job(job, timeout=JOB_TIMEOUT)
+        done[name] = {"id": job, "info": info, "log": c.job_output(job),
+                      "h5": submit_dir / "runs" / f"swiftspec-{job}.h5"}
+    return done
+
+
+def outputs(trace: dict) -> list[list[int]]:
+    return [r["output_ids"] for r in trace["requests"]]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_places_groups_and_equals_one_node_ar(layouts, name):
+    """The job completes, each rank ran on the node the template placed it on (the trace's
+    /ranks host), and the greedy output equals the one-node `ar` output token for token."""
+    job, ref = layouts[name], layouts["ar-one-node"]
+    for j in (job, ref):
+        assert j["info"]["JobState"] == "COMPLETED" and j["info"]["ExitCode"] == "0:0", j["log"]
+    hosts = LAYOUTS[name][2]
+    trace = read_trace(job["h5"])
+    assert bool(trace["root"]["complete"]), job["log"]
+    by_rank = {int(r["rank"]): r["host"].decode() for r in trace["ranks"]}
+    assert [by_rank[r] for r in range(len(hosts))] == hosts, (by_rank, job["log"])
+    mode = LAYOUTS[name][1]["MODE"]
+    roles = ["verify"] * (len(hosts) - (mode == "async")) + ["draft"] * (mode == "async")
+    want = ", ".join(f"rank {r} ({role}) {h}" for r, (role, h) in enumerate(zip(roles, hosts)))
+    assert f"placement: {want}" in job["log"], job["log"]
+    assert outputs(trace) == outputs(read_trace(ref["h5"]))
+    assert len(outputs(trace)) == len(PROMPTS) and all(outputs(trace))
+
+
+def test_analyze_shows_nodes(layouts):
+    """`swiftspec analyze` prints where every rank ran."""
+    job = layouts["async-tp2-nodes12-draft-node3"]
+    r = subprocess.run([str(SWIFTSPEC), "analyze", str(job["h5"])], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    line = next(l for l in r.stdout.splitlines() if l.startswith("nodes"))
+    assert "node1: rank 0 (verify); node2: rank 1 (verify); node3: rank 2 (draft)" in line, r.stdout
+
+
+# ----------------------------------------------------------------------------------- faults
+def start_long_job(c: NetnsCluster, knobs, submit_dir, tmp_path, layout: str = "async-tp2-nodes12-draft-node3"):
+    """A job of long requests in `layout`; returns (job id, trace path) once decoding is under
+    way (the first checkpoint of a request in flight is on disk)."""
+    options, env, _hosts = LAYOUTS[layout]
+    out = tmp_path / "fault.h5"
+    job = c.submit(JOBS / "generate.sbatch", cwd=submit_dir, options=options,
+                   export={**knobs, **env, "PROMPTS": str(submit_dir / "long.jsonl"), "OUT": str(out),
+                           "MAX_NEW_TOKENS": str(LONG), "EXTRA_ARGS": f"--peer-timeout {PEER_TIMEOUT}"})
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while True:
+        state = c.job(job)["JobState"]
+        assert state in ("PENDING", "RUNNING"), f"{state}\n{c.job_output(job)}"
+        assert time.monotonic() < deadline, "no checkpoint\n" + c.job_output(job)
+        if out.exists() and committed(out) > 0:
+            return job, out
+        time.sleep(0.2)
+
+
+def committed(path: Path) -> int:
+    try:
+        return sum(len(r["output_ids"]) for r in read_trace(path)["requests"])
+    except (OSError, KeyError):
+        return 0
+
+
+def wait_end(c: NetnsCluster, job: int, t0: float) -> tuple[dict, float]:
+    """The job's final state and the seconds from t0 until Slurm saw it end."""
+    while True:
+        info = c.job(job)
+        if info["JobState"] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
+            return info, time.monotonic() - t0
+        assert time.monotonic() - t0 < 120, f"job {job} still {info['JobState']}\n{c.job_output(job)}"
+        time.sleep(0.2)
+
+
+def check_file_kept_up(out: Path, reference: list[list[int]], t_fault: float, wall_fault: float,
+                       log: str) -> dict:
+    """The file written until the fault: every request in it is a prefix of the greedy reference
+    (finished ones whole), and its last write came at most CHECKPOINT_LAG_S before the fault."""
+    trace = read_trace(out)
+    assert trace["requests"], log
+    for r in trace["requests"]:
+        ref = reference[int(r["index"])]
+        ids = r["output_ids"]
+        assert ids == ref[:len(ids)], (r["index"], log)
+        if r["stop_reason"] in ("max_new_tokens", "eos"):
+            assert ids == ref, log
+    assert out.stat().st_mtime >= wall_fault - CHECKPOINT_LAG_S, (
+        f"last write {wall_fault - out.stat().st_mtime:.1f} s before the fault\n{log}")
+    return trace
+
+
+@pytest.fixture(scope="module")
+def long_reference(netns_cluster, knobs, submit_dir, tmp_path_factory) -> list[list[int]]:
+    """The greedy one-node `ar` output of the first requests of long.jsonl."""
+    c = netns_cluster
+    out = tmp_path_factory.mktemp("mn-ref") / "ref.h5"
+    few = submit_dir / "long-few.jsonl"
+    few.write_text("".join((submit_dir / "long.jsonl").read_text().splitlines(True)[:6]))
+    job = c.submit(JOBS / "generate.sbatch", cwd=submit_dir, options=["--nodes=1", "--ntasks=1"],
+                   export={**knobs, "MODE": "ar", "PROMPTS": str(few), "OUT": str(out),
+                           "MAX_NEW_TOKENS": str(LONG)})
+    info = c.wait_job(job, timeout=JOB_TIMEOUT)
+    assert info["JobState"] == "COMPLETED", c.job_output(job)
+    return outputs(read_trace(out))
+
+
+def ended_by_fault(c, job, t_fault, expect_line: str, log_must=()) -> str:
+    info, took = wait_end(c, job, t_fault)
+    log = c.job_output(job)
+    assert took <= FAULT_END_S, f"{took:.1f} s\n{log}"
+    assert info["JobState"] != "COMPLETED" and info["ExitCode"] != "0:0", f"{info}\n{log}"
+    errors = [l for l in log.splitlines() if ": error: " in l and not l.startswith("srun:")]
+    assert len(errors) == 1, log
+    assert expect_line in errors[0], log
+    return log
+
+
+@pytest.mark.parametrize("rank,node", [(2, "node3"), (1, "node2")], ids=["draft-node", "verify-member"])
+def test_rank_killed_ends_job(netns_cluster, knobs, submit_dir, long_reference, tmp_path, rank, node):
+    """SIGKILL of a rank's process on another node (the draft node; the verify group's non-leader
+    member): srun ends every rank, the template names the lost rank and node in one line, and the
+    file holds the tokens committed until seconds before the kill."""
+    c = netns_cluster
+    job, out = start_long_job(c, knobs, submit_dir, tmp_path)
+    pids = c.job_pids(node, job)
+    assert pids, f"no ranks of job {job} on {node}\n{c.job_output(job)}"
+    time.sleep(2.5)                      # mid-request
+    t_fault, wall_fault = time.monotonic(), time.time()
+    for pid in pids:
+        subprocess.run(["kill", "-KILL", str(pid)], check=False)
+    role = "draft" if rank == 2 else "verify"
+    log = ended_by_fault(c, job, t_fault, f"rank {rank} ({role}) on {node} was lost (Killed)")
+    check_file_kept_up(out, long_reference, t_fault, wall_fault, log)
+
+
+def test_partition_ends_job(netns_cluster, knobs, submit_dir, long_reference, tmp_path):
+    """The draft node's link goes down (silence, no reset): rank 0 reports the silent draft
+    leader by rank and node after --peer-timeout, writes the file and ends the job."""
+    c = netns_cluster
+    job, out = start_long_job(c, knobs, submit_dir, tmp_path)
+    time.sleep(1.5)
+    t_fault, wall_fault = time.monotonic(), time.time()
+    c.partition("node3")
+    try:
+        log = ended_by_fault(c, job, t_fault, "no token tree from rank 2 (draft leader on node3) "
+                             f"within {PEER_TIMEOUT} s")
+    finally:
+        c.heal("node3")
+    trace = check_file_kept_up(out, long_reference, t_fault, wall_fault, log)
+    assert trace["root"]["exit_status"].startswith("error: no token tree from rank 2"), trace["root"]
+    hosts = sorted(r["host"].decode() for r in trace["ranks"])
+    assert hosts == ["node1", "node2", "node3"], hosts
+    c.wait_nodes_idle()
+
+
+def test_scancel_multinode_job(netns_cluster, knobs, submit_dir, long_reference, tmp_path):
+    """scancel: every rank on every node stops at its next step, rank 0 writes the partial file
+    (exit_status interrupted) and the job ends CANCELLED."""
+    c = netns_cluster
+    job, out = start_long_job(c, knobs, submit_dir, tmp_path)
+    time.sleep(1.5)
+    t_fault, wall_fault = time.monotonic(), time.time()
+    c.run(["scancel", str(job)], timeout=30)
+    info, took = wait_end(c, job, t_fault)
+    log = c.job_output(job)
+    assert took <= FAULT_END_S and info["JobState"] == "CANCELLED", f"{took:.1f} s {info}\n{log}"
+    assert "swiftspec run: interrupted (signal)" in log, log
+    trace = check_file_kept_up(out, long_reference, t_fault, wall_fault, log)
+    assert trace["root"]["exit_status"] == "interrupted"
+
+
+def test_dead_slurmd_before_start(netns_cluster, knobs, submit_dir, tmp_path):
+    """node3's slurmd is dead when a three-node job is submitted: the job fails as Slurm says
+    (the ranks cannot start there) or waits for the node; the template names the node."""
+    c = netns_cluster
+    c.kill_slurmd("node3")
+    try:
+        options, env, _ = LAYOUTS["async-tp2-nodes12-draft-node3"]
+        job = c.submit(JOBS / "generate.sbatch", cwd=submit_dir, options=options,
+                       export={**knobs, **env, "OUT": str(tmp_path / "never.h5")})
+        t0 = time.monotonic()
+        info, took = wait_end(c, job, t0)
+        log = c.job_output(job)
+        assert info["JobState"] in ("FAILED", "NODE_FAIL") and info["ExitCode"] != "0:0", f"{info}\n{log}"
+        assert "the ranks could not start on node3" in log, log
+    finally:
+        c.start_slurmd("node3")
+        c.wait_nodes_idle()
