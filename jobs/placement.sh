@@ -97,6 +97,7 @@ place_die() { echo "${PLACE_SCRIPT:-placement}: error: $*" >&2; exit 2; }
 # Silent when the engine itself ended the job (it printed its own one-line error).
 report_srun_failure() {
     local errlog=$1 verify=$2 line node task what role
+    grep -q 'swiftspec run: error' "$errlog" && return 0     # the engine named the failure itself
     line=$(grep -m1 -E '^srun: error: Task launch for .* failed on node ' "$errlog" || true)
     if [[ -n $line ]]; then
         node=$(sed -E 's/.* failed on node ([^:]+):.*/\1/' <<< "$line")

@@ -249,13 +249,13 @@ class NetnsCluster(SlurmCluster):
                            text=True, timeout=10)
         return [int(p) for p in r.stdout.split()]
 
-    def job_pids(self, node: str, job_id: int) -> list[int]:
-        """Processes of `job_id` on `node` (its ranks: they carry SLURM_JOB_ID and SLURM_PROCID)."""
+    def job_pids(self, node: str, job_id: int, program: str = "swiftspec") -> list[int]:
+        """Processes of `job_id` on `node` that run `program` (the ranks, not the batch script
+        or srun): they carry SLURM_JOB_ID in their environment."""
         found = []
         for pid in self.node_pids(node):
-            env = _environ(pid)
-            if env.get("SLURM_JOB_ID") == str(job_id) and "SLURM_PROCID" in env \
-                    and _comm(pid) != "slurmstepd":
+            if _environ(pid).get("SLURM_JOB_ID") == str(job_id) and any(
+                    os.path.basename(a) == program for a in _cmdline(pid)[:2]):
                 found.append(pid)
         return found
 
@@ -331,12 +331,12 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(i.decode(errors="replace").split("=", 1) for i in items if b"=" in i)
 
 
-def _comm(pid: int) -> str:
+def _cmdline(pid: int) -> list[str]:
     try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
     except OSError:
-        return ""
+        return []
 
 
 # ---------------------------------------------------------------------- pytest fixture

@@ -9,6 +9,7 @@ root and runs them.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -96,7 +97,7 @@ def test_layout_places_groups_and_equals_one_node_ar(layouts, name):
     mode = LAYOUTS[name][1]["MODE"]
     roles = ["verify"] * (len(hosts) - (mode == "async")) + ["draft"] * (mode == "async")
     want = ", ".join(f"rank {r} ({role}) {h}" for r, (role, h) in enumerate(zip(roles, hosts)))
-    assert f"placement: {want}" in job["log"], job["log"]
+    assert f"placement: {want} (MPICH netmod ofi)" in job["log"], job["log"]
     assert outputs(trace) == outputs(read_trace(ref["h5"]))
     assert len(outputs(trace)) == len(PROMPTS) and all(outputs(trace))
 
@@ -138,11 +139,16 @@ def committed(path: Path) -> int:
 
 
 def wait_end(c: NetnsCluster, job: int, t0: float) -> tuple[dict, float]:
-    """The job's final state and the seconds from t0 until Slurm saw it end."""
+    """The job's state once its script and ranks are gone, and the seconds from t0 until then.
+    COMPLETING counts as ended: the job's processes are over and Slurm is still waiting for a
+    node that cannot answer (it drops it after SlurmdTimeout)."""
+    ended = None
     while True:
         info = c.job(job)
-        if info["JobState"] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
-            return info, time.monotonic() - t0
+        if info["JobState"] not in ("PENDING", "RUNNING", "CONFIGURING"):
+            ended = ended or time.monotonic() - t0
+            if info["JobState"] != "COMPLETING":
+                return info, ended
         assert time.monotonic() - t0 < 120, f"job {job} still {info['JobState']}\n{c.job_output(job)}"
         time.sleep(0.2)
 
@@ -179,12 +185,13 @@ def long_reference(netns_cluster, knobs, submit_dir, tmp_path_factory) -> list[l
     return outputs(read_trace(out))
 
 
-def ended_by_fault(c, job, t_fault, expect_line: str, log_must=()) -> str:
+def ended_by_fault(c, job, t_fault, expect_line: str) -> str:
     info, took = wait_end(c, job, t_fault)
     log = c.job_output(job)
     assert took <= FAULT_END_S, f"{took:.1f} s\n{log}"
     assert info["JobState"] != "COMPLETED" and info["ExitCode"] != "0:0", f"{info}\n{log}"
-    errors = [l for l in log.splitlines() if ": error: " in l and not l.startswith("srun:")]
+    # our software's error lines (streamed text has no final newline: a line may start mid-text)
+    errors = re.findall(r"(?:generate\.sbatch|swiftspec run): error[^\n]*", log)
     assert len(errors) == 1, log
     assert expect_line in errors[0], log
     return log
@@ -217,12 +224,12 @@ def test_partition_ends_job(netns_cluster, knobs, submit_dir, long_reference, tm
     t_fault, wall_fault = time.monotonic(), time.time()
     c.partition("node3")
     try:
-        log = ended_by_fault(c, job, t_fault, "no token tree from rank 2 (draft leader on node3) "
-                             f"within {PEER_TIMEOUT} s")
+        log = ended_by_fault(c, job, t_fault, f"rank 2 (draft leader on node3) within {PEER_TIMEOUT} s")
     finally:
         c.heal("node3")
     trace = check_file_kept_up(out, long_reference, t_fault, wall_fault, log)
-    assert trace["root"]["exit_status"].startswith("error: no token tree from rank 2"), trace["root"]
+    assert re.match(r"error: no (token tree from|delivery of a verify result to) rank 2 \(draft leader "
+                    r"on node3\)", trace["root"]["exit_status"]), trace["root"]
     hosts = sorted(r["host"].decode() for r in trace["ranks"])
     assert hosts == ["node1", "node2", "node3"], hosts
     c.wait_nodes_idle()

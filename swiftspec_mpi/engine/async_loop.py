@@ -39,7 +39,7 @@ from swiftspec_mpi.engine.decoding import Acceptor, DraftSide, OutputTracker, Ta
 from swiftspec_mpi.engine.context import EngineContext, comm_seconds, decide, make_topk_share
 from swiftspec_mpi.core.errors import PeerError
 from swiftspec_mpi.engine.protocol import (MSG_STOP, NO_META, TAG_RESULT, TAG_TREE, Interrupted, LeaderChannel,
-                                           TreeMeta, wait_for)
+                                           TreeMeta, send_within, wait_for)
 from swiftspec_mpi.engine.sent_tree import reroot_sent_tree, tree_depth
 from swiftspec_mpi.trace.record import KIND, SOURCE, step_row
 
@@ -168,7 +168,8 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
                comm_seconds(ctx.target) - c0)
     inbox = TreeInbox(ctx, chan, request) if leader else None
     committed = list(prompt_ids) if leader else None
-    wait_what = f"token tree from {topo.describe_rank(topo.verify_size, leader=True)}"
+    draft_leader = topo.describe_rank(topo.verify_size, leader=True)
+    wait_what = f"token tree from {draft_leader}"
     step = 0
     while True:
         tw = clock.now()
@@ -203,7 +204,8 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
             result.steps.append(step_row(step, len(tokens), taken, tw, t_end, source,
                                          tree_depth(parents), nodes, drafted))
             ts = clock.now()
-            topo.inter.Send(chan.pack_result(request, step, accepted, done), dest=0, tag=TAG_RESULT)
+            send_within(topo.inter, chan.pack_result(request, step, accepted, done), 0, TAG_RESULT,
+                        cfg.peer_timeout, f"delivery of a verify result to {draft_leader}", ctx.watch)
             rec.record(KIND["send"], request, step, ts, clock.now(), a)
             if done:
                 try:
@@ -234,6 +236,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     control = ctx.scratch.setdefault("control", np.zeros(3 + bs, dtype=np.int64))  # [act, a, done, accepted]
     share = make_topk_share(ctx, np.zeros((w, k), dtype=np.int64), np.zeros((w, k), dtype=np.float32))
     draft = DraftSide(ctx.draft, w, k, cfg.tree_capacity, cfg.max_depth)
+    verify_leader = topo.describe_rank(0, leader=True)
 
     t0, c0 = clock.now(), comm_seconds(ctx.draft)
     draft.prefill(prompt_ids)
@@ -271,7 +274,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
                 else:   # paced out, or tree (or KV) full: wait for the next verdict
                     tw = clock.now()
                     try:
-                        wait_for(result_req, cfg.peer_timeout, f"verify result from {topo.describe_rank(0, leader=True)}",
+                        wait_for(result_req, cfg.peer_timeout, f"verify result from {verify_leader}",
                                  ctx.stop_flag, ctx.watch)
                         action = ACT_RESULT
                     except Interrupted:
@@ -285,8 +288,9 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
                 control[1], control[2] = len(accepted), int(done)
                 control[3:3 + len(accepted)] = accepted
                 if done:   # acknowledge: no tree of this request will follow
-                    topo.inter.Send(chan.pack_tree(request, seq, 0, np.zeros(0, np.int64),
-                                                   np.zeros(0, np.int32)), dest=0, tag=TAG_TREE)
+                    send_within(topo.inter, chan.pack_tree(request, seq, 0, np.zeros(0, np.int64),
+                                                           np.zeros(0, np.int32)), 0, TAG_TREE,
+                                cfg.peer_timeout, f"delivery of a tree to {verify_leader}", ctx.watch)
                 else:
                     result_req = topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT)
         ctx.bcast(control)

@@ -127,6 +127,14 @@ def wait_for(req: MPI.Request, timeout: float, what: str, stop_flag: StopFlag,
                                 "hangs or cannot be reached over the network (if it is only slow, raise --peer-timeout)")
 
 
+def send_within(comm, buf: np.ndarray, dest: int, tag: int, timeout: float, what: str,
+                watch: AbortWatch | None = None) -> None:
+    """comm.Send(buf, dest, tag) that gives up after `timeout` s: a blocking send to a peer whose
+    node went silent (a network partition: no reset, the TCP window never reopens) can wait
+    forever inside MPI. A signal does not cut it short (it completes at once in every other case)."""
+    wait_for(comm.Isend(buf, dest=dest, tag=tag), timeout, what, StopFlag(), watch, collective=True)
+
+
 class LeaderChannel:
     """Fixed message buffers of one leader. A tree message holds up to `send_size` nodes in
     best-first order (parents before children); n = 0 marks the draft's end-of-request
