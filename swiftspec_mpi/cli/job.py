@@ -34,9 +34,9 @@ from swiftspec_mpi.engine.protocol import (AbortWatch, Interrupted, RemoteFailur
                                            notify_rank0_and_abort, wait_for)
 from swiftspec_mpi.gpu.sharing import check_gpu_sharing
 from swiftspec_mpi.trace.record import (RANK_DTYPE, ROLE_VERIFY, Clock, EventRecorder, RequestResult,
-                                        write_trace)
+                                        TraceFile)
 
-CHECKPOINT_EVERY_S = 5.0
+CHECKPOINT_EVERY_S = 2.0   # seconds between checkpoints of the request in flight (at least)
 
 
 def run_job(flags: dict, config_path: str | None) -> int:
@@ -89,6 +89,7 @@ class Job:
         self.env = {}
         self.last_write = 0.0
         self.rows = None              # rank 0: every rank's RANK_DTYPE row, gathered after loading
+        self.trace = None             # rank 0: the record.TraceFile behind cfg.out
         self.checkpoint_every = CHECKPOINT_EVERY_S
         self.source = None      # --interactive / --serve: where the requests come from
         # before the profile fixes bs and w: the room depends on the flags and models alone
@@ -221,8 +222,8 @@ class Job:
                 result.t_end = ctx.clock.now()
                 tracker.finish()
                 self.tracker = None
-                if source is None:
-                    self.maybe_checkpoint()
+                if source is None:   # every finished request reaches the file
+                    self.write(complete=False, status="running", events=None, sync=False)
             if source is not None:
                 source.finished(result)
                 if self.rank == 0:     # between turns the user reads: the write costs nothing
@@ -230,13 +231,14 @@ class Job:
 
     # -- output ----------------------------------------------------------------------------------
     def maybe_checkpoint(self) -> None:
-        """Rewrite the HDF5 file with what exists so far, at most every `checkpoint_every`
-        seconds of decoding: CHECKPOINT_EVERY_S, or 100x the last write's time if that is longer
-        (a write stalls rank 0's loop, ~30 ms for a small trace on the H200 machine; a long job's
-        file grows, so this keeps checkpoints under 1 % of the time)."""
+        """After a step of the request in flight: save what exists so far (its committed tokens,
+        stop_reason still 'interrupted'), at most every `checkpoint_every` seconds:
+        CHECKPOINT_EVERY_S, or 100x the last such write's stall of rank 0's loop if that is
+        longer, so checkpoints stay under 1 % of the time. A hard kill (SIGKILL of a lost rank's
+        job step) then loses at most those seconds."""
         now = time.perf_counter()
         if now - self.last_write >= self.checkpoint_every:
-            self.write(complete=False, status="running", events=None)
+            self.write(complete=False, status="running", events=None, sync=False)
             took = time.perf_counter() - now
             self.checkpoint_every = max(CHECKPOINT_EVERY_S, 100.0 * took)
 
@@ -251,10 +253,14 @@ class Job:
                 if r.stop_reason not in ("eos", "stop_string", "max_new_tokens", "cancelled"):
                     r.stop_reason = reason
 
-    def write(self, complete: bool, status: str, events, ranks=None) -> None:
-        """Rank 0: (re)write the HDF5 trace atomically (events None: rank 0's own so far)."""
+    def write(self, complete: bool, status: str, events, ranks=None, sync: bool = True) -> None:
+        """Rank 0: save the HDF5 trace atomically (events None: rank 0's own so far) through
+        record.TraceFile, which adds only what changed; sync=False hands the disk write to its
+        saver thread (checkpoints)."""
         if self.rank != 0:
             return
+        if self.trace is None:
+            self.trace = TraceFile(self.cfg.out)
         if events is None:
             events = self.ctx.recorder.snapshot() if self.ctx else np.zeros(0)
         if ranks is None:
@@ -263,9 +269,9 @@ class Job:
         for r in self.results:   # a request still running: keep what it produced so far
             if r.t_end is None:
                 r.text = self.ctx.tokenizer.decode(r.output_ids) if self.ctx else ""
-        write_trace(self.cfg.out, mode=self.cfg.mode, config_json=self.cfg.to_json(), env=self.env,
-                    requests=self.results, events=events, ranks=ranks, complete=complete,
-                    exit_status=status)
+        self.trace.write(mode=self.cfg.mode, config_json=self.cfg.to_json(), env=self.env,
+                         requests=self.results, events=events, ranks=ranks, complete=complete,
+                         exit_status=status, sync=sync)
         self.last_write = time.perf_counter()
 
     def rank_row(self):

@@ -1,13 +1,16 @@
 """Event recording on every rank and the atomic HDF5 writer (schema: docs/trace-format.md).
 
 Each rank appends fixed-size records into a preallocated numpy structured array (no allocation
-per event). At the end (and after each finished request) world rank 0 writes the file under a
+per event). World rank 0 keeps the file as an HDF5 image in memory (`TraceFile`) and, after each
+finished request, every few seconds of a request in flight and at the end, saves it under a
 temporary name and renames it, so a reader never sees a half-written file.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -111,38 +114,142 @@ def h5_text(s: str) -> str:
     return s
 
 
+def _write_root(f, mode: str, config_json: str, env: dict, complete: bool, exit_status: str) -> None:
+    f.attrs["format"] = "swiftspec-trace"
+    f.attrs["format_version"] = 1
+    f.attrs["mode"] = mode
+    f.attrs["complete"] = bool(complete)
+    f.attrs["exit_status"] = h5_text(exit_status)
+    f.attrs["config_json"] = config_json
+    f.attrs["env_json"] = json.dumps(env, sort_keys=True, default=str)
+    f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    f.attrs["event_kinds"] = json.dumps(list(EVENT_KINDS))
+
+
+def _write_request(group, r: RequestResult) -> None:
+    """/requests/<NNNNNN> of one request (replaced if it exists)."""
+    name = f"{r.index:06d}"
+    if name in group:
+        del group[name]
+    g = group.create_group(name)
+    new = len(r.output_ids)
+    g.attrs["index"] = r.index
+    g.attrs["category"] = h5_text(r.category)
+    g.attrs["prompt_text"] = h5_text(r.prompt_text)
+    g.attrs["text"] = h5_text(r.text)
+    g.attrs["new_tokens"] = new
+    g.attrs["seconds"] = r.seconds
+    g.attrs["ttft_s"] = (r.t_first - r.t_start) if r.t_first is not None else float("nan")
+    g.attrs["tokens_per_s"] = new / r.seconds if r.seconds > 0 else 0.0
+    g.attrs["stop_reason"] = r.stop_reason
+    g.create_dataset("prompt_ids", data=np.asarray(r.prompt_ids, dtype=np.int64))
+    g.create_dataset("output_ids", data=np.asarray(r.output_ids, dtype=np.int64))
+    g.create_dataset("steps", data=np.array(r.steps, dtype=STEP_DTYPE))
+
+
+def _save(path: str, image: bytes) -> None:
+    """`image` to PATH.tmp.<pid>, then os.replace onto PATH: a reader never sees half a file."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as out:
+        out.write(image)
+    os.replace(tmp, path)
+
+
 def write_trace(path: str, *, mode: str, config_json: str, env: dict, requests: list[RequestResult],
                 events: np.ndarray, ranks: np.ndarray, complete: bool, exit_status: str) -> None:
     """Write the whole trace atomically: PATH.tmp.<pid>, then os.replace onto PATH."""
-    import h5py
+    trace = TraceFile(path)
+    trace.write(mode=mode, config_json=config_json, env=env, requests=requests, events=events,
+                ranks=ranks, complete=complete, exit_status=exit_status)
+    trace.close()
 
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with h5py.File(tmp, "w") as f:
-        f.attrs["format"] = "swiftspec-trace"
-        f.attrs["format_version"] = 1
-        f.attrs["mode"] = mode
-        f.attrs["complete"] = bool(complete)
-        f.attrs["exit_status"] = h5_text(exit_status)
-        f.attrs["config_json"] = config_json
-        f.attrs["env_json"] = json.dumps(env, sort_keys=True, default=str)
-        f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        f.attrs["event_kinds"] = json.dumps(list(EVENT_KINDS))
-        group = f.create_group("requests")
+
+class TraceFile:
+    """Rank 0's trace kept as an HDF5 image in memory, saved whole and atomically by `write`.
+
+    A write costs what changed, not what the file holds: a finished request's group is made
+    once, the request in flight is replaced, events are appended when `events` is a longer view
+    of the same recorder array as last time (else replaced). The image (one memory copy) then
+    goes to disk: at once with `sync=True`, else through a saver thread, so that the disk write
+    and rename (about 2 ms per MB of file, GIL released) leave the decode loop alone; a newer
+    image replaces one still waiting. So rank 0 can write after every request of a long job."""
+
+    def __init__(self, path: str):
+        import h5py
+        self.path = path
+        self.pending: bytes | None = None      # the newest image not yet handed to the disk
+        self.saving = False
+        self.cond = threading.Condition()
+        self.saver: threading.Thread | None = None
+        self.f = h5py.File(f"{path}.image", "w", driver="core", backing_store=False)
+        self.requests = self.f.create_group("requests")
+        self.final: set[int] = set()           # indices of requests whose group is final
+        self.events_base = None                # the recorder array the events dataset mirrors
+        self.events_n = 0
+
+    def write(self, *, mode: str, config_json: str, env: dict, requests: list[RequestResult],
+              events: np.ndarray, ranks: np.ndarray, complete: bool, exit_status: str,
+              sync: bool = True) -> None:
+        f = self.f
+        _write_root(f, mode, config_json, env, complete, exit_status)
         for r in requests:
-            g = group.create_group(f"{r.index:06d}")
-            new = len(r.output_ids)
-            g.attrs["index"] = r.index
-            g.attrs["category"] = h5_text(r.category)
-            g.attrs["prompt_text"] = h5_text(r.prompt_text)
-            g.attrs["text"] = h5_text(r.text)
-            g.attrs["new_tokens"] = new
-            g.attrs["seconds"] = r.seconds
-            g.attrs["ttft_s"] = (r.t_first - r.t_start) if r.t_first is not None else float("nan")
-            g.attrs["tokens_per_s"] = new / r.seconds if r.seconds > 0 else 0.0
-            g.attrs["stop_reason"] = r.stop_reason
-            g.create_dataset("prompt_ids", data=np.asarray(r.prompt_ids, dtype=np.int64))
-            g.create_dataset("output_ids", data=np.asarray(r.output_ids, dtype=np.int64))
-            g.create_dataset("steps", data=np.array(r.steps, dtype=STEP_DTYPE))
-        f.create_dataset("events", data=events.astype(EVENT_DTYPE, copy=False))
+            if r.index not in self.final:
+                _write_request(self.requests, r)
+                if r.t_end is not None:
+                    self.final.add(r.index)
+        self._write_events(np.asarray(events).astype(EVENT_DTYPE, copy=False), events)
+        if "ranks" in f:
+            del f["ranks"]
         f.create_dataset("ranks", data=ranks.astype(RANK_DTYPE, copy=False))
-    os.replace(tmp, path)
+        f.flush()
+        image = f.id.get_file_image()
+        if sync:
+            self.wait_saved()
+            _save(self.path, image)
+            return
+        with self.cond:
+            self.pending = image
+            self.cond.notify()
+        if self.saver is None:
+            self.saver = threading.Thread(target=self._save_loop, name="trace-saver", daemon=True)
+            self.saver.start()
+
+    def _save_loop(self) -> None:
+        while True:
+            with self.cond:
+                while self.pending is None:
+                    self.cond.wait()
+                image, self.pending, self.saving = self.pending, None, True
+            try:
+                _save(self.path, image)
+            except OSError as exc:   # the next synchronous write reports a lasting problem
+                print(f"swiftspec: could not save the trace checkpoint {self.path}: {exc}",
+                      file=sys.stderr, flush=True)
+            with self.cond:
+                self.saving = False
+                self.cond.notify_all()
+
+    def wait_saved(self) -> None:
+        """Until the saver thread has nothing left to write."""
+        with self.cond:
+            while self.pending is not None or self.saving:
+                self.cond.wait()
+
+    def _write_events(self, rows: np.ndarray, given: np.ndarray) -> None:
+        base = getattr(given, "base", None)
+        ds = self.f.get("events")
+        if ds is not None and base is not None and base is self.events_base and len(rows) >= self.events_n:
+            new = rows[self.events_n:]
+            if len(new):
+                ds.resize((len(rows),))
+                ds[self.events_n:] = new
+        else:
+            if ds is not None:
+                del self.f["events"]
+            self.f.create_dataset("events", data=rows, maxshape=(None,), chunks=(4096,))
+            self.events_base = base
+        self.events_n = len(rows)
+
+    def close(self) -> None:
+        self.wait_saved()
+        self.f.close()
