@@ -126,7 +126,7 @@ class NetnsCluster(SlurmCluster):
         _ip("link", "set", self.port_of(node), "down", ns=self.bridge_ns)
 
     def heal(self, node: str) -> None:
-        _ip("link", "set", self.port_of(node), "up", ns=self.bridge_ns)
+        _ip("link", "set", self.port_of(node), "up", ns=self.bridge_ns, check=False)
 
     # ------------------------------------------------------------------ config
     def write_config(self, ctld_port: int = SLURMCTLD_PORT, slurmd_port: int = SLURMD_PORT) -> None:
@@ -162,7 +162,7 @@ class NetnsCluster(SlurmCluster):
             "KillWait=5",                    # SIGTERM -> SIGKILL grace of a cancelled step
             "InactiveLimit=0",
             "MessageTimeout=10",
-            "SlurmdTimeout=20",              # a silent node is DOWN after 20 s (site default: 300)
+            "SlurmdTimeout=60",              # a silent node is DOWN after 60 s (site default: 300)
             "TCPTimeout=5",
             f"StateSaveLocation={self.path('state')}",
             f"SlurmdSpoolDir={self.path('spool')}/%n",
@@ -310,6 +310,11 @@ class NetnsCluster(SlurmCluster):
         """A Slurm client (or any command) in the bridge namespace, with this cluster's env."""
         return super().run(self.enter(self.bridge_ns) + list(map(str, args)),
                            timeout=timeout, check=check, **kwargs)
+
+    def job(self, job_id: int) -> dict[str, str]:
+        """`scontrol show job`, with room for a slurmctld slowed by a loaded machine."""
+        r = self.run(["scontrol", "show", "job", "-o", str(job_id)], timeout=60)
+        return dict(t.split("=", 1) for t in reversed(r.stdout.split()) if "=" in t)
 
     def node_run(self, node: str, args: list[str], timeout: float = 60.0,
                  check: bool = True) -> subprocess.CompletedProcess:
