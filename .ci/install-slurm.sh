@@ -1,6 +1,7 @@
 #!/bin/bash
 # Install the Slurm daemons and clients that tests/test_slurm.py runs a private one-node cluster
-# with (slurmctld + slurmd + sbatch/srun/salloc/scancel/squeue/sinfo/scontrol).
+# with (slurmctld + slurmd + sbatch/srun/salloc/scancel/squeue/sinfo/scontrol), and iproute2 (`ip`),
+# with which tests/test_multinode.py makes its three-node cluster of network namespaces.
 #
 # Idempotent: does nothing when the binaries are already there. Needs root (or sudo) and apt
 # (Debian/Ubuntu). It never starts or enables the system-wide services: the tests start their own
@@ -9,11 +10,11 @@
 # Usage: .ci/install-slurm.sh            (CI runs it before the test suite)
 set -euo pipefail
 
-need=(slurmctld slurmd sbatch srun salloc scancel squeue sinfo scontrol)   # what the tests call
+need=(slurmctld slurmd sbatch srun salloc scancel squeue sinfo scontrol ip)   # what the tests call
 missing=()
 for b in "${need[@]}"; do
     # slurmctld/slurmd live in /usr/sbin, which a non-root PATH may lack
-    command -v "$b" >/dev/null 2>&1 || [[ -x /usr/sbin/$b ]] || missing+=("$b")
+    command -v "$b" >/dev/null 2>&1 || [[ -x /usr/sbin/$b || -x /sbin/$b ]] || missing+=("$b")
 done
 if (( ${#missing[@]} == 0 )); then
     echo "install-slurm: Slurm already installed ($(/usr/sbin/slurmctld -V 2>/dev/null || sinfo -V))"
@@ -43,6 +44,7 @@ if [[ ! -e $policy ]]; then
 fi
 trap '(( made_policy )) && $SUDO rm -f "$policy"' EXIT
 $SUDO apt-get update -qq
-# slurmctld: controller; slurmd: node daemon (+ slurmstepd); slurm-client: sbatch, srun, ...
-$SUDO apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client >/dev/null
+# slurmctld: controller; slurmd: node daemon (+ slurmstepd); slurm-client: sbatch, srun, ...;
+# iproute2: `ip` (network namespaces, veth, bridge)
+$SUDO apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client iproute2 >/dev/null
 echo "install-slurm: installed $(/usr/sbin/slurmctld -V)"
