@@ -340,5 +340,6 @@ class Job:
                 print(f"swiftspec run: could not write {self.cfg.out}: {write_exc}", file=sys.stderr)
             sys.stdout.flush(), sys.stderr.flush()
             self.world.Abort(EXIT_RUNTIME_ERROR)
+            os._exit(EXIT_RUNTIME_ERROR)     # an abort that returned (its launcher is going away)
         notify_rank0_and_abort(self.world, f"{role}: {msg}", EXIT_RUNTIME_ERROR, fallback_line=line)
         return EXIT_RUNTIME_ERROR

@@ -45,20 +45,21 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def make_comm(group, device: str):
-    """The tensor-parallel communicator of an MPI group: none for one rank, NCCL on GPUs, MPI on CPUs."""
+def make_comm(group, device: str, peers: str = "a rank of this group"):
+    """The tensor-parallel communicator of an MPI group: none for one rank, NCCL on GPUs, MPI on
+    CPUs (`peers` names the group's other ranks in the message when one is lost)."""
     if group.Get_size() == 1:
         return SingleComm()
     if device.startswith("cuda"):
         from swiftspec_mpi.gpu.nccl_comm import NcclGroupComm   # CUDA-only dependencies
         return NcclGroupComm(group)
-    return MpiGroupComm(group)
+    return MpiGroupComm(group, peers)
 
 
 def load_models(cfg, topo, device):
     """-> (target or None, draft or None, target tokenizer or None) for this rank's group."""
     dtype = torch_dtype(cfg.dtype)
-    comm = make_comm(topo.group, device)
+    comm = make_comm(topo.group, device, topo.describe_group_peers())
     target = draft = tokenizer = None
     wants_target = cfg.mode != "async" or topo.role != ROLE_DRAFT
     wants_draft = cfg.mode == "sync" or (cfg.mode == "async" and topo.role == ROLE_DRAFT)

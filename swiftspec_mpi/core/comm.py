@@ -41,10 +41,11 @@ class MpiGroupComm:
     per shape.
     """
 
-    def __init__(self, mpi_comm):
+    def __init__(self, mpi_comm, peers: str = "a rank of this group"):
         from mpi4py import MPI
         self._MPI = MPI
         self.comm = mpi_comm
+        self.peers = peers            # who the others are, for the message when one is lost
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.seconds = 0.0
@@ -61,13 +62,16 @@ class MpiGroupComm:
         if self.size == 1:
             return t
         t0 = time.perf_counter()
-        if t.dtype in _TORCH_TO_NP_OK:
-            self.comm.Allreduce(self._MPI.IN_PLACE, t.numpy())
-        else:  # bfloat16 / float16 (no portable MPI type): float32 staging
-            s = self._staging(t.numel())
-            s.copy_(t.reshape(-1))
-            self.comm.Allreduce(self._MPI.IN_PLACE, s.numpy())
-            t.view(-1).copy_(s)
+        try:
+            if t.dtype in _TORCH_TO_NP_OK:
+                self.comm.Allreduce(self._MPI.IN_PLACE, t.numpy())
+            else:  # bfloat16 / float16 (no portable MPI type): float32 staging
+                s = self._staging(t.numel())
+                s.copy_(t.reshape(-1))
+                self.comm.Allreduce(self._MPI.IN_PLACE, s.numpy())
+                t.view(-1).copy_(s)
+        except self._MPI.Exception as exc:
+            raise self.lost(exc) from None
         self.seconds += time.perf_counter() - t0
         return t
 
@@ -81,6 +85,22 @@ class MpiGroupComm:
         if send.dtype not in _TORCH_TO_NP_OK:
             send = send.float()
         out = torch.empty((R, self.size * n), dtype=send.dtype)  # fresh: callers may keep it
+        try:
+            self._gather(send, out, R, n)
+        except self._MPI.Exception as exc:
+            raise self.lost(exc) from None
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def lost(self, exc) -> Exception:
+        """A collective failed (a member's process died, its connection reset): the PeerError
+        that names the group's other ranks."""
+        from swiftspec_mpi.core.errors import PeerError
+        detail = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        return PeerError(f"a tensor-parallel collective with {self.peers} failed, so that rank died "
+                         f"or its node cannot be reached (MPI: {detail[-1] if detail else exc})")
+
+    def _gather(self, send: torch.Tensor, out: torch.Tensor, R: int, n: int) -> None:
         if R == 1:  # [size, 1, n] is already [1, size*n]
             self.comm.Allgather(send.numpy(), out.numpy())
         else:
@@ -92,5 +112,3 @@ class MpiGroupComm:
                 recv = self._gather_bufs[key] = torch.empty((self.size, R, n), dtype=send.dtype)
             self.comm.Allgather(send.numpy(), recv.numpy())
             out.view(R, self.size, n).copy_(recv.transpose(0, 1))
-        self.seconds += time.perf_counter() - t0
-        return out

@@ -43,6 +43,12 @@ class Topology:
     def role_name(self) -> str:
         return "verify" if self.role == ROLE_VERIFY else "draft"
 
+    def describe_group_peers(self) -> str:
+        """The other ranks of my group, as messages name them: 'rank 1 (verify on node2)'."""
+        start = self.verify_size if self.role == ROLE_DRAFT else 0
+        members = range(start, start + self.group.Get_size())
+        return ", ".join(self.describe_rank(r) for r in members if r != self.rank) or "no other rank"
+
     def describe_rank(self, world_rank: int, leader: bool = False) -> str:
         """'rank 2 (draft leader on node3)': how messages name a peer."""
         role = "verify" if world_rank < self.verify_size else "draft"

@@ -98,6 +98,12 @@ class AbortWatch:
             raise RemoteFailure(src, role, rest)
 
 
+def mpi_detail(exc: BaseException) -> str:
+    """The last line of an MPI error stack (what failed at the bottom), for one-line messages."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
 def wait_for(req: MPI.Request, timeout: float, what: str, stop_flag: StopFlag,
              watch: AbortWatch | None = None, collective: bool = False) -> None:
     """Complete `req` or raise: PeerError after `timeout` s, Interrupted on SIGTERM.
@@ -108,7 +114,7 @@ def wait_for(req: MPI.Request, timeout: float, what: str, stop_flag: StopFlag,
     caller is about to end the job)."""
     start = time.perf_counter()
     spins = 0
-    while not req.Test():
+    while not _test(req, what):
         spins += 1
         if spins > 2000:
             time.sleep(5e-5)
@@ -127,12 +133,26 @@ def wait_for(req: MPI.Request, timeout: float, what: str, stop_flag: StopFlag,
                                 "hangs or cannot be reached over the network (if it is only slow, raise --peer-timeout)")
 
 
+def _test(req: MPI.Request, what: str) -> bool:
+    """req.Test(), with a failed connection (the peer's process died: a reset) as a PeerError."""
+    try:
+        return req.Test()
+    except MPI.Exception as exc:
+        raise PeerError(f"no {what}: the connection failed, so that rank died or its node cannot "
+                        f"be reached (MPI: {mpi_detail(exc)})") from None
+
+
 def send_within(comm, buf: np.ndarray, dest: int, tag: int, timeout: float, what: str,
                 watch: AbortWatch | None = None) -> None:
     """comm.Send(buf, dest, tag) that gives up after `timeout` s: a blocking send to a peer whose
     node went silent (a network partition: no reset, the TCP window never reopens) can wait
     forever inside MPI. A signal does not cut it short (it completes at once in every other case)."""
-    wait_for(comm.Isend(buf, dest=dest, tag=tag), timeout, what, StopFlag(), watch, collective=True)
+    try:
+        req = comm.Isend(buf, dest=dest, tag=tag)
+    except MPI.Exception as exc:
+        raise PeerError(f"no {what}: the connection failed, so that rank died or its node cannot "
+                        f"be reached (MPI: {mpi_detail(exc)})") from None
+    wait_for(req, timeout, what, StopFlag(), watch, collective=True)
 
 
 class LeaderChannel:
