@@ -252,8 +252,8 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
 
     def send_tree(tokens, parents):
         meta = TreeMeta(results, n_expand, exp_at_result, exp_at_previous, clock.now())
-        topo.inter.Send(chan.pack_tree(request, seq, draft.tree.root_pos, tokens, parents, meta=meta),
-                        dest=0, tag=TAG_TREE)
+        send_within(topo.inter, chan.pack_tree(request, seq, draft.tree.root_pos, tokens, parents, meta=meta),
+                    0, TAG_TREE, cfg.peer_timeout, f"delivery of a tree to {verify_leader}", ctx.watch)
 
     while True:
         # 1. the leader decides what the whole group does next (a stop signal included: the
