@@ -16,12 +16,13 @@ import time
 
 import numpy as np
 
-from swiftspec_mpi.trace.record import RANK_DTYPE, Clock, EventRecorder, RequestResult, TraceFile, write_trace
+from swiftspec_mpi.trace.record import (RANK_DTYPE, Clock, EventRecorder, RequestResult, TraceFile, step_row,
+                                        write_trace)
 
 
 def request(i: int) -> RequestResult:
     return RequestResult(i, "bench", "prompt " * 20, list(range(30)), list(range(128)), "text " * 100,
-                         0.0, 0.1, 1.0, "max_new_tokens", [(s, 8, 3, 0.0, 0.1) for s in range(40)])
+                         0.0, 0.1, 1.0, "max_new_tokens", [step_row(s, 8, 3, 0.0, 0.1) for s in range(40)])
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import numpy as np
 
 from swiftspec_mpi.trace.read import read_trace
 from swiftspec_mpi.trace.record import (RANK_DTYPE, Clock, EventRecorder, RequestResult, TraceFile,
-                                        write_trace)
+                                        step_row, write_trace)
 
 
 def state_of(path) -> dict:
@@ -38,7 +38,7 @@ def test_incremental_writes_equal_one_shot_writes(tmp_path):
         results.append(r)
         for step in range(4):                    # the request in flight, checkpointed each step
             r.output_ids += [10 * i + step, 7]
-            r.steps.append((step, 4, 1, 0.1 * step, 0.1 * step + 0.05))
+            r.steps.append(step_row(step, 4, 1, 0.1 * step, 0.1 * step + 0.05))
             rec.record(2, i, step, 0.0, 1.0)
             for sync in (False, True):
                 trace.write(**common, requests=results, events=rec.snapshot(), complete=False,
@@ -68,7 +68,7 @@ def test_write_cost_follows_what_changed(tmp_path):
                   exit_status="running")
     for i in range(300):
         results.append(RequestResult(i, "", "p", [1], list(range(64)), "t", 0.0, 0.1, 1.0,
-                                     "max_new_tokens", [(s, 1, 1, 0.0, 0.1) for s in range(64)]))
+                                     "max_new_tokens", [step_row(s, 1, 1, 0.0, 0.1) for s in range(64)]))
         for k in range(64):
             rec.record(6, i, k, 0.0, 1.0)
         trace.write(**common, requests=results, events=rec.snapshot(), sync=False)
