@@ -45,8 +45,6 @@ def run_job(flags: dict, config_path: str | None) -> int:
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     stop_flag = StopFlag()
-    import faulthandler
-    faulthandler.register(signal.SIGUSR1, file=open(f"/tmp/mn-dbg/stack-{os.getpid()}", "w"), all_threads=True)   # DEBUG
     signal.signal(signal.SIGTERM, stop_flag.set)
     signal.signal(signal.SIGINT, stop_flag.set)
 
