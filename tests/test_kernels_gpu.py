@@ -21,7 +21,7 @@ import torch
 
 from allreduce_checks import assert_fused_equals_plain, single_rank_allreduce
 from conftest import skip_or_fail
-from swiftspec_mpi.gpu import kernels, nccl_shim, tree_attention
+from swiftspec_mpi.gpu import kernels, launch, nccl_shim, tree_attention
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_gpu = pytest.mark.skipif(not kernels.available(), reason="needs CuPy, nvcc and an sm_90 GPU")
@@ -55,6 +55,14 @@ def compiled_include() -> str:
 
 def test_cuda_sources_compile(compiled_include):
     assert (Path(compiled_include) / "nccl_device.h").is_file()
+
+
+def test_loader_pastes_the_local_headers():
+    """The source RawModule compiles has each `#include "x.cuh"` replaced by cuda/x.cuh (CuPy's
+    cache key is the source text, so it covers the headers too)."""
+    for name in ("gemm_allreduce", "tree_attention", "w4a16"):
+        code = launch.cuda_source(name)
+        assert not re.search(r'^#include "', code, re.M) and code.count("void mma_bf16(") == 1, name
 
 
 def test_nccl_layout_probe(compiled_include):
