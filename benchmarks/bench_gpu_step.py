@@ -24,6 +24,8 @@ import argparse
 import json
 import time
 
+from pathlib import Path
+
 import torch
 
 
@@ -232,8 +234,7 @@ def main():
                   f"{r.get(f'graph_pdl_topk_host_{n}', nan):.3f} | {r.get(f'graph_pdl_topk_{n}', nan):.3f} | "
                   f"{r.get(f'read_same_{n}')} |")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        Path(a.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

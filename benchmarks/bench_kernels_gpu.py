@@ -37,8 +37,9 @@ ROTATE_BYTES = 256 << 20
 MIN_LAYERS = 4               # attention layers per graph at least (--rotate-mb: 1)
 
 
-def graph_time_us(calls, replays: int) -> float:
-    """Median time of one call, from a CUDA graph holding all `calls` once each."""
+def graph_time_us(calls: list, replays: int = 20) -> float:
+    """Median over `replays` replays of a CUDA graph holding each of `calls` (no-arg launches)
+    once, divided by len(calls): the time of one call in us."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -65,9 +66,9 @@ def graph_time_us(calls, replays: int) -> float:
     return statistics.median(times) / len(calls)
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (the ceiling the "% of copy BW" figures use)."""
-    n = 1 << 30
+def copy_bandwidth(n: int = 1 << 30) -> float:
+    """Device-to-device copy of `n` bytes, bytes read + written per second (the ceiling the
+    "% of copy BW" figures use)."""
     a = torch.empty(n, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     a.random_()

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from pathlib import Path
+
 import torch
 
 from bench_kernels_gpu import copy_bandwidth, graph_time_us   # same folder (the kernel benchmark)
@@ -139,8 +141,7 @@ def main():
     print(f"floors (the {wbytes / 1e9:.2f} GB a step streams, Transformer.step_read_bytes): "
           f"/ copy BW {wbytes / copy_bw / 1e9:.2f} ms, / read BW {wbytes / read_bw / 1e9:.2f} ms")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+        Path(a.json).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -26,61 +26,14 @@ import time
 
 import torch
 
+from bench_kernels_gpu import copy_bandwidth, graph_time_us   # same folder (the kernel benchmark)
+
 SHAPES_GEMV = {      # (name, N, K) per projection: fused QKV, O, fused gate|up, down
     "llama-3-8b": (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)),
     "llama-3-70b": (("qkv", 10240, 8192), ("o", 8192, 8192), ("gate_up", 57344, 8192), ("down", 8192, 28672)),
 }
 LAYERS = {"llama-3-8b": 32, "llama-3-70b": 80}
 L2_BYTES = 60 << 20
-
-
-def copy_bandwidth() -> float:
-    n = 2 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(20):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    ts.sort()
-    del a, b
-    return 2 * n / (ts[len(ts) // 2] / 1e3) / 1e12
-
-
-def graph_time_us(calls: list, reps: int = 20) -> float:
-    """Median over `reps` replays of a graph of `calls` (each a no-arg launch) / len(calls), in us."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    ts.sort()
-    del g
-    return 1e3 * ts[len(ts) // 2] / len(calls)
 
 
 def torch_int4_weight(n: int, k: int, group: int, gen):
@@ -96,7 +49,7 @@ def torch_int4_weight(n: int, k: int, group: int, gen):
 def bench_gemv(args) -> dict:
     from swiftspec_mpi.gpu import w4a16
     from swiftspec_mpi.model.quant import PackedInt4
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(2 << 30) / 1e12
     print(f"copy bandwidth {bw:.2f} TB/s\n")
     res = {"copy_tbs": bw, "rows": []}
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -181,7 +134,7 @@ def bench_step(args) -> dict:
     from swiftspec_mpi.model.dummy import dummy_model
     default = w4a16.default_config(1, 0, 0)
     from swiftspec_mpi.model.transformer import chain_mask
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(2 << 30) / 1e12
     print(f"copy bandwidth {bw:.2f} TB/s\n")
     ctx = args.context
     res = {"copy_tbs": bw, "rows": []}

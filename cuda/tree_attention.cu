@@ -49,6 +49,8 @@
 
 #include <cuda_bf16.h>
 #include <stdint.h>
+
+#include "mma_bf16.cuh"
 #include <cooperative_groups.h>
 
 namespace cg = cooperative_groups;
@@ -84,14 +86,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t& r0, uint32_t& r1, ui
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
 }
 
-// C[16x8] += A[16x16] * B[16x8], bf16 inputs, fp32 accumulators (PTX fragment layouts).
-__device__ __forceinline__ void mma_bf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (low 16 bits)
@@ -543,7 +537,6 @@ using tree_attn::smem_u32;
 using tree_attn::cp_async_16;
 using tree_attn::ldmatrix_x4;
 using tree_attn::ldmatrix_x4_trans;
-using tree_attn::mma_bf16;
 using tree_attn::pack_bf16;
 using tree_attn::piece_qk;
 using tree_attn::piece_softmax;
@@ -935,7 +928,6 @@ using tree_attn::smem_u32;
 using tree_attn::cp_async_16;
 using tree_attn::ldmatrix_x4;
 using tree_attn::ldmatrix_x4_trans;
-using tree_attn::mma_bf16;
 using tree_attn::pack_bf16;
 using tree_attn::piece_qk;
 using tree_attn::piece_softmax;
@@ -1214,7 +1206,6 @@ using tree_attn::smem_u32;
 using tree_attn::cp_async_16;
 using tree_attn::ldmatrix_x4;
 using tree_attn::ldmatrix_x4_trans;
-using tree_attn::mma_bf16;
 using tree_attn::pack_bf16;
 using tree_attn::piece_softmax;
 using tree_attn::piece_pv;

@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from engine_helpers import greedy_gaps, read_outputs, read_requests, read_root, run_swiftspec, write_prompts
+from tree_masks import tree_mask
 
 import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi,
@@ -106,20 +107,8 @@ def test_graphed_kernel_path_matches_torch_path():
         pre = torch.randint(0, 5000, (prefix,), generator=gen)
         for m in (ref, fast):
             m.forward(pre, torch.arange(prefix), 0, chain_mask(0, prefix))
-        n = 8
-        parents = [-1, 0, 0, 1, 1, 2, 3, 6]
-        mask = torch.zeros(n, prefix + n, dtype=torch.bool)
-        mask[:, :prefix] = True
-        for i in range(n):
-            j = i
-            while j >= 0:
-                mask[i, prefix + j] = True
-                j = parents[j]
-        depth = [0] * n
-        for i in range(1, n):
-            depth[i] = depth[parents[i]] + 1
-        toks = torch.randint(0, 5000, (n,), generator=gen)
-        pos = prefix + torch.tensor(depth)
+        pos, mask = tree_mask([-1, 0, 0, 1, 1, 2, 3, 6], prefix)
+        toks = torch.randint(0, 5000, (len(pos),), generator=gen)
         a = ref.forward(toks, pos, prefix, mask).float()
         b = graphed.forward(toks, pos, prefix, mask).float().clone()
         err = (a - b).abs().max().item() / a.abs().max().item()

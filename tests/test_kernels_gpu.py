@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from allreduce_checks import assert_fused_equals_plain, single_rank_allreduce
 from conftest import skip_or_fail
-from swiftspec_mpi.gpu import kernels, nccl_shim, tree_attention
+from swiftspec_mpi.gpu import kernels, launch, nccl_shim, tree_attention
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_gpu = pytest.mark.skipif(not kernels.available(), reason="needs CuPy, nvcc and an sm_90 GPU")
@@ -54,6 +55,14 @@ def compiled_include() -> str:
 
 def test_cuda_sources_compile(compiled_include):
     assert (Path(compiled_include) / "nccl_device.h").is_file()
+
+
+def test_loader_pastes_the_local_headers():
+    """The source RawModule compiles has each `#include "x.cuh"` replaced by cuda/x.cuh (CuPy's
+    cache key is the source text, so it covers the headers too)."""
+    for name in ("gemm_allreduce", "tree_attention", "w4a16"):
+        code = launch.cuda_source(name)
+        assert not re.search(r'^#include "', code, re.M) and code.count("void mma_bf16(") == 1, name
 
 
 def test_nccl_layout_probe(compiled_include):
@@ -383,50 +392,21 @@ def test_gemm_rowparallel_matches_float64(M, NK):
     assert torch.equal(out, plain), "PDL launch in a graph changed the result"
 
 
-def _single_rank_allreduce(max_n: int, n_ctas: int):
-    nccl = nccl_shim.get_nccl()
-    comm = nccl.comm_init_rank(1, nccl.get_unique_id(), 0)
-    try:
-        ar = nccl_shim.DeviceAllReduce(comm, max_n=max_n, n_ctas=n_ctas)
-    except nccl_shim.NcclError as e:
-        nccl.comm_destroy(comm)
-        pytest.skip(f"this NCCL gives no device communicator on 1 rank: {e}")
-    return nccl, comm, ar
-
-
 @pytest.mark.gpu
 @needs_gpu
 def test_gemm_allreduce_single_rank_equals_plain_gemm():
     """TP = 1 run of the fused kernel on a 1-rank NCCL communicator: the all-reduce of one
     partial is the identity, so the bits must equal gemm_rowparallel's; also inside a graph."""
-    if nccl_shim.nccl_include_dir() is None:
-        pytest.skip("no NCCL >= 2.28 headers")
     n_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    nccl, comm, ar = _single_rank_allreduce(14336, 2 * n_sms)
-    try:
+    with single_rank_allreduce(14336, 2 * n_sms) as ar:
         assert kernels.devcomm_sizeof() == ar.layout["devcomm_size"]
         gen = torch.Generator().manual_seed(11)
         for M, N, K in ((1, 4096, 4096), (8, 4096, 14336), (16, 4096, 4096), (5, 14336, 1024)):
             x = torch.randn(M, K, generator=gen).to(torch.bfloat16).cuda()
             w = (torch.randn(N, K, generator=gen) / math.sqrt(K)).to(torch.bfloat16).cuda()
-            plain = kernels.gemm_rowparallel(x, w)
-            for _ in range(3):                       # both window halves
-                out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-                kernels.gemm_allreduce(x, w, ar, out=out)
-                torch.cuda.synchronize()
-                assert torch.equal(out, plain), f"M={M} N={N} K={K}"
-        out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            kernels.gemm_allreduce(x, w, ar, out=out)
-        for _ in range(3):
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, plain)
-    finally:
-        ar.close()
-        nccl.comm_destroy(comm)
+            out = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
+            assert_fused_equals_plain(lambda: kernels.gemm_allreduce(x, w, ar, out=out), out,
+                                      kernels.gemm_rowparallel(x, w), f"M={M} N={N} K={K}")
 
 
 def _allreduce_worker(rank, world, uid, q):

@@ -10,6 +10,7 @@ from swiftspec_mpi.model.hf_loader import SafetensorsSource
 from swiftspec_mpi.model.transformer import Transformer, chain_mask
 from swiftspec_mpi.model.config import ModelConfig
 from swiftspec_mpi.model.tiny import random_weights, write_hf_folder
+from tree_masks import tree_mask
 
 TOL = 1e-5
 V = 89
@@ -32,20 +33,6 @@ def new_model(folder, max_slots=64) -> Transformer:
     m = Transformer(src.config, max_slots=max_slots)
     m.load_weights(src)
     return m
-
-
-def tree_mask(parents, P):
-    n = len(parents)
-    mask = torch.zeros(n, P + n, dtype=torch.bool)
-    mask[:, :P] = True
-    depth = []
-    for i, p in enumerate(parents):
-        depth.append(0 if p < 0 else depth[p] + 1)
-        j = i
-        while j >= 0:
-            mask[i, P + j] = True
-            j = parents[j]
-    return torch.tensor([P + d for d in depth]), mask
 
 
 def test_compact_then_decode_equals_clean_decode(folder):

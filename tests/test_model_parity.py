@@ -117,13 +117,18 @@ def test_step_decode_and_chunked_prefill_match(pair):
         assert (step[0] - ref[i]).abs().max().item() < TOL, f"decode step at position {i}"
 
 
-def test_out_in_weight_layout_matches(pair):
-    """The GPU's nn.Linear weight layout ([out, in]) computes the same logits on CPU."""
+@pytest.mark.parametrize("layout, in_axis, seed", [("out_in", 1, 6), ("in_out", 0, 7)])
+def test_weight_layout_matches(pair, layout, in_axis, seed):
+    """Both weight layouts compute the same logits on CPU, over a whole prompt and as prefill plus
+    one decode step: "out_in" ([out, in], the GPU's nn.Linear layout) and "in_out" ([in, out],
+    x @ W, the fallback without AVX2)."""
     hf, _, folder = pair
-    ours = load_ours(folder, weight_layout="out_in")
-    assert ours.weight_layout == "out_in" and ours.layers[0].wqkv.shape[1] == 64
-    toks = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(6))
+    ours = load_ours(folder, weight_layout=layout)
+    assert ours.weight_layout == layout and ours.layers[0].wqkv.shape[in_axis] == 64
+    toks = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(seed))
     ref = hf_logits(hf, toks)
+    out = ours.forward(toks, torch.arange(12), 0, chain_mask(0, 12))
+    assert (out - ref).abs().max().item() < TOL
     ours.forward(toks[:11], torch.arange(11), 0, chain_mask(0, 11))
     step = ours.forward(toks[11:], torch.tensor([11]), 11, chain_mask(11, 1))
     assert (step[0] - ref[11]).abs().max().item() < TOL
@@ -165,17 +170,6 @@ def test_config_formats_round_trip(tmp_path):
     assert rp["rope_type"] == "llama3" and float(rp["factor"]) == 8.0
     assert ModelConfig.from_hf_dict(back.to_dict()) == cfg
     assert cfg.with_layers(1).num_layers == 1 and cfg.with_layers(1).hidden_size == cfg.hidden_size
-
-
-def test_in_out_weight_layout_matches(pair):
-    """The CPU fallback layout ([in, out], x @ W; no AVX2) computes the same logits."""
-    hf, _, folder = pair
-    ours = load_ours(folder, weight_layout="in_out")
-    assert ours.weight_layout == "in_out" and ours.layers[0].wqkv.shape[0] == 64
-    toks = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(7))
-    ref = hf_logits(hf, toks)
-    out = ours.forward(toks, torch.arange(12), 0, chain_mask(0, 12))
-    assert (out - ref).abs().max().item() < TOL
 
 
 def test_packed_bf16_weights_match_rounded_reference(pair):

@@ -116,6 +116,11 @@ def base_args(models, out, target="target", draft="draft", mode="async",
             "--max-new-tokens", str(max_new_tokens), "--out", str(out), "--quiet"]
 
 
+def ar_target(target: str):
+    """The VALIDATION args of a plain autoregressive run on the fixture model `target`."""
+    return lambda m, o, t: base_args(m, o, target=target, mode="ar")
+
+
 def assert_clean_user_error(job: Job, pattern: str, out=None) -> None:
     """Exit 2 within WALL_S, exactly one error line (rank 0's) matching `pattern`, no traceback,
     no output file (nothing was generated)."""
@@ -151,14 +156,12 @@ VALIDATION = [
      r"corrupt_st/model\.safetensors: truncated or corrupt safetensors.*re-download"),
     ("safetensors-header-length-lies", 2, lambda m, o, t: base_args(m, o, draft="huge_header_st"),
      r"huge_header_st/model\.safetensors: truncated or corrupt safetensors"),
-    ("gguf-truncated-data", 2, lambda m, o, t: base_args(m, o, target="gguf_truncated_data",
-                                                         mode="ar"),
+    ("gguf-truncated-data", 2, ar_target("gguf_truncated_data"),
      r"gguf_truncated_data\.gguf: truncated GGUF file: tensor .* ends at byte \d+ but the file "
      r"has \d+"),
-    ("gguf-truncated-header", 2, lambda m, o, t: base_args(m, o, target="gguf_truncated_header",
-                                                           mode="ar"),
+    ("gguf-truncated-header", 2, ar_target("gguf_truncated_header"),
      r"gguf_truncated_header\.gguf: truncated (or corrupt )?GGUF file.*re-download"),
-    ("gguf-bad-magic", 2, lambda m, o, t: base_args(m, o, target="gguf_bad_magic", mode="ar"),
+    ("gguf-bad-magic", 2, ar_target("gguf_bad_magic"),
      r"bad_magic\.gguf: .*(corrupt|not a GGUF file).*re-download"),
     ("draft-lacks-a-tensor", 2, lambda m, o, t: base_args(m, o, draft="missing_tensor"),
      r"missing_tensor: lacks tensor 'model\.layers\.1\.mlp\.down_proj\.weight'"),
@@ -167,12 +170,10 @@ VALIDATION = [
      r"but the config\.json implies \[352, 64\]"),
     ("config-zero-heads", 2, lambda m, o, t: base_args(m, o, target="zero_heads"),
      r"zero_heads: .*num_attention_heads.*0"),
-    ("gguf-metadata-huge-head-count", 2, lambda m, o, t: base_args(m, o, target="gguf_huge_heads",
-                                                                   mode="ar"),
+    ("gguf-metadata-huge-head-count", 2, ar_target("gguf_huge_heads"),
      r"gguf_huge_heads\.gguf: GGUF metadata has attention\.head_count=2147483648.*does not "
      r"belong"),
-    ("gguf-metadata-huge-mlp", 2, lambda m, o, t: base_args(m, o, target="gguf_huge_mlp",
-                                                            mode="ar"),
+    ("gguf-metadata-huge-mlp", 2, ar_target("gguf_huge_mlp"),
      r"gguf_huge_mlp\.gguf: tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' has shape "
      r"\[176, 64\] but the GGUF metadata implies \[117440512, 64\]"),
     ("unsupported-architecture", 2, lambda m, o, t: base_args(m, o, target="unsupported_arch"),

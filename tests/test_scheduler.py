@@ -231,13 +231,17 @@ def reroot_step(cy, ref, accepted):
 # property tests against the reference
 
 
+def seeded_rng(data) -> np.random.Generator:
+    """A numpy generator from a hypothesis-drawn seed (the seed shows in a failing example)."""
+    return np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+
+
 @SETTINGS
 @given(data=st.data())
 def test_random_draft_cycles_match_reference(data):
     capacity = data.draw(st.integers(12, 200), label="capacity")
     max_depth = data.draw(st.integers(2, 7), label="max_depth")
-    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
-    rng = np.random.default_rng(seed)
+    rng = seeded_rng(data)
     vocab = int(rng.integers(2, 11))
     k = int(rng.integers(1, min(3, vocab) + 1))
     cy, ref = TokenTree(capacity, max_depth), RefTree(capacity, max_depth)
@@ -269,8 +273,7 @@ def test_random_draft_cycles_match_reference(data):
 def test_verify_sample_matches_reference(data):
     n = data.draw(st.integers(1, 12), label="n")
     vocab = data.draw(st.integers(1, 7), label="vocab")
-    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
-    rng = np.random.default_rng(seed)
+    rng = seeded_rng(data)
     parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
     tokens = rng.integers(0, vocab, size=n).astype(np.int64)   # sibling repeats allowed here
     probs = rng.dirichlet(np.full(vocab, 0.5), size=n)

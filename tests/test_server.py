@@ -59,6 +59,19 @@ def call(port: int, path: str, body=None, raw: bytes | None = None, timeout: flo
         return e.code, json.loads(e.read().decode())
 
 
+def wait_healthy(port: int, job: Job, limit_s: float, poll_s: float) -> None:
+    """Poll GET /health until it answers 200; fail with the job's output if it dies or `limit_s` passes."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            if call(port, "/health", timeout=2)[0] == 200:
+                return
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        assert job.proc.poll() is None and time.monotonic() < deadline, job.communicate(5)
+        time.sleep(poll_s)
+
+
 def raw_request(port: int, data: bytes, timeout: float = 30, after=None) -> tuple[int, dict, bytes]:
     """Send `data` on a fresh connection (then `after(sock)` in a thread, if given) and read one
     response -> (status, headers lower-cased, body bytes). The status line must be there."""
@@ -200,15 +213,7 @@ def server(tiny_pair, tmp_path_factory):
                   "--mode", "async", "--max-new-tokens", str(LONG), "--ignore-eos", "--out", str(out),
                   "--serve-max-body", str(MAX_BODY), "--serve-read-timeout", str(READ_TIMEOUT)])
     try:
-        deadline = time.monotonic() + 150
-        while True:
-            try:
-                if call(port, "/health", timeout=2)[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            assert job.proc.poll() is None and time.monotonic() < deadline, job.communicate(5)
-            time.sleep(0.3)
+        wait_healthy(port, job, limit_s=150, poll_s=0.3)
         yield port, job, out
     finally:
         job.kill()
@@ -614,15 +619,7 @@ def test_gpu_serve_logprobs_through_the_graphs(tmp_path):
                   "--mode", "async", "--device", "cuda", "--dtype", "bfloat16", "--max-new-tokens", "64",
                   "--ignore-eos", "--out", str(out)])
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if call(port, "/health", timeout=2)[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            assert job.proc.poll() is None and time.monotonic() < deadline, job.communicate(5)
-            time.sleep(0.5)
+        wait_healthy(port, job, limit_s=300, poll_s=0.5)
         body = {"prompt": PROMPTS[0], "max_tokens": 64}
         timed = {}
         for name, extra in (("plain", {}), ("logprobs", {"logprobs": 3}), ("plain again", {}),

@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from swiftspec_mpi.gpu import kernels, nccl_shim, w4a16
+from allreduce_checks import assert_fused_equals_plain, single_rank_allreduce
+from swiftspec_mpi.gpu import kernels, w4a16
 from swiftspec_mpi.model.quant import PackedInt4, dequantize, unpack_codes
 
 needs_gpu = pytest.mark.skipif(not kernels.available(), reason="needs CuPy, nvcc and an sm_90 GPU")
@@ -177,38 +178,17 @@ def test_linear_dispatch_prompt_rows():
 @pytest.mark.gpu
 @needs_gpu
 def test_gemm_allreduce_single_rank_equals_gemm():
-    if nccl_shim.nccl_include_dir() is None:
-        pytest.skip("no NCCL >= 2.28 headers")
+    """The fused W4A16 GEMM + all-reduce on a 1-rank NCCL communicator equals w4a16.gemm bit for
+    bit (the all-reduce of one partial is the identity), eager and inside a graph."""
     n_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    nccl = nccl_shim.get_nccl()
-    comm = nccl.comm_init_rank(1, nccl.get_unique_id(), 0)
-    try:
-        ar = nccl_shim.DeviceAllReduce(comm, max_n=8192, n_ctas=2 * n_sms)
-    except nccl_shim.NcclError as e:
-        nccl.comm_destroy(comm)
-        pytest.skip(f"this NCCL gives no device communicator on 1 rank: {e}")
-    try:
+    with single_rank_allreduce(8192, 2 * n_sms) as ar:
         gen = torch.Generator(device="cuda").manual_seed(9)
         for m, n, k, g in ((1, 4096, 4096, 128), (8, 4096, 14336, 128), (16, 8192, 8192, 32), (5, 8192, 1024, 128)):
             w = w4a16.from_packed(random_packed(n, k, g, gen, "cuda"), "cuda")
             x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
-            plain = w4a16.gemm(x, w)
-            for _ in range(3):                       # both window halves
-                out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                w4a16.gemm_allreduce(x, w, ar, out=out)
-                torch.cuda.synchronize()
-                assert torch.equal(out, plain), f"M={m} N={n} K={k} g={g}"
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            w4a16.gemm_allreduce(x, w, ar, out=out)
-        for _ in range(3):
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, plain)
-    finally:
-        ar.close()
-        nccl.comm_destroy(comm)
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            assert_fused_equals_plain(lambda: w4a16.gemm_allreduce(x, w, ar, out=out), out,
+                                      w4a16.gemm(x, w), f"M={m} N={n} K={k} g={g}")
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import sys
 import threading
@@ -42,6 +43,16 @@ def cuda_source_dir() -> Path:
         if (p / "tree_attention.cu").is_file():
             return p
     raise FileNotFoundError(f"CUDA sources not found next to {here}; reinstall swiftspec-mpi")
+
+
+_LOCAL_HEADER = re.compile(r'^#include "(\w+\.cuh)"$', re.M)
+
+
+def cuda_source(name: str) -> str:
+    """Text of cuda/<name>.cu with each local header it includes (`#include "x.cuh"`, a file of
+    cuda/) pasted in place: what RawModule compiles, so CuPy's cache key covers the headers too."""
+    folder = cuda_source_dir()
+    return _LOCAL_HEADER.sub(lambda m: (folder / m.group(1)).read_text(), (folder / f"{name}.cu").read_text())
 
 
 def import_cupy():
@@ -124,7 +135,7 @@ def module(name: str, variant: str, device: int):
                 # The version define makes CuPy's cache key (source + options) follow the headers.
                 opts += ["-I" + inc, "-DSWIFTSPEC_WITH_NCCL",
                          f"-DSWIFTSPEC_NCCL_VERSION={nccl_shim.header_version(inc)}"]
-            code = (cuda_source_dir() / f"{name}.cu").read_text()
+            code = cuda_source(name)
             with cupy.cuda.Device(device):
                 # -split-compile=0: nvcc optimizes the kernels on all CPU cores (first use of
                 # tree_attention.cu: 22 -> 13 s on 2 cores); the machine code is the same

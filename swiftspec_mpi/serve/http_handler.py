@@ -357,14 +357,21 @@ def make_handler(source):
                 except queue.Empty:
                     pass
 
+        def _submit_nth(self, ask: api.Ask, rid: str, i: int) -> Pending | None:
+            """Queue the request of answer i of ask.n; a refusal (queue full, shutting down) raises
+            for the first answer and returns None for a later one (the answers so far stand)."""
+            try:
+                return self._submit(ask, rid)
+            except api.ApiError:
+                if i == 0:
+                    raise
+                return None
+
         def _whole(self, ask: api.Ask, rid: str, created: int) -> None:
             choices, done_tokens, last = [], 0, None
             for i in range(ask.n):
-                try:
-                    p = self._submit(ask, rid)
-                except api.ApiError:
-                    if i == 0:
-                        raise
+                p = self._submit_nth(ask, rid, i)
+                if p is None:
                     break
                 try:
                     ans = _Answer()
@@ -429,11 +436,8 @@ def make_handler(source):
 
             total = 0
             for i in range(ask.n):
-                try:
-                    p = self._submit(ask, rid)
-                except api.ApiError:
-                    if i == 0:
-                        raise
+                p = self._submit_nth(ask, rid, i)
+                if p is None:
                     break
                 try:
                     ans, result, first = _Answer(), None, True

@@ -21,25 +21,17 @@ def scenario(model) -> list:
     import torch
 
     from swiftspec_mpi.model.transformer import chain_mask
+    from tree_masks import tree_mask
     V = model.cfg.vocab_size
     g = torch.Generator().manual_seed(1234)
     out = []
     P = 11
     prefix = torch.randint(0, V, (P,), generator=g)
     out.append(model.forward(prefix, torch.arange(P), 0, chain_mask(0, P)))
-    # a 6-node tree over the prefix: parents [-1, 0, 0, 1, 1, 2]
-    parents = [-1, 0, 0, 1, 1, 2]
-    depth = [0, 1, 1, 2, 2, 2]
-    n = len(parents)
-    mask = torch.zeros(n, P + n, dtype=torch.bool)
-    mask[:, :P] = True
-    for i in range(n):
-        j = i
-        while j >= 0:
-            mask[i, P + j] = True
-            j = parents[j]
-    tokens = torch.randint(0, V, (n,), generator=g)
-    out.append(model.forward(tokens, torch.tensor([P + d for d in depth]), P, mask))
+    # a 6-node tree over the prefix
+    positions, mask = tree_mask([-1, 0, 0, 1, 1, 2], P)
+    tokens = torch.randint(0, V, (len(positions),), generator=g)
+    out.append(model.forward(tokens, positions, P, mask))
     # accept the path 0 -> 2 -> 5: compact its KV to [P, P+3), then decode after it
     model.compact_kv(torch.tensor([P + 0, P + 2, P + 5]), torch.tensor([P, P + 1, P + 2]))
     pos = P + 3
@@ -64,8 +56,8 @@ def _status_kb(key: str) -> int:
 
 def main() -> int:
     spec_path, out_dir = sys.argv[1], sys.argv[2]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, root)
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:0] = [os.path.dirname(tests), tests]       # the package and tests/tree_masks.py
     import numpy as np
     import torch
     from mpi4py import MPI
