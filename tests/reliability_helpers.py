@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+from engine_helpers import MPIEXEC   # the launcher: a command line, split (SWIFTSPEC_TEST_MPIEXEC)
+
 BIN = Path(sys.executable).parent
-MPIEXEC = os.environ.get("SWIFTSPEC_TEST_MPIEXEC", str(BIN / "mpiexec"))
 HERE = Path(__file__).resolve().parent
 ERROR_PREFIX = "swiftspec run: error"
 
@@ -52,7 +53,7 @@ class Job:
         e.update(env or {})
         entry = [sys.executable, str(HERE / "reliability_helpers.py"), "--fault", fault] if fault \
             else [sys.executable, "-m", "swiftspec_mpi"]
-        self.cmd = [MPIEXEC, "-n", str(n), *entry, "run", "--threads", "1", *args]
+        self.cmd = [*MPIEXEC, "-n", str(n), *entry, "run", "--threads", "1", *args]
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(self.cmd, env=e, stdin=stdin, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, start_new_session=True)

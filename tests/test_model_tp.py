@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from engine_helpers import MPIEXEC
 from swiftspec_mpi.model.hf_loader import SafetensorsSource
 from swiftspec_mpi.model.transformer import Transformer
 from swiftspec_mpi.model.config import ModelConfig
@@ -23,8 +24,6 @@ pytestmark = pytest.mark.mpi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "mpi_scripts", "tp_logits.py")
-MPIEXEC = os.environ.get("SWIFTSPEC_TEST_MPIEXEC",
-                         os.path.join(os.path.dirname(sys.executable), "mpiexec"))
 TOL = 1e-5
 
 
@@ -84,7 +83,7 @@ def _mpirun(n, models, tmp_path):
     out.mkdir()
     spec.write_text(json.dumps({"models": models}))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, SCRIPT, str(spec), str(out)],
+    proc = subprocess.run([*MPIEXEC, "-n", str(n), sys.executable, SCRIPT, str(spec), str(out)],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, f"mpiexec -n {n} failed\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     reports = json.loads((out / "report.json").read_text())

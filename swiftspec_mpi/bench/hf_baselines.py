@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from swiftspec_mpi.core.errors import UserError, one_line
+from swiftspec_mpi.trace.record import step_row
 
 HF_SYSTEMS = ("hf-greedy", "hf-assisted")
 WARMUP_TOKENS = 2
@@ -180,14 +181,15 @@ class _Recorder:
 
 
 def _steps(system: str, rec: _Recorder, prompt_len: int) -> list[tuple]:
-    """(step, tree_size, accepted, t_start, t_end) rows; see the module doc."""
+    """The request's `steps` rows (trace.record.step_row: step, tree_size, accepted, t_start,
+    t_end; no tree source); see the module doc."""
     fw, puts = rec.forwards, rec.puts
     rows = []
     if system == "hf-greedy":
         aligned = len(fw) == len(puts)
         for i in range(1, len(puts)):
             t0, t1 = (fw[i][0], fw[i][1]) if aligned else (puts[i - 1][0], puts[i][0])
-            rows.append((i - 1, 1, puts[i][1], t0, t1))
+            rows.append(step_row(i - 1, 1, puts[i][1], t0, t1))
     else:
         aligned = len(fw) == len(puts)
         for i in range(len(puts)):
@@ -198,7 +200,7 @@ def _steps(system: str, rec: _Recorder, prompt_len: int) -> list[tuple]:
             else:  # a transformers change broke the 1:1 forward/commit pairing: keep the commits
                 tree = -1
                 t0, t1 = (puts[i - 1][0] if i else float("nan")), puts[i][0]
-            rows.append((i, tree, puts[i][1], t0, t1))
+            rows.append(step_row(i, tree, puts[i][1], t0, t1))
     return rows
 
 
