@@ -473,6 +473,51 @@ class GGUFSource:
         del raw
         _trim_heap()
 
+    def is_packed(self, name: str) -> bool:
+        """True when tensor `name` has a packed 4-/8-bit form (gguf_quant.to_packed)."""
+        from swiftspec_mpi.model import gguf_quant
+        q = self._info(name).qtype.name
+        return q in gguf_quant.INT4_TYPES or q in gguf_quant.INT8_TYPES
+
+    def packed_chunks(self, name: str, dim: int | None = None, start: int = 0,
+                      stop: int | None = None):
+        """Yield (row offset, rows) covering the slice of 2-D tensor `name` in row order, rows
+        a PackedInt4 / PackedInt8 (exact, see gguf_quant) or float32 [n, K] for dense types;
+        read from the file a few MiB at a time. A column slice (dim 1) must fall on group
+        boundaries (whole quant blocks)."""
+        import torch
+
+        from swiftspec_mpi.model import gguf_quant
+        info = self._info(name)
+        shape, rows, cols = self._plan(name, dim, start, stop)
+        if len(info.shape) != 2:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is not a matrix")
+        block = gguf_quant.INT4_TYPES.get(info.qtype.name) or \
+            gguf_quant.INT8_TYPES.get(info.qtype.name) or (1, 0)
+        if dim == 1 and (start % block[0] or shape[1] % block[0]):
+            raise CheckpointError(f"{self.path}: tensor {name!r}: columns [{start}:{stop}) split "
+                                  f"{info.qtype.name} blocks of {block[0]}; use a tensor-parallel "
+                                  "degree that keeps whole blocks per rank")
+        step = max(16, _CHUNK_FLOATS // info.shape[1] // 16 * 16)
+        contiguous = name not in self._permuted
+        for c0 in range(0, len(rows), step):
+            part = rows[c0:c0 + step]
+            if contiguous:
+                raw = self._read(info.offset + int(part[0]) * info.row_bytes,
+                                 len(part) * info.row_bytes).reshape(len(part), info.row_bytes)
+            else:
+                raw = np.stack([self._read(info.offset + int(r) * info.row_bytes,
+                                           info.row_bytes) for r in part])
+            w = gguf_quant.to_packed(raw, info.qtype.name, info.shape[1])
+            if w is None:
+                deq = self._dequantize(raw, info.qtype)
+                w = torch.from_numpy(np.ascontiguousarray(deq[:, cols], np.float32))
+            elif dim == 1:
+                w = gguf_quant.take_columns(w, start, stop)
+            yield c0, w
+            del raw, w
+        _trim_heap()
+
     def _plan(self, name, dim, start, stop) -> tuple[tuple, np.ndarray, slice]:
         """(slice shape, GGUF rows to read in output order, column slice)."""
         info = self._info(name)

@@ -11,7 +11,9 @@ Tensor shapes (N new tokens, S = start + N visible slots, R logits rows, TP degr
               csrc/gemm_avx2.h, see cpu_linear.py; stored in `dtype`, float32 or bfloat16, while
               activations, KV and norms stay float32), "in_out" ([in, out], x @ W; the CPU fallback)
               or "out_in" (GPU default: nn.Linear's [out, in], for cuBLAS and the CUDA kernels);
-              the math is the same, only the GEMV speed differs
+              the math is the same, only the GEMV speed differs. quant=True (CPU, packed layout):
+              every matrix stays in the checkpoint's packed 4-/8-bit kind (cpu_quant.QuantLinear,
+              embedding a cpu_quant.QuantTable), read by csrc/gemm_q_avx2.h
 
 Tensor parallelism (comm.size = T > 1):
     column-parallel: fused QKV (this rank's query heads and their KV heads) and fused gate|up;
@@ -33,7 +35,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from swiftspec_mpi.model import cpu_linear
+from swiftspec_mpi.model import cpu_linear, cpu_quant
 from swiftspec_mpi.core.comm import SingleComm
 from swiftspec_mpi.core.errors import UserError
 from swiftspec_mpi.model.config import ModelConfig
@@ -100,10 +102,13 @@ class Transformer(torch.nn.Module):
     `weight_layout` (keyword, optional): "packed" | "in_out" | "out_in", see the module doc.
     `dtype` is the weights' dtype; with "packed" the activations, KV and norms are float32
     (`self.dtype`), elsewhere everything is `dtype`. `self.weight_dtype` keeps the request.
+    `quant` (keyword): keep packed 4-/8-bit weights packed (CPU only; the source must have
+    `packed_chunks`, as GGUFSource does).
     """
 
     def __init__(self, cfg: ModelConfig, comm=None, max_slots: int = 4096,
-                 dtype: torch.dtype = torch.float32, device="cpu", weight_layout: str | None = None):
+                 dtype: torch.dtype = torch.float32, device="cpu", weight_layout: str | None = None,
+                 quant: bool = False):
         super().__init__()
         self.cfg = cfg
         self.comm = SingleComm() if comm is None else comm
@@ -124,12 +129,16 @@ class Transformer(torch.nn.Module):
                              f"{weight_layout!r}")
         if weight_layout == "packed" and not (cpu and cpu_linear.available()):
             raise ValueError("weight_layout 'packed' needs the CPU and a CPU with AVX2 + FMA")
+        if quant and weight_layout != "packed":
+            raise ValueError("packed 4-bit weights run on the CPU with AVX2 + FMA (layout 'packed')")
         self.weight_layout = weight_layout
+        self.quant = bool(quant)
         self.weight_dtype = dtype
         self.packed = weight_layout == "packed"
         self.dtype = torch.float32 if self.packed else dtype
         self.transposed = weight_layout == "in_out"
-        self._linear = (cpu_linear.linear if self.packed else
+        self._linear = (cpu_quant.dense_linear if self.quant else
+                        cpu_linear.linear if self.packed else
                         _linear_in_out if self.transposed else F.linear)
         self.shard = sh = _Shard(cfg, self.comm.rank, self.comm.size)
         hd = cfg.head_dim
@@ -189,6 +198,9 @@ class Transformer(torch.nn.Module):
             tensors.extend(lay.weights())
         for t in tensors:
             if t is None:
+                continue
+            if isinstance(t, (cpu_quant.QuantLinear, cpu_quant.QuantTable)):
+                total += t.nbytes()
                 continue
             if isinstance(t, cpu_linear.PackedWeight):
                 t = t.data
@@ -308,8 +320,8 @@ class Transformer(torch.nn.Module):
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [N] -> [N, hidden] in self.dtype (a tied packed head is gathered from)."""
-        if self.embed is None:
-            return self.head.gather_rows(tokens, self.dtype)
+        if self.embed is None or isinstance(self.embed, cpu_quant.QuantTable):
+            return (self.head if self.embed is None else self.embed).gather_rows(tokens, self.dtype)
         x = F.embedding(tokens, self.embed)
         return x if x.dtype == self.dtype else x.to(self.dtype)
 
