@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--load-format", choices=("auto", "dummy"),
                    help="dummy: random weights at the checkpoints' shapes (measures step time only)")
     m.add_argument("--dtype", help="float32 (default) | bfloat16 | float16")
+    m.add_argument("--quant", choices=("auto", "int4", "none"),
+                   help="auto (default): quantized checkpoints (GGUF Q4_K_M, ...) run with packed "
+                        "4-bit weights, dense ones in --dtype; int4: require packed weights; "
+                        "none: dequantize to --dtype")
     g = p.add_argument_group("parallel layout")
     g.add_argument("--mode", help=f"{' | '.join(MODES)} (default async)")
     g.add_argument("--draft-ranks", type=int, help="ranks in the draft group (async; default 1, "
@@ -80,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     del S
 
 
-FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "dtype", "mode", "draft_ranks",
+FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "quant", "dtype", "mode", "draft_ranks",
                "threads", "device", "prompt", "prompts", "interactive", "serve", "chat", "max_new_tokens", "stop",
                "stop_token_ids", "ignore_eos", "temperature", "seed", "sampling_rule", "tree_width", "tree_topk",
                "verify_size", "expansions", "max_depth", "tree_capacity", "max_context", "out",

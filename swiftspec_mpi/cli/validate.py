@@ -43,6 +43,7 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
     for path, mcfg in {cfg.target: tcfg, cfg.draft: dcfg}.items():
         if path is not None and cfg.load_format != "dummy":   # dummy: shape names, no files
             check_weight_files(path, mcfg)
+    resolve_quant(cfg)
     # tensor-parallel degrees must divide the heads
     if cfg.mode == "async":
         groups = [("target", tcfg, world_size - cfg.draft_ranks), ("draft", dcfg, cfg.draft_ranks)]
@@ -202,8 +203,9 @@ def kv_element_bytes(cfg: C.RunConfig) -> int:
 def rank_memory_bytes(cfg: C.RunConfig, tcfg, dcfg, world_size: int) -> list[tuple[int, int]]:
     """(static buffers = KV cache + RoPE tables, weights) in bytes for each world rank: what
     its Transformer(s) allocate up front (model.py: K and V [layers, max_context, local KV
-    heads, head_dim], float32 RoPE tables of max_context + 256 rows)."""
-    elem = 4 if cfg.dtype == "float32" else 2
+    heads, head_dim], float32 RoPE tables of max_context + 256 rows). Packed weights (--quant
+    int4): about a byte a parameter (4-bit records with float32 scales, 8-bit Q6_K/Q8_0)."""
+    elem = 1 if cfg.quant == "int4" else 4 if cfg.dtype == "float32" else 2
     kv_elem = kv_element_bytes(cfg)
 
     def one(m, tp):
@@ -245,6 +247,21 @@ def check_memory(cfg: C.RunConfig, tcfg, dcfg, world_size: int, ranks_on_node: i
                         "bfloat16, or spread the ranks over more nodes")
 
 
+def resolve_quant(cfg: C.RunConfig) -> None:
+    """--quant: refuse int4 on a dense checkpoint; resolve auto to what runs (int4 when every
+    model runs packed, none when none does; auto stays for a mix), so the trace's config says
+    which was used."""
+    if cfg.load_format == "dummy":
+        if cfg.quant == "int4":
+            raise UserError("--quant int4 with --load-format dummy: random packed weights are not "
+                            "available in this build; use --quant none or a real checkpoint")
+        cfg.quant = "none"
+        return
+    packed = {checkpoint.packed_run(p, cfg.quant) for p in (cfg.target, cfg.draft) if p is not None}
+    if cfg.quant == "auto" and len(packed) == 1:
+        cfg.quant = "int4" if packed.pop() else "none"
+
+
 def resolve_models(cfg: C.RunConfig):
     """Fill cfg.target / cfg.draft with paths; -> (target ModelConfig, target tokenizer, draft
     ModelConfig or None). Reads configs and tokenizers only."""
@@ -262,18 +279,18 @@ def resolve_models(cfg: C.RunConfig):
         dcfg = shape_config(cfg.draft) if cfg.draft else None
         return tcfg, dummy_tokenizer(cfg.target), dcfg
     if cfg.target is None and cfg.draft is None and cfg.draft_layers is None:
-        t, d = registry.default_pair(log=log)
+        t, d = registry.default_pair(log=log, quant=cfg.quant)
         cfg.target, cfg.draft = os.fspath(t), (os.fspath(d) if cfg.mode != "ar" else None)
     else:
         if cfg.target is None:
             raise UserError("--draft given without --target; give both (or neither, for the "
                             "embedded default pair)")
-        cfg.target = registry.resolve_flag(cfg.target, "--target", log)
+        cfg.target = registry.resolve_flag(cfg.target, "--target", log, cfg.quant)
         if cfg.mode != "ar":
             if cfg.draft is None and cfg.draft_layers is None:
                 raise UserError(f"--mode {cfg.mode} needs a draft model: give --draft PATH, or "
                                 "--draft-layers N to use the target's first N layers")
-            cfg.draft = registry.resolve_flag(cfg.draft, "--draft", log) if cfg.draft is not None else cfg.target
+            cfg.draft = registry.resolve_flag(cfg.draft, "--draft", log, cfg.quant) if cfg.draft is not None else cfg.target
         else:
             cfg.draft = None
     tcfg = _checked(checkpoint.read_model_config, cfg.target, "target")

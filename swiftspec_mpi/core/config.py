@@ -41,6 +41,7 @@ class RunConfig:
     draft: str | None = None
     draft_layers: int | None = None    # truncate the draft to its first N layers (self-speculation)
     load_format: str = "auto"          # auto | dummy (random weights at the checkpoint's shape)
+    quant: str = "auto"                # auto | int4 | none: packed 4-bit weights (model/load.py)
     # parallel layout
     mode: str = "async"
     draft_ranks: int | None = None     # async: ranks in the draft group (default: 1, or world/4 from 8 ranks)
@@ -185,6 +186,8 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         raise UserError(f"unknown sampling rule '{cfg.sampling_rule}'; use coupled or residual")
     if cfg.load_format not in ("auto", "dummy"):
         raise UserError(f"unknown load format '{cfg.load_format}'; use auto or dummy")
+    if cfg.quant not in ("auto", "int4", "none"):
+        raise UserError(f"unknown quant '{cfg.quant}'; use --quant auto, int4 or none")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise UserError(f"unknown device '{cfg.device}'; use auto, cpu or cuda")
     positive = {"max_new_tokens": cfg.max_new_tokens, "tree_topk": cfg.tree_topk,
