@@ -13,7 +13,8 @@ row segments, and the quantized embedding table.
 
 Loading fills these chunk by chunk (`load(chunks)` with chunks = iterator of (row offset,
 PackedInt4 | PackedInt8 | float32 tensor)), so no [N, K] float temporary ever exists. The
-kernel widens codes exactly and computes in float32; see the header for the sum order.
+kernel scales each group of activations to int16 (error <= max|x| / 65534 per input) and sums
+code x input products exactly in int32; see the header for the sum order and the bounds.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class QuantPanels:
     """One weight [N, K] in the kernel's per-(panel, group) records; see the module doc."""
 
     def __init__(self, n_out: int, n_in: int, bits: int, group: int, has_offset: bool):
-        if bits not in (4, 8) or n_in % group or group % 2:
+        if bits not in (4, 8) or n_in % group or group % 4 or group > (128 if bits == 4 else 32):
             raise ValueError(f"no {bits}-bit records with group {group} for K = {n_in}")
         self.n_out, self.n_in = int(n_out), int(n_in)
         self.bits, self.group, self.has_offset = bits, group, bool(has_offset)
@@ -65,12 +66,16 @@ class QuantPanels:
             codes = torch.cat((codes, codes.new_zeros(pad, k)))
             scale = torch.cat((scale, scale.new_zeros(pad, kg)))
             offset = None if offset is None else torch.cat((offset, offset.new_zeros(pad, kg)))
-        c = codes.view(q, NB, kg, g)
-        if self.bits == 4:                            # byte j: output j low, output j + 8 high
-            c = c[:, :8] | (c[:, 8:] << 4)
+        if self.bits == 4:      # [panel, half, output, group, step, pair, t] (lanes: the header)
+            c = codes.view(q, 2, 8, kg, g // 4, 2, 2)
+            lo = c[:, 0, :, :, :, 0] | (c[:, 1, :, :, :, 0] << 4)      # k0 + t: A | B << 4
+            hi = c[:, 0, :, :, :, 1] | (c[:, 1, :, :, :, 1] << 4)      # k0 + 2 + t: C | D << 4
+            c = torch.stack((lo, hi), dim=-1).permute(0, 2, 3, 1, 4, 5)  # [q, kg, s, c, t, byte]
+        else:                   # [panel, half, output, group, step, t] -> low / high byte
+            c = codes.view(q, 2, 8, kg, g // 2, 2).permute(0, 3, 4, 2, 5, 1)
         p0 = a // NB
         dst = self.blob[p0:p0 + q]
-        dst[:, :, :self.code_bytes].copy_(c.permute(0, 2, 3, 1).reshape(q, kg, -1))
+        dst[:, :, :self.code_bytes].copy_(c.reshape(q, kg, -1))
         cb = self.code_bytes
         dst[:, :, cb:cb + 64].copy_(
             scale.view(q, NB, kg).transpose(1, 2).contiguous().view(torch.uint8).view(q, kg, 64))
