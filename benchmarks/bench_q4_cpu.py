@@ -197,14 +197,26 @@ def main() -> int:
     for r in range(args.rounds):
         order = systems[r % len(systems):] + systems[:r % len(systems)]
         for s in order:
-            res = run_system(s, args, ids)
+            try:
+                res = run_system(s, args, ids)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:   # OOM-killed, ...: go on
+                print(f"round {r} {s}: failed ({str(exc)[-300:]})", flush=True)
+                continue
             results[s].append(res)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"results": results, "e2e": e2e}, indent=1))
             dec = [x["decode_tok_s"] for x in res["prompts"]]
             print(f"round {r} {s:10s} decode tok/s {[round(d, 2) for d in dec]} load {res['load_s']:.1f}s",
                   flush=True)
         if not args.no_e2e:
-            res = run_e2e(args, args.prompts)
+            try:
+                res = run_e2e(args, args.prompts)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                print(f"round {r} async_q4: failed ({str(exc)[-300:]})", flush=True)
+                continue
             e2e.append(res)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"results": results, "e2e": e2e}, indent=1))
             print(f"round {r} async_q4   end-to-end tok/s {[round(x['tok_s'], 2) for x in res['prompts']]}",
                   flush=True)
     summary = summarize(results, e2e, args)
