@@ -15,6 +15,9 @@ Every system gets the same prompt token ids (our tokenizer, the chat template) a
 decoding of exactly --max-new-tokens tokens (EOS ignored). Per prompt: prefill seconds and
 decode tokens/s (tokens after the first over the time after the first). q4 and bf16 also time
 the verify forward of an n-node tree (n = 1, 2, 4, 8) at the end of the prompt.
+--kernels instead times one decoder layer's four GEMMs at the 1.5B's shapes (random weights:
+4-bit group 32 as Q4_K, bf16 panels) for M = 1, 2, 4, 8, 16 rows, the two kernels alternated,
+best of 7 each: the per-layer cost of verifying an M-node tree, without model loading.
 End to end (--no-e2e skips): `swiftspec run --mode async` (1 draft + 1 verify rank, one thread
 each) on the 0.5B -> 1.5B 4-bit pair, same prompts and token count, tokens/s from its trace.
 """
@@ -166,6 +169,41 @@ def run_e2e(args, prompts_file: str) -> dict:
     return {"system": "async_q4", "quant": quant, "prompts": rows}
 
 
+def bench_kernels(threads: int) -> str:
+    import torch
+
+    from swiftspec_mpi.model import cpu_linear, cpu_quant, quant
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"qkv": (2048, 1536), "o": (1536, 1536), "gate|up": (17920, 1536), "down": (1536, 8960)}
+    w4, wb = {}, {}
+    for name, (n, k) in shapes.items():
+        w = quant.PackedInt4(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
+                             torch.rand(n, k // 32, generator=gen) * 0.02,
+                             -torch.rand(n, k // 32, generator=gen) * 0.1, 32)
+        w4[name] = cpu_quant.QuantLinear(n, k)
+        w4[name].load(0, n, [(0, w)])
+        wb[name] = cpu_linear.PackedWeight.from_dense(quant.dequantize(w), torch.bfloat16)
+    lines = [f"one Qwen2.5-1.5B layer (qkv, o, gate|up, down), {threads} threads, best of 7, ms",
+             "", "| M | 4-bit | bf16 | bf16 / 4-bit | 4-bit M / 4-bit 1 | bf16 M / bf16 1 |",
+             "|---|---|---|---|---|---|"]
+    base = {}
+    for m in (1, 2, 4, 8, 16):
+        best = {"q4": 1e9, "bf16": 1e9}
+        for _ in range(7):
+            for kind, ws, fn in (("q4", w4, cpu_quant.linear), ("bf16", wb, cpu_linear.linear)):
+                t = time.perf_counter()
+                for name, (n, k) in shapes.items():
+                    fn(torch.randn(m, k, generator=gen), ws[name])
+                best[kind] = min(best[kind], time.perf_counter() - t)
+        base.setdefault("q4", best["q4"])
+        base.setdefault("bf16", best["bf16"])
+        lines.append(f"| {m} | {1e3 * best['q4']:.2f} | {1e3 * best['bf16']:.2f} | "
+                     f"{best['bf16'] / best['q4']:.2f} | {best['q4'] / base['q4']:.2f} | "
+                     f"{best['bf16'] / base['bf16']:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -179,7 +217,11 @@ def main() -> int:
     p.add_argument("--no-llama", action="store_true")
     p.add_argument("--no-e2e", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument("--kernels", action="store_true")
     args = p.parse_args()
+    if args.kernels:
+        print(bench_kernels(args.threads))
+        return 0
     if args.worker:
         args.system = args.worker
         print(json.dumps(worker_ours(args)))
