@@ -251,7 +251,7 @@ def test_smollm2_packed_ar_sync_async_equal(tmp_path):
     target = _registry_gguf("smollm2-135m")
     prompts = write_prompts(tmp_path / "p.jsonl", ["def fibonacci(n):"])
     common = ["--target", target, "--draft-layers", "12", "--prompts", prompts,
-              "--max-new-tokens", "48"]
+              "--max-new-tokens", "32"]
     outs = _greedy_outputs(tmp_path, [("ar", 1, ["--mode", "ar"]), ("sync", 1, ["--mode", "sync"]),
                                       ("async", 2, ["--mode", "async"])], common, 600)
     assert outs["ar"] == outs["sync"] == outs["async"]
