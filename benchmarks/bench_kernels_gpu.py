@@ -66,7 +66,7 @@ def graph_time_us(calls, replays: int) -> float:
 
 
 def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (the ceiling ANCHORS.md uses)."""
+    """Device-to-device copy, bytes read + written per second (the ceiling the "% of copy BW" figures use)."""
     n = 1 << 30
     a = torch.empty(n, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -297,7 +297,7 @@ def sanitize_run() -> int:
     return 0
 
 
-PROFILE_CONFIGS = ((16, 2, 1), (16, 2, 2, 4), (4, 4, 2, 8, 32, 0))
+PROFILE_CONFIGS = (kernels.AttnConfigV1(16, 2, 1), kernels.AttnConfigV2(16, 2, 2, 4), kernels.AttnConfigV4(4, 4, 2, 8, 32, 0))
 
 
 def profile_run(what: str) -> int:

@@ -4,7 +4,7 @@ captures and first-call costs out of requests.
     python benchmarks/bench_ttft.py [--shape llama-3-8b] [--lengths 15,64,256,1024,4096] [--bs 16]
 
 One random model at the named shape (bf16), one process. Prints Markdown tables:
-  1. warm-up, as `job.warm_graphs` does before the first request: the graphs a greedy verify
+  1. warm-up, as `cli.loading.warm_graphs` does before the first request: the graphs a greedy verify
      loop replays (argmax read-back, N = 1 .. bs), then per prompt bucket
      (`decoding.prompt_buckets`) a prompt graph (up to cuda_graphs.PROMPT_GRAPH_MAX tokens) or
      one eager forward;
@@ -68,7 +68,7 @@ def main():
     t_graphs = time.perf_counter() - t0
     t0 = time.perf_counter()
     buckets = prompt_buckets(S)
-    for n in buckets:                       # as job.warm_graphs
+    for n in buckets:                       # as cli.loading.warm_graphs
         if n <= PROMPT_GRAPH_MAX:
             graphed.capture_prompt(n)
         else:

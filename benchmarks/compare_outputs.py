@@ -25,6 +25,7 @@ def main():
     ap.add_argument("--target", help="recompute the logit margin at the first difference with this model")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--quant", default="none", help="int4: the target's 4-bit dummy weights (--quant int4 runs)")
     a = ap.parse_args()
     for r, ((pa, oa), (pb, ob)) in enumerate(zip(outputs(a.a), outputs(a.b))):
         i = next((k for k, (x, y) in enumerate(zip(oa, ob)) if x != y), None)
@@ -39,7 +40,7 @@ def main():
             dev = "cuda" if torch.cuda.is_available() else "cpu"
             dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[a.dtype]
             seq = pa + oa[:i]
-            model, _ = dummy_model(a.target, SingleComm(), len(seq) + 8, dt, dev)
+            model, _ = dummy_model(a.target, SingleComm(), len(seq) + 8, dt, dev, quant=a.quant)
             logits = model.forward(torch.tensor(seq), torch.arange(len(seq)), 0, chain_mask(0, len(seq)))[-1]
             top = torch.topk(logits.float(), 2)
             print(json.dumps({"top2_ids": top.indices.tolist(), "top2_logits": top.values.tolist(),

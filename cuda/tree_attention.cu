@@ -32,7 +32,7 @@
 // 16 us at the 4.18 TB/s copy bandwidth measured on the H200. FLOPs are 4*N*H*L*D = 0.13 / 0.54 /
 // 2.1 GFLOP: nothing for the tensor cores (mma.sync), which is why the CUDA-core version is no
 // option at N = 64.
-// Four versions live in this file; kernels.tree_attention_config picks one per shape. Version 1
+// Four versions live in this file; tree_attention.tree_attention_config picks one per shape. Version 1
 // (tree_attention_*, below first) as described above; version 2 (tree_attention2_*, after it)
 // keeps its decomposition and math and changes the loading, the mask and the combine; version 3
 // (tree_attention3_*) keeps version 2's per-tile work but drops the cluster: many small
@@ -259,7 +259,7 @@ __device__ __forceinline__ void tree_attention_body(
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __nv_bfloat16* smem = reinterpret_cast<__nv_bfloat16*>(smem_raw);
 
-  // Programmatic dependent launch (kernels.py pdl=True): q, the new K/V slots and the mask come
+  // Programmatic dependent launch (tree_attention(..., pdl=True)): q, the new K/V slots and the mask come
   // from the previous kernels, so wait for the previous grid first, then let the next kernel
   // (the O projection, which prefetches its weights before waiting for us) launch. No-ops for
   // launches without the PDL attribute.
@@ -552,7 +552,7 @@ using tree_attn::store_warp_partial;
 
 constexpr int MAXT = 16;   // tiles whose mask bits are built per chunk
 
-// Shared memory layout (bytes), mirrored by kernels.tree_attention_smem_bytes(version=2).
+// Shared memory layout (bytes), mirrored by tree_attention.AttnConfigV2.smem_bytes.
 template <int D, int MT_BLK, int CS, int STAGES>
 struct Layout {
   static constexpr int LDS = D + 8;
@@ -905,14 +905,14 @@ TREE_ATTN2_W4(64, 8, 4)
 // as version 2 (NW = 4 warps = MT row tiles x 4/MT slices of every 64-slot tile, mma.sync
 // m16n8k16 + online softmax in registers, K/V through an mbarrier-completed cp.async ring, the
 // mask read once per block as 64-bit words), but no thread-block cluster:
-//  - grid (S, Hkv, RG), S = splits chosen by the host (kernels.py: ceil(tiles / T) for T tiles per
+//  - grid (S, Hkv, RG), S = splits chosen by the host (gpu/tree_attention.py: ceil(tiles / T) for T tiles per
 //    split, a runtime number, no instantiation per split count). Small blocks (a 2-stage ring is
 //    74 KB at D 128: three blocks = 12 warps per SM) and as many of them as the KV length needs,
 //    with every tile of a block in flight from the start when T <= STAGES: the latency of the
 //    memory system is hidden by many blocks instead of one 4-warp block per SM, and no cluster
 //    has to be co-scheduled (16-block clusters did not all fit at once).
 //  - each block pre-combines its warps' partials and stores (m, l, O) of its rows in fp32 to a
-//    global workspace (kernels.py allocates it once per device, grown only, never freed: a
+//    global workspace (gpu/tree_attention.py allocates it once per device, grown only, never freed: a
 //    captured graph keeps its pointers), slot ((h * RG + rg) * S + split).
 //  - the final combine reads the S partials of a (KV head, row group) in split order 0..S-1 (a
 //    fixed order: the bits do not depend on which block runs it or when), either
@@ -946,7 +946,7 @@ using tree_attn2::mbar_init;
 using tree_attn2::mbar_wait;
 using tree_attn2::cp_async_mbar_arrive;
 
-// Shared memory layout (bytes), mirrored by kernels.tree_attention_smem_bytes (version 3).
+// Shared memory layout (bytes), mirrored by tree_attention.AttnConfigV3.smem_bytes.
 template <int D, int MT_BLK, int STAGES>
 struct Layout {
   static constexpr int LDS = D + 8;
@@ -1223,7 +1223,7 @@ using tree_attn2::mbar_init;
 using tree_attn2::mbar_wait;
 using tree_attn2::cp_async_mbar_arrive;
 
-// Shared memory layout (bytes), mirrored by kernels.tree_attention_smem_bytes (version 4).
+// Shared memory layout (bytes), mirrored by tree_attention.AttnConfigV4.smem_bytes.
 template <int D, int MT, int NW, int ST>
 struct Layout {
   static constexpr int LDS = D + 8;                       // bf16 row pitch of K, V and Q tiles

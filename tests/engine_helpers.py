@@ -76,3 +76,25 @@ def batch_ar(target: str, folder, prompts: list[str], new_tokens: int) -> list[d
     run_swiftspec(1, ["--target", target, "--mode", "ar", "--prompts", write_prompts(Path(folder) / "p.jsonl", prompts),
                       "--max-new-tokens", str(new_tokens), "--ignore-eos", "--out", str(out), "--quiet"])
     return read_requests(out)
+
+
+def greedy_gaps(target: str, prompt_ids: list[int], output_ids: list[int]) -> list[tuple[float, float]]:
+    """The float32 target (CPU, the checkpoint's own weights) teacher-forced on prompt + output:
+    for each output token i, (gap, margin) relative to that position's largest |logit|: gap =
+    (best logit - logit of output_ids[i]), margin = (best - second best). A greedy output of
+    this model in float32 has every gap 0; a bf16 one has small gaps at near-ties only."""
+    import torch
+
+    from swiftspec_mpi.model.load import load_model
+    from swiftspec_mpi.model.transformer import chain_mask
+    n = len(prompt_ids) + len(output_ids)
+    model, _ = load_model(target, max_slots=n, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor(prompt_ids + output_ids), torch.arange(n), 0, chain_mask(0, n))
+    logits = logits[len(prompt_ids) - 1:n - 1].double()             # [O, V]: predicts output i
+    scale = logits.abs().max(-1).values
+    top2 = logits.topk(2, dim=-1).values
+    chosen = logits.gather(1, torch.tensor(output_ids)[:, None])[:, 0]
+    gap = (top2[:, 0] - chosen) / scale
+    margin = (top2[:, 0] - top2[:, 1]) / scale
+    return list(zip(gap.tolist(), margin.tolist()))

@@ -142,3 +142,29 @@ def write(path, run: dict, omit=()) -> None:
             f.create_dataset("events", data=run["events"])
         if "ranks" not in omit:
             f.create_dataset("ranks", data=run["ranks"])
+
+
+TREE_STEP_DTYPE = np.dtype(STEP_DTYPE.descr + [("tree_source", "i1"), ("tree_depth", "<i4"),
+                                               ("tree_nodes", "<i4"), ("drafted", "<i4"),
+                                               ("fresh_wait_s", "<f8")])
+
+
+def with_tree_columns(run: dict, seed: int = 0) -> dict:
+    """`run` with the verified-tree columns added to every request's steps (source 0 fresh,
+    1 rerooted, 2 remnant; some would-be waits unknown, NaN), as the engine writes them."""
+    rng = np.random.default_rng(seed)
+    for r in run["requests"]:
+        old = r["steps"]
+        new = np.zeros(len(old), dtype=TREE_STEP_DTYPE)
+        for name in STEP_DTYPE.names:
+            new[name] = old[name]
+        new["tree_source"] = rng.integers(0, 3, size=len(old))
+        new["tree_depth"] = np.maximum(old["accepted"] - 1, rng.integers(0, 7, size=len(old)))
+        new["tree_nodes"] = old["tree_size"] + rng.integers(0, 20, size=len(old))
+        new["drafted"] = rng.integers(0, 5, size=len(old))
+        wait = rng.uniform(0.0, 0.2, size=len(old))
+        wait[new["tree_source"] == 0] = 0.0
+        wait[rng.random(len(old)) < 0.1] = np.nan
+        new["fresh_wait_s"] = wait
+        r["steps"] = new
+    return run

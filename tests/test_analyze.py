@@ -289,10 +289,12 @@ def test_not_a_trace(tmp_path, capsys):
 
 def test_reader_reads_engine_writer(tmp_path):
     """The engine's own writer (swiftspec_mpi.trace.record) and this reader agree on the schema."""
-    trace = pytest.importorskip("swiftspec_mpi.trace.record")
+    from swiftspec_mpi.trace import record as trace
     req = trace.RequestResult(index=0, category="qa", prompt_text="hi", prompt_ids=[1, 2, 3],
                               output_ids=[4, 5, 6, 7], text="abcd", t_start=1.0, t_first=1.25, t_end=3.0,
-                              stop_reason="eos", steps=[(0, 8, 2, 1.3, 1.5), (1, 8, 1, 1.6, 1.9)])
+                              stop_reason="eos",
+                              steps=[trace.step_row(0, 8, 2, 1.3, 1.5, trace.SOURCE["fresh"], 3, 20, 2, 0.0),
+                                     trace.step_row(1, 8, 1, 1.6, 1.9, trace.SOURCE["remnant"], 2, 9, 0)])
     events = np.zeros(2, dtype=trace.EVENT_DTYPE)
     events[0] = (0, 0, 0, 0, trace.KIND["verify"], 1.3, 1.5, 8, 2, 0.01)
     events[1] = (1, 1, 0, 4, trace.KIND["expand"], 1.3, 1.4, 8, 0, 0.0)
@@ -310,6 +312,9 @@ def test_reader_reads_engine_writer(tmp_path):
     assert (r.category, r.text, r.stop_reason, r.new_tokens) == ("qa", "abcd", "eos", 4)
     assert r.seconds == pytest.approx(2.0) and r.ttft_s == pytest.approx(0.25)
     assert r.prompt_ids.tolist() == [1, 2, 3] and r.steps.accepted.tolist() == [2, 1]
+    assert r.steps.tree_source.tolist() == [0, 2] and r.steps.tree_depth.tolist() == [3, 2]
+    assert r.steps.tree_nodes.tolist() == [20, 9] and r.steps.drafted.tolist() == [2, 0]
+    assert r.steps.fresh_wait_s[0] == 0.0 and np.isnan(r.steps.fresh_wait_s[1])
     assert t.events.kind_name(int(t.events.kind[1])) == "expand"
     assert t.ranks.host == ["host", "host"] and t.ranks.events_dropped.tolist() == [0, 3]
     assert t.ranks.late_graph_captures.tolist() == [0, 2]
@@ -319,3 +324,39 @@ def test_reader_reads_engine_writer(tmp_path):
     rows = analyze.table_rows([s])
     assert ("CUDA graphs captured in requests", ["2"]) in rows
     assert ("GPU warm-up (rank 0)", ["4.2 s: 16 step graphs, 28 prompt graphs / 30 prompt lengths"]) in rows
+
+
+def test_tree_sources_summarised_and_plotted(tmp_path, capsys):
+    """Per-step tree columns: shares per source with their accepted length, depth, nodes,
+    drafted expansions and the would-be wait, recomputed here; a file without them has none."""
+    run = st.with_tree_columns(st.make_run("async", n_requests=2, steps=30, seed=4), seed=5)
+    path = tmp_path / "trees.h5"
+    st.write(path, run)
+    rc, out, _ = run_analyze([path, "--json"], capsys)
+    assert rc == 0
+    got = json.loads(out)["tree_sources"]
+    steps = np.concatenate([r["steps"] for r in run["requests"]])
+    assert got["steps"] == len(steps)
+    for code, name in enumerate(("fresh", "rerooted", "remnant")):
+        m = steps["tree_source"] == code
+        assert got["by_source"][name]["fraction"] == pytest.approx(m.mean())
+        assert got["by_source"][name]["mean_accepted_length"] == pytest.approx(steps["accepted"][m].mean())
+    assert got["mean_depth"] == pytest.approx(steps["tree_depth"].mean())
+    assert got["mean_nodes"] == pytest.approx(steps["tree_nodes"].mean())
+    assert got["mean_drafted"] == pytest.approx(steps["drafted"].mean())
+    w = steps["fresh_wait_s"]
+    assert got["mean_fresh_wait_s"] == pytest.approx(np.nanmean(w))
+    assert got["fresh_wait_known"] == pytest.approx(np.isfinite(w).mean())
+    rc, table, _ = run_analyze([path], capsys)
+    assert "verified trees (per step)" in table and "wait for a fresh tree, ms" in table
+    figs = tmp_path / "figs"
+    rc, _, _ = run_analyze([path, "--plot", figs], capsys)
+    data = (figs / "trees_tree_sources.png").read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 5000
+    # an older file (no such columns) and ar: no summary, no plot, no warning about them
+    old = tmp_path / "old.h5"
+    st.write(old, st.make_run("async", n_requests=1, steps=5, seed=6))
+    rc, out, err = run_analyze([old, "--json", "--plot", figs], capsys)
+    assert json.loads(out)["tree_sources"] is None
+    assert not (figs / "old_tree_sources.png").exists()
+    assert "missing" not in err

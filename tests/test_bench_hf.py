@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import skip_or_fail
 from swiftspec_mpi.bench import compare as bench
 from swiftspec_mpi.core.errors import UserError
 from swiftspec_mpi.trace.read import read_trace
@@ -19,7 +20,7 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    tiny = pytest.importorskip("swiftspec_mpi.model.tiny")
+    from swiftspec_mpi.model import tiny
     return tiny.write_tiny_pair(str(tmp_path_factory.mktemp("tiny")), seed=0)
 
 
@@ -125,7 +126,7 @@ def test_load_prompts_per_category(tmp_path):
     assert [x["index"] for x in p] == list(range(6))
     out = tmp_path / "prompts.jsonl"
     bench.write_prompts(p, str(out))
-    config = pytest.importorskip("swiftspec_mpi.core.config")
+    from swiftspec_mpi.core import config
     reqs = config.read_prompts_file(str(out))   # the engine's parser reads what bench writes
     assert [(r.prompt, r.category) for r in reqs] == [(x["text"], x["category"]) for x in p]
     with pytest.raises(UserError, match="per-category"):
@@ -140,11 +141,19 @@ def test_load_prompts_per_category(tmp_path):
 
 
 def test_default_prompts_is_shipped_spec_bench():
+    """The default --prompts is package data: the first question of each Spec-Bench category."""
     path = bench.default_prompts_path()
-    if path is None:
-        pytest.skip("no ../shared/data next to this checkout")
+    if not os.path.isfile(path):
+        skip_or_fail(f"the shipped prompts file {path} is missing (a checkout or install without "
+                     "package data)")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert parser.parse_args([]).prompts == path
     p = bench.load_prompts(path, 1)
     assert len(p) == 13 and len({x["category"] for x in p}) == 13
+    assert [x["question_id"] for x in p] == [81, 91, 101, 111, 121, 131, 141, 151, 161, 241, 321, 401, 481]
+    assert all(x["text"].strip() for x in p)
+    assert bench.load_prompts(path, 5) == p                  # one question per category only
 
 
 def test_run_ours_reports_failures(tmp_path):

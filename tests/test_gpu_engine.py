@@ -1,9 +1,14 @@
 """The engine on a GPU (run with `pytest -m gpu` on a GPU machine; skipped elsewhere).
 
-Greedy async (draft and verify ranks sharing the GPU) equals ar on a tiny checkpoint whose
-head_dim (64) the fused kernels take: float32 (eager torch path) must match exactly; bf16
-(CUDA graphs + fused tree attention) must match or the first difference is reported with the
-target's top-2 logit margin at that position (a near-tie explained by numerics)."""
+Greedy async (draft and verify ranks sharing the GPU) and sync equal ar on a tiny checkpoint
+whose head_dim (64) the fused kernels take. float32 (eager torch path): the whole outputs are
+equal, token for token. bfloat16 (CUDA graphs + fused tree attention): the target's passes over a
+tree of several tokens round differently from ar's one-token passes, so where its two best
+logits are within bf16 error of each other either token may win, and the outputs part there.
+The rule, checked on the whole of every output against the float32 target teacher-forced on it
+(engine_helpers.greedy_gaps): every token is the greedy choice within BF16_TIE (its logit at most
+BF16_TIE x the largest |logit| below the best), and async / sync equal ar up to a position where
+the reference's top-2 margin is under BF16_TIE (a near-tie)."""
 from __future__ import annotations
 
 import json
@@ -12,11 +17,17 @@ import sys
 
 import pytest
 
-from engine_helpers import read_outputs, read_root, run_swiftspec, write_prompts
+from engine_helpers import greedy_gaps, read_outputs, read_requests, read_root, run_swiftspec, write_prompts
 
-torch = pytest.importorskip("torch")
+import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+# a bf16 near-tie, relative to the position's largest |logit|: about 4x the largest gap between a
+# bf16 greedy token and the float32 best measured on this checkpoint (0.0072; eager bf16 torch on
+# CPU, 4 prompts x 64 tokens; the per-logit bf16 error there is up to 0.036)
+BF16_TIE = 0.03
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +69,19 @@ def test_gpu_async_equals_ar(pair64, tmp_path, dtype):
     if dtype == "float32":
         assert outs["async"] == outs["ar"] and outs["sync"] == outs["ar"]
         return
-    for mode in ("async", "sync"):
-        for r, (got, ref) in enumerate(zip(outs[mode], outs["ar"])):
-            i = first_difference(got, ref)
-            if i is not None:
-                print(f"bf16 {mode} request {r}: first difference at token {i}: {got[i:i+3]} vs {ref[i:i+3]}")
-                assert i >= 2, "bf16 outputs diverge at once: more than a numerics near-tie"
+    prompt_ids = [r["prompt_ids"] for r in read_requests(tmp_path / "ar.h5")]
+    for r, ids in enumerate(prompt_ids):
+        ar_gaps = greedy_gaps(pair64[0], ids, outs["ar"][r])
+        for mode in ("ar", "async", "sync"):
+            got = outs[mode][r]
+            assert len(got) > 0, (mode, r)
+            gaps = ar_gaps if mode == "ar" else greedy_gaps(pair64[0], ids, got)
+            far = [(i, round(g, 4)) for i, (g, _) in enumerate(gaps) if g > BF16_TIE]
+            assert not far, f"bf16 {mode} request {r}: tokens not a greedy choice within {BF16_TIE}: {far}"
+            i = first_difference(got, outs["ar"][r])
+            if i is not None and i < len(ar_gaps):     # same prefix up to i: a near-tie at i
+                print(f"bf16 {mode} request {r}: parts from ar at token {i} (top-2 margin {ar_gaps[i][1]:.4f})")
+                assert ar_gaps[i][1] < BF16_TIE, f"bf16 {mode} request {r}: differs from ar at {i}, not a near-tie"
 
 
 def test_graphed_kernel_path_matches_torch_path():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
 from swiftspec_mpi.gpu.graphs import pack_step_inputs, step_input_layout  # noqa: E402
 

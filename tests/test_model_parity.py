@@ -8,11 +8,12 @@ import json
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
-from swiftspec_mpi.model.hf_loader import SafetensorsSource  # noqa: E402
-from swiftspec_mpi.model.transformer import Transformer, chain_mask  # noqa: E402
-from swiftspec_mpi.model.config import ModelConfig  # noqa: E402
+from conftest import skip_or_fail
+from swiftspec_mpi.model.hf_loader import SafetensorsSource
+from swiftspec_mpi.model.transformer import Transformer, chain_mask
+from swiftspec_mpi.model.config import ModelConfig
 
 TOL = 1e-4
 VOCAB = 97
@@ -181,8 +182,8 @@ def test_packed_bf16_weights_match_rounded_reference(pair):
     """--dtype bfloat16 on CPU: weights stored bf16 in the packed panels, all math in float32.
     Equals HF in float32 on the same weights rounded to bf16 (norms and biases stay float32)."""
     from swiftspec_mpi.model import cpu_linear
-    if not cpu_linear.available():
-        pytest.skip("the packed CPU kernel needs AVX2 + FMA")
+    if not cpu_linear.has_avx2():
+        skip_or_fail("this CPU lacks AVX2 + FMA, the packed CPU kernel's instructions")
     hf, _, folder = pair
     ref_model = type(hf)(hf.config)
     ref_model.load_state_dict(hf.state_dict())

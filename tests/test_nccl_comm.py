@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
 from swiftspec_mpi.core import switches  # noqa: E402
 from swiftspec_mpi.core.errors import UserError  # noqa: E402

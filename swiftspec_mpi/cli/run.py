@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from swiftspec_mpi.core.config import MODES
+from swiftspec_mpi.core.config import DEFAULT_ASYNC_POLICY, MODES, TREE_SIZES
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     S = argparse.SUPPRESS  # flags not given stay absent (None) so the TOML file can supply them
@@ -29,15 +29,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--draft-layers", type=int, help="truncate the draft to its first N layers")
     m.add_argument("--load-format", choices=("auto", "dummy"),
                    help="dummy: random weights at the checkpoints' shapes (measures step time only)")
-    m.add_argument("--dtype", help="float32 (default) | bfloat16 | float16")
     m.add_argument("--quant", choices=("auto", "int4", "none"),
-                   help="auto (default): quantized checkpoints (GGUF Q4_K_M, ...) run with packed "
-                        "4-bit weights, dense ones in --dtype; int4: require packed weights; "
-                        "none: dequantize to --dtype")
+                   help="auto (default): a quantized checkpoint runs packed 4-bit, a dense one dense; "
+                        "int4: packed 4-bit weights (with --load-format dummy: random ones, group 128); "
+                        "none: dequantize a quantized checkpoint to --dtype")
+    m.add_argument("--dtype", help="float32 (default) | bfloat16 | float16")
     g = p.add_argument_group("parallel layout")
     g.add_argument("--mode", help=f"{' | '.join(MODES)} (default async)")
     g.add_argument("--draft-ranks", type=int, help="ranks in the draft group (async; default 1, "
                                                    "world/4 from 8 ranks); the rest verify")
+    g.add_argument("--async-policy", help="async: which tree the verify group checks next. "
+                                          "stream: the newest the draft sent (it sends after every "
+                                          "expansion), else the rest of the last one; remnant: the same, "
+                                          "the draft sending only after each result; fresh: wait for the "
+                                          "tree the draft re-rooted on the latest result, the draft "
+                                          "expanding d times a step (the paper's; for a draft sharing a "
+                                          "GPU). Default: " + DEFAULT_ASYNC_POLICY)
     g.add_argument("--threads", type=int, help="torch threads per rank (default: the node's cores / "
                                                "ranks on the node; ranks are pinned to disjoint cores)")
     g.add_argument("--device", help="auto | cpu | cuda (GPU local_rank %% ngpus)")
@@ -51,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--serve", metavar="[HOST:]PORT",
                    help="serve OpenAI-style /v1/completions and /v1/chat/completions over HTTP on rank 0 "
                         "(host 127.0.0.1 unless given; one request at a time, the others queue)")
+    q.add_argument("--serve-max-body", type=int, metavar="BYTES",
+                   help="--serve: largest request body accepted, larger ones get 413 (default 4194304)")
+    q.add_argument("--serve-read-timeout", type=float, metavar="SECONDS",
+                   help="--serve: time a client may take to send its request, then 408 (default 30)")
     q.add_argument("--chat", action="store_true", default=None,
                    help="wrap prompts in the target's chat template")
     q.add_argument("--max-new-tokens", type=int, help="tokens to generate per prompt (default 128)")
@@ -65,10 +76,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--sampling-rule", help="coupled (default: reproducible, equals ar's sample) | "
                                            "residual (EAGLE-style multi-branch rule)")
     t = p.add_argument_group("token tree")
-    t.add_argument("--tree-width", type=int, help="w: leaves expanded per draft forward (default 8)")
+    t.add_argument("--tree-width", type=int, help="w: leaves expanded per draft forward (default: the "
+                                                  "verify size)")
     t.add_argument("--tree-topk", type=int, help="children added per expanded leaf (default 8)")
-    t.add_argument("--verify-size", type=int, help="bs: tree nodes verified per target pass (default 8)")
-    t.add_argument("--expansions", type=int, help="d: draft expansions per verify step in sync mode "
+    t.add_argument("--verify-size", type=int, help="bs: tree nodes verified per target pass, at most 64 "
+                                                   "(default: a startup profile of the target picks "
+                                                   f"{', '.join(map(str, TREE_SIZES[:-1]))} or {TREE_SIZES[-1]}, "
+                                                   "the most expected tokens per second of target time; "
+                                                   "the trace's env_json keeps the choice)")
+    t.add_argument("--expansions", type=int, help="d: draft expansions per verify step in sync mode and "
+                                                  "async's fresh policy "
                                                   "(default: floor(t_target / t_draft) from a startup profile)")
     t.add_argument("--max-depth", type=int, help="deepest tree level (default 16)")
     t.add_argument("--tree-capacity", type=int, help="tree nodes (default 1024)")
@@ -85,7 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "quant", "dtype", "mode", "draft_ranks",
-               "threads", "device", "prompt", "prompts", "interactive", "serve", "chat", "max_new_tokens", "stop",
+               "async_policy", "threads", "device", "prompt", "prompts", "interactive", "serve", "serve_max_body",
+               "serve_read_timeout", "chat", "max_new_tokens", "stop",
                "stop_token_ids", "ignore_eos", "temperature", "seed", "sampling_rule", "tree_width", "tree_topk",
                "verify_size", "expansions", "max_depth", "tree_capacity", "max_context", "out",
                "overwrite", "peer_timeout", "quiet")

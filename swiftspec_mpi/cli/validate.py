@@ -18,7 +18,7 @@ from swiftspec_mpi.core.errors import CheckpointError, UserError
 from swiftspec_mpi.model import gguf_loader, registry
 from swiftspec_mpi.model import load as checkpoint
 from swiftspec_mpi.model.dummy import dummy_tokenizer, shape_config
-from swiftspec_mpi.model.hf_loader import SafetensorsSource
+from swiftspec_mpi.model.hf_loader import SafetensorsSource, logical_shapes
 
 
 def prepare_config(flags: dict, config_path: str | None, world_size: int,
@@ -34,7 +34,7 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
     # cheap checks that need no model first (fail fast); then the models' configs and headers
     C.check_output_path(cfg)
     if C.requests_stream_in(cfg):
-        cfg.requests = []            # they come from stdin or HTTP (interactive.py, server.py)
+        cfg.requests = []            # they come from stdin or HTTP (interactive.py, http_server.py)
     elif cfg.prompts is not None:
         cfg.requests = C.read_prompts_file(cfg.prompts)
     else:
@@ -54,6 +54,7 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
             raise UserError(f"the {name} has {mcfg.num_heads} attention heads, not divisible by its "
                             f"group of {tp} ranks; choose a group size (--draft-ranks / -n) that "
                             "divides it")
+        check_packed(cfg, cfg.target if name == "target" else cfg.draft, mcfg, tp, name)
     # requests
     limit = min(tcfg.max_position_embeddings,
                 dcfg.max_position_embeddings if cfg.draft is not None else 1 << 30)
@@ -94,6 +95,15 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
     return cfg
 
 
+def check_packed(cfg: C.RunConfig, path: str, mcfg, tp: int, role: str) -> None:
+    """UserError when --quant does not fit the checkpoint, or when a tensor-parallel group of
+    `tp` ranks would cut its 4-bit groups (model.quant.check_tp_groups)."""
+    from swiftspec_mpi.model.quant import check_tp_groups
+    group = checkpoint.packed_group(path, cfg.quant, cfg.load_format)
+    if group is not None:
+        check_tp_groups(mcfg, group, tp, f"the {role}")
+
+
 def check_weight_files(path: str, mcfg=None) -> None:
     """Rank 0's cheap check of a checkpoint's weight files (headers only, no torch, no weights
     read), so a broken file fails here instead of after every rank loaded its other model:
@@ -107,7 +117,7 @@ def check_weight_files(path: str, mcfg=None) -> None:
     Raises CheckpointError (a UserError)."""
     if os.path.isdir(path):
         with SafetensorsSource(path, framework="numpy") as src:
-            shapes = src.shapes()
+            shapes = logical_shapes(path, src.shapes())      # AWQ/GPTQ layers: [N, K]
     else:
         src = gguf_loader.GGUFSource(path)       # the header read_model_config parsed (cached)
         try:
@@ -196,8 +206,7 @@ def _gpu_visible() -> bool:
 def kv_element_bytes(cfg: C.RunConfig) -> int:
     """Bytes per KV element: the CPU path keeps activations and KV in float32 whatever the
     weights' dtype (model.py, "packed" layout); on the GPU the KV is in the run's dtype."""
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not _gpu_visible())
-    return 4 if cfg.dtype == "float32" or on_cpu else 2
+    return 4 if cfg.dtype == "float32" or _on_cpu(cfg) else 2
 
 
 def rank_memory_bytes(cfg: C.RunConfig, tcfg, dcfg, world_size: int) -> list[tuple[int, int]]:
@@ -247,17 +256,41 @@ def check_memory(cfg: C.RunConfig, tcfg, dcfg, world_size: int, ranks_on_node: i
                         "bfloat16, or spread the ranks over more nodes")
 
 
+def _on_cpu(cfg: C.RunConfig) -> bool:
+    return cfg.device == "cpu" or (cfg.device == "auto" and not _gpu_visible())
+
+
+def check_quant(cfg: C.RunConfig) -> None:
+    """--quant int4 on the GPU runs packed 4-bit weights through the W4A16 kernels: it needs
+    --dtype bfloat16 and random packed weights (--load-format dummy). (On the CPU, int4 keeps a
+    quantized checkpoint's weights packed, or makes random packed ones: resolve_quant.)"""
+    if cfg.quant != "int4" or _on_cpu(cfg):
+        return
+    if cfg.dtype != "bfloat16":
+        raise UserError("--quant int4 runs bf16 activations on the GPU; add --dtype bfloat16")
+    if cfg.load_format != "dummy":
+        raise UserError("--quant int4 on the GPU takes random 4-bit weights (--load-format dummy); "
+                        "drop --quant int4 to run this checkpoint dequantized, or run it packed "
+                        "on the CPU with --device cpu")
+
+
 def resolve_quant(cfg: C.RunConfig) -> None:
-    """--quant: refuse int4 on a dense checkpoint; resolve auto to what runs (int4 when every
-    model runs packed, none when none does; auto stays for a mix), so the trace's config says
-    which was used."""
-    if cfg.load_format == "dummy":
+    """--quant on the CPU: resolve auto to what runs ("int4" when every model keeps packed
+    weights, "none" when none does; auto stays for a mix), so the trace's config says which was
+    used. Quantized checkpoints (GGUF Q4/Q5/Q6/Q8 kinds, AWQ, GPTQ) run packed on CPUs with AVX2
+    + FMA (model.cpu_quant); int4 on a dense checkpoint is refused (model.load.packed_group).
+    On the GPU --quant is left as given (check_quant; quantized checkpoints run dequantized)."""
+    if cfg.quant == "none" or not _on_cpu(cfg):
+        return
+    from swiftspec_mpi.model import cpu_linear          # imports torch: after the cheap checks
+    if not cpu_linear.has_avx2():
         if cfg.quant == "int4":
-            raise UserError("--quant int4 with --load-format dummy: random packed weights are not "
-                            "available in this build; use --quant none or a real checkpoint")
+            raise UserError("--quant int4: packed weights run on CPUs with AVX2 + FMA, which this "
+                            "one lacks; use --quant none (dequantized to --dtype)")
         cfg.quant = "none"
         return
-    packed = {checkpoint.packed_run(p, cfg.quant) for p in (cfg.target, cfg.draft) if p is not None}
+    packed = {checkpoint.packed_group(p, cfg.quant, cfg.load_format) is not None
+              for p in (cfg.target, cfg.draft) if p is not None}
     if cfg.quant == "auto" and len(packed) == 1:
         cfg.quant = "int4" if packed.pop() else "none"
 
@@ -266,6 +299,9 @@ def resolve_models(cfg: C.RunConfig):
     """Fill cfg.target / cfg.draft with paths; -> (target ModelConfig, target tokenizer, draft
     ModelConfig or None). Reads configs and tokenizers only."""
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    check_quant(cfg)
+    # registry names: the GGUF file where it runs packed (CPU), else the prepared bf16 folder
+    reg_quant = cfg.quant if _on_cpu(cfg) else "none"
     if cfg.load_format == "dummy":
         if cfg.target is None:
             raise UserError("--load-format dummy needs --target SHAPE (e.g. llama-3-8b) or a checkpoint")
@@ -279,18 +315,18 @@ def resolve_models(cfg: C.RunConfig):
         dcfg = shape_config(cfg.draft) if cfg.draft else None
         return tcfg, dummy_tokenizer(cfg.target), dcfg
     if cfg.target is None and cfg.draft is None and cfg.draft_layers is None:
-        t, d = registry.default_pair(log=log, quant=cfg.quant)
+        t, d = registry.default_pair(log=log, quant=reg_quant)
         cfg.target, cfg.draft = os.fspath(t), (os.fspath(d) if cfg.mode != "ar" else None)
     else:
         if cfg.target is None:
             raise UserError("--draft given without --target; give both (or neither, for the "
                             "embedded default pair)")
-        cfg.target = registry.resolve_flag(cfg.target, "--target", log, cfg.quant)
+        cfg.target = registry.resolve_flag(cfg.target, "--target", log, reg_quant)
         if cfg.mode != "ar":
             if cfg.draft is None and cfg.draft_layers is None:
                 raise UserError(f"--mode {cfg.mode} needs a draft model: give --draft PATH, or "
                                 "--draft-layers N to use the target's first N layers")
-            cfg.draft = registry.resolve_flag(cfg.draft, "--draft", log, cfg.quant) if cfg.draft is not None else cfg.target
+            cfg.draft = registry.resolve_flag(cfg.draft, "--draft", log, reg_quant) if cfg.draft is not None else cfg.target
         else:
             cfg.draft = None
     tcfg = _checked(checkpoint.read_model_config, cfg.target, "target")
@@ -346,8 +382,10 @@ def check_port_free(spec: str) -> None:
 
 
 def interactive_room(cfg: C.RunConfig) -> int:
-    """Prompt tokens an --interactive turn may have: the KV slots less the new tokens and the
-    tree's margin (with --chat, the oldest turns are left out to stay within it)."""
+    """Prompt tokens an --interactive turn or a --serve request may have: the KV slots less the
+    new tokens and the tree's margin (with --chat, the oldest turns are left out to stay within
+    it). Job.__init__ takes it before the startup profile fixes bs and w (the margin then counts
+    their largest choice), so it depends on the flags and models alone."""
     return cfg.max_context - cfg.max_new_tokens - tree_margin(cfg)
 
 

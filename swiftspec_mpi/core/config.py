@@ -16,6 +16,11 @@ from pathlib import Path
 from swiftspec_mpi.core.errors import UserError
 
 MODES = ("async", "sync", "ar")
+# how the async verify group picks its next tree (engine/async_loop.py): fresh = wait for the tree
+# the draft re-rooted on the latest result, the draft paced to d expansions a step (the paper's);
+# remnant = continue on the rest of the last tree; stream = the draft sends after every expansion
+ASYNC_POLICIES = ("stream", "remnant", "fresh")
+DEFAULT_ASYNC_POLICY = "remnant"
 INTERACTIVE_CONTEXT = 4096    # default KV slots with --interactive / --serve (prompts unknown ahead)
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
@@ -32,6 +37,13 @@ class Request:
     question_id: object = None     # the file's "question_id" (Spec-Bench), else its line number
     max_new_tokens: int | None = None   # this request's limit (<= the run's; --serve), None: the run's
     stop: list[str] = field(default_factory=list)   # its own stop strings, besides the run's
+    logprobs: int | None = None    # --serve: the target's log-probability of each committed token
+                                   # and this many alternatives (0..20); None: none (argmax only)
+
+
+# --quant: auto = a quantized checkpoint runs packed, a dense one dense; int4 = packed 4-bit
+# (with --load-format dummy: random packed weights, group 128); none = dequantize to --dtype
+QUANTS = ("auto", "int4", "none")
 
 
 @dataclass
@@ -41,17 +53,20 @@ class RunConfig:
     draft: str | None = None
     draft_layers: int | None = None    # truncate the draft to its first N layers (self-speculation)
     load_format: str = "auto"          # auto | dummy (random weights at the checkpoint's shape)
-    quant: str = "auto"                # auto | int4 | none: packed 4-bit weights (model/load.py)
+    quant: str = "auto"                # auto | int4 | none: packed 4-bit weights (model/quant.py)
     # parallel layout
     mode: str = "async"
     draft_ranks: int | None = None     # async: ranks in the draft group (default: 1, or world/4 from 8 ranks)
+    async_policy: str | None = None    # async: one of ASYNC_POLICIES (None: DEFAULT_ASYNC_POLICY)
     threads: int | None = None         # torch threads per rank (default: cores of the node / ranks on it)
     device: str = "auto"               # auto | cpu | cuda
     # prompts and stopping
     prompt: str | None = None
     prompts: str | None = None         # JSONL file
     interactive: bool = False          # prompts from rank 0's stdin, one request each (interactive.py)
-    serve: str | None = None           # "[HOST:]PORT": an OpenAI-style HTTP endpoint on rank 0 (server.py)
+    serve: str | None = None           # "[HOST:]PORT": an OpenAI-style HTTP endpoint on rank 0 (http_server.py)
+    serve_max_body: int = 4 << 20      # --serve: the largest request body accepted (bytes; larger: 413)
+    serve_read_timeout: float = 30.0   # --serve: seconds a client may take to send a request (then 408)
     chat: bool = False
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)
@@ -62,11 +77,11 @@ class RunConfig:
     seed: int = 0
     sampling_rule: str = "coupled"     # coupled (reproducible in async, equals ar's sample) | residual
     dtype: str = "float32"
-    # tree shape (SwiftSpec defaults: bs = w = 8)
+    # tree shape (SwiftSpec's bs = w = 8; here bs is chosen by a startup profile unless given)
     tree_width: int | None = None      # w: leaves expanded per draft forward (None: = bs)
     tree_topk: int = 8                 # children added per expanded leaf
     verify_size: int | None = None     # bs: nodes (incl. root) per target pass (None: from profile)
-    expansions: int | None = None      # d: draft expansions per verify step (sync); None = from profile
+    expansions: int | None = None      # d: draft expansions per verify step (sync, async fresh); None = from profile
     max_depth: int = 16
     tree_capacity: int = 1024
     max_context: int | None = None     # KV slots per model; default prompt + new tokens + tree margin
@@ -108,7 +123,30 @@ def choose_tree_size(target_times: dict[int, float]) -> int:
     return max(sorted(target_times), key=lambda n: expected_tokens(n) / target_times[n])
 
 
+# TOML keys are the `swiftspec run` flag names (dashes or underscores). Flags named otherwise
+# than the RunConfig field they set (flag name with underscores -> field):
+RENAMED_FLAGS = {"stop_token_id": "stop_token_ids"}
+_TOML_KINDS = {"str": ((str,), "a string"), "int": ((int,), "an integer"),
+               "float": ((int, float), "a number"), "bool": ((bool,), "true or false")}
+
+
+def _toml_value(path: str, key: str, name: str, value):
+    """`value` checked against RunConfig field `name`'s type; a repeatable flag's key (a list
+    field) also takes one value. Raises UserError naming the key and the type it wants."""
+    kind = RunConfig.__dataclass_fields__[name].type.replace(" | None", "")
+    many = kind.startswith("list[")
+    kind = kind[5:-1] if many else kind
+    types, what = _TOML_KINDS[kind]
+    items = value if many and isinstance(value, list) else [value]
+    if not all(isinstance(v, types) and (kind == "bool" or not isinstance(v, bool)) for v in items):
+        want = f"{what} or a list of them" if many else what
+        raise UserError(f"config file {path}: '{key}' must be {want}, got {value!r}")
+    return items if many else value
+
+
 def load_toml(path: str) -> dict:
+    """A TOML file of `swiftspec run` options -> {RunConfig field: value}. Keys are the flag
+    names without the dashes (`max-new-tokens`, `stop-token-id`; `_` for `-` works too)."""
     import tomllib
     p = Path(path)
     if not p.is_file():
@@ -117,13 +155,16 @@ def load_toml(path: str) -> dict:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"config file {path} is not valid TOML ({exc}); fix the syntax") from None
-    known = {f.name for f in dataclasses.fields(RunConfig)} - {"requests"}
+    fields = {f.name for f in dataclasses.fields(RunConfig)} - {"requests"}
+    flags = {name: name for name in fields - set(RENAMED_FLAGS.values())} | RENAMED_FLAGS
     out = {}
     for key, value in data.items():
         name = key.replace("-", "_")
-        if name not in known:
-            raise UserError(f"config file {path}: unknown key '{key}'; known keys: {', '.join(sorted(known))}")
-        out[name] = value
+        if name not in flags:
+            known = ", ".join(sorted(k.replace("_", "-") for k in flags))
+            raise UserError(f"config file {path}: unknown key '{key}'; the keys are the flag "
+                            f"names: {known}")
+        out[flags[name]] = _toml_value(path, key, flags[name], value)
     return out
 
 
@@ -186,8 +227,8 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         raise UserError(f"unknown sampling rule '{cfg.sampling_rule}'; use coupled or residual")
     if cfg.load_format not in ("auto", "dummy"):
         raise UserError(f"unknown load format '{cfg.load_format}'; use auto or dummy")
-    if cfg.quant not in ("auto", "int4", "none"):
-        raise UserError(f"unknown quant '{cfg.quant}'; use --quant auto, int4 or none")
+    if cfg.quant not in QUANTS:
+        raise UserError(f"unknown --quant '{cfg.quant}'; use {', '.join(QUANTS)}")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise UserError(f"unknown device '{cfg.device}'; use auto, cpu or cuda")
     positive = {"max_new_tokens": cfg.max_new_tokens, "tree_topk": cfg.tree_topk,
@@ -224,7 +265,14 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         if cfg.draft_ranks >= world_size:
             raise UserError(f"--draft-ranks {cfg.draft_ranks} leaves no verify rank in a world of "
                             f"{world_size}; use at most {world_size - 1}")
+        if cfg.async_policy is None:
+            cfg.async_policy = DEFAULT_ASYNC_POLICY
+        if cfg.async_policy not in ASYNC_POLICIES:
+            raise UserError(f"unknown async policy '{cfg.async_policy}'; use --async-policy "
+                            f"{', '.join(ASYNC_POLICIES)}")
     else:
+        if cfg.async_policy is not None:
+            raise UserError(f"--async-policy applies to --mode async only; drop it for --mode {cfg.mode}")
         if cfg.draft_ranks not in (None, 0):
             raise UserError(f"--draft-ranks applies to --mode async only; drop it for --mode {cfg.mode}")
         cfg.draft_ranks = 0
@@ -236,6 +284,10 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         if cfg.interactive or cfg.prompt is not None or cfg.prompts is not None:
             raise UserError("--serve takes its prompts from HTTP requests; drop --interactive / --prompt / --prompts")
         parse_serve_address(cfg.serve)
+    if not isinstance(cfg.serve_max_body, int) or cfg.serve_max_body < 1024:
+        raise UserError(f"--serve-max-body must be at least 1024 bytes, got {cfg.serve_max_body}")
+    if not cfg.serve_read_timeout > 0:
+        raise UserError(f"--serve-read-timeout must be positive seconds, got {cfg.serve_read_timeout}")
     if cfg.prompt is not None and not cfg.prompt:
         raise UserError("--prompt is empty; give some text")
     return cfg

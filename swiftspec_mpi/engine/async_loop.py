@@ -1,18 +1,31 @@
 """SwiftSpec's asynchronous loops (Algorithm 1 on MPI): the draft group keeps growing the token
 tree while the verify group checks the best subtree it was sent; the two leaders meet once per
-verify step over the inter-communicator.
+verify step over the inter-communicator. How the verify group picks its next tree and how the
+draft paces itself is the async policy (--async-policy):
 
     draft leader                              verify leader
     ------------                              -------------
-    expand w best leaves (repeat)  <- poll -  forward(best bs nodes) on committed KV
-    on RESULT: re-root, move KV               accept path (+ bonus), commit KV, stream text
-    then SEND best 4*bs nodes      ------->   next tree: the newest that reaches the current
-                                              root, else the remnant of the last one under
-                                              the bonus token; wait only when neither has a
-                                              drafted node (deadline)
+    expand w best leaves      (repeat;        forward(best bs nodes) on committed KV
+      fresh: d times a step, then wait)
+      stream: SEND best 8*bs after each  -->  accept path (+ bonus), commit KV, stream text
+    on RESULT: re-root, move KV        <--    SEND result
+    then SEND best 4*bs nodes          -->    next tree:
+                                                fresh:   wait for the tree the draft re-rooted
+                                                         on this result (the paper's policy)
+                                                remnant, stream: the newest tree that reaches
+                                                         the current root (an arrived one,
+                                                         re-rooted along the committed tokens),
+                                                         else the remnant of the last one under
+                                                         the bonus token; wait only when
+                                                         neither has a drafted node (deadline)
 
-Beyond the paper: the verify group does not idle for the draft's re-root round trip when the
-bonus token was already drafted — it continues on its copy of the last tree it got.
+`fresh` is the paper's: the verify group waits for the draft's re-root round trip, and the draft
+expands d times a step (d from the startup profile, or --expansions) and then waits for the
+result, so it never competes with the verify group for a shared device (one GPU under MPS).
+`remnant` never waits for the round trip when the bonus token was drafted, but its tree holds
+none of the expansions of the step just verified (they come with the re-rooted tree, a step
+late). `stream` also never waits, and the draft sends its best subtree after every expansion, so
+the verify group starts each step on everything drafted up to the moment its result arrived.
 
 Group members (tensor parallel ranks) mirror their leader: every decision is broadcast in a
 preallocated buffer, so the tree and KV of every rank of a group stay identical.
@@ -25,60 +38,85 @@ from mpi4py import MPI
 from swiftspec_mpi.engine.decoding import Acceptor, DraftSide, OutputTracker, TargetSide
 from swiftspec_mpi.engine.context import EngineContext, comm_seconds, decide, make_topk_share
 from swiftspec_mpi.core.errors import PeerError
-from swiftspec_mpi.engine.protocol import MSG_STOP, TAG_RESULT, TAG_TREE, Interrupted, LeaderChannel, wait_for
-from swiftspec_mpi.engine.sent_tree import reroot_sent_tree
-from swiftspec_mpi.trace.record import KIND
+from swiftspec_mpi.engine.protocol import (MSG_STOP, NO_META, TAG_RESULT, TAG_TREE, Interrupted, LeaderChannel,
+                                           TreeMeta, wait_for)
+from swiftspec_mpi.engine.sent_tree import reroot_sent_tree, tree_depth
+from swiftspec_mpi.trace.record import KIND, SOURCE, step_row
 
 ACT_EXPAND, ACT_SEND, ACT_RESULT, ACT_STOP = 1, 2, 3, 4
 
 
 def send_size(cfg) -> int:
     """Nodes per tree message: 4 x bs, so the verify leader can continue under the bonus token
-    for a step or two without waiting for the draft's next tree."""
-    return min(cfg.tree_capacity, 4 * cfg.verify_size)
+    for a step or two without waiting for the draft's next tree; 8 x bs with `stream`, whose
+    trees are mostly rooted a step back (cut below the accepted tokens, they keep more)."""
+    return min(cfg.tree_capacity, (8 if cfg.async_policy == "stream" else 4) * cfg.verify_size)
 
 
 class TreeInbox:
-    """The verify leader's side of the tree messages: the newest tree that reaches the current
-    root (arrived ones re-rooted along the committed tokens) or, failing that, the remnant of
-    the tree it verified last (see sent_tree.py)."""
+    """The verify leader's side of the tree messages: the tree to verify next under the policy
+    (see the module docstring and sent_tree.py), with where it came from for the trace."""
 
     def __init__(self, ctx: EngineContext, chan: LeaderChannel, request: int):
         self.ctx, self.chan, self.request = ctx, chan, request
+        self.wait_fresh = ctx.cfg.async_policy == "fresh"
         self.req = ctx.topo.inter.Irecv(chan.tree, source=0, tag=TAG_TREE)
         self.local = None          # (tokens, parents) rooted at the current root, best-first
-        self.acked = False         # the draft's end-of-request acknowledgement arrived
+        self.meta = NO_META        # the TreeMeta of the message self.local came from
+        self.source = SOURCE["remnant"]
+        self.results_sent = 0      # verify results sent so far in this request
+        self.fresh_sent: dict[int, float] = {}   # results k -> job time the draft sent its first
+        self.acked = False         # tree built on k results; the draft's end-of-request ack arrived
+
+    def _note(self, meta: TreeMeta, n_tokens: int) -> None:
+        if n_tokens and meta.results not in self.fresh_sent:
+            self.fresh_sent[meta.results] = meta.sent_s
 
     def _take(self, committed: list[int]) -> None:
         """Consume the arrived message; keep it if it re-roots onto the current root."""
         req_id, _seq, root_pos, tokens, parents = self.chan.unpack_tree()
+        meta = self.chan.tree_meta()
         self.req = self.ctx.topo.inter.Irecv(self.chan.tree, source=0, tag=TAG_TREE)
         if req_id != self.request:
             raise PeerError(f"tree for request {req_id} while verifying request {self.request}")
         if len(tokens) == 0:
             self.acked = True
             return
+        self._note(meta, len(tokens))
         P = len(committed) - 1
         if root_pos > P or committed[root_pos] != tokens[0]:
             raise PeerError(f"draft tree rooted at position {root_pos} (token {tokens[0]}) does not "
                             f"match the committed sequence (length {len(committed)})")
         fresh = reroot_sent_tree(tokens, parents, committed[root_pos + 1:])
         if fresh is not None and len(fresh[0]) > 1:
-            self.local = fresh
+            self.local, self.meta = fresh, meta
+            self.source = SOURCE["fresh"] if meta.results >= self.results_sent else SOURCE["rerooted"]
+
+    def _ready(self) -> bool:
+        if self.local is None or len(self.local[0]) < 2:
+            return False
+        return not self.wait_fresh or self.source == SOURCE["fresh"]
 
     def next_tree(self, committed: list[int], bs: int, wait_what: str):
-        """-> (tokens int64[n <= bs], parents int32[n]) to verify now; blocks only when neither a
-        fresh tree nor a remnant with at least one drafted node is at hand."""
+        """-> (tokens int64[n <= bs], parents int32[n], nodes at hand) to verify now; blocks
+        while the policy's tree is not at hand (`fresh`: the one built on the latest result;
+        else any with at least one drafted node)."""
         while self.req.Test():
             self._take(committed)
-        while self.local is None or len(self.local[0]) < 2:
+        while not self._ready():
             wait_for(self.req, self.ctx.cfg.peer_timeout, wait_what, self.ctx.stop_flag, self.ctx.watch)
             self._take(committed)
-        return self.local[0][:bs], self.local[1][:bs]
+        return self.local[0][:bs], self.local[1][:bs], len(self.local[0])
+
+    def drafted(self) -> int:
+        """Draft expansions the tree at hand holds from the verify group's previous step."""
+        return self.meta.drafted_since(self.results_sent)
 
     def advance(self, accepted: np.ndarray) -> None:
         """The step committed `accepted` (draft tokens + bonus): keep what lies under them."""
         self.local = reroot_sent_tree(self.local[0], self.local[1], accepted)
+        self.source = SOURCE["remnant"]
+        self.results_sent += 1
 
     def drain_until_ack(self, committed: list[int]) -> None:
         """End of request: receive every tree still in flight, up to the draft's acknowledgement,
@@ -91,7 +129,17 @@ class TreeInbox:
             if len(tokens) == 0 and req_id == self.request:
                 self.acked = True
             else:
+                if req_id == self.request:
+                    self._note(self.chan.tree_meta(), len(tokens))
                 self.req = self.ctx.topo.inter.Irecv(self.chan.tree, source=0, tag=TAG_TREE)
+
+    def fill_fresh_waits(self, steps: list[tuple]) -> None:
+        """Set each step row's fresh_wait_s: from the step's start until the draft sent the tree
+        built on the results before it (NaN when none was sent)."""
+        for i, row in enumerate(steps):
+            sent = self.fresh_sent.get(row[0])
+            if sent is not None:
+                steps[i] = row[:-1] + (max(0.0, sent - row[3]),)
 
 
 def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
@@ -125,7 +173,8 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
         tw = clock.now()
         if leader:   # a stop signal: the leader tells the group, which leaves together
             try:
-                tokens, parents = inbox.next_tree(committed, bs, wait_what)
+                tokens, parents, nodes = inbox.next_tree(committed, bs, wait_what)
+                source, drafted = inbox.source, inbox.drafted()
                 ctx.check_stop()
                 chan.pack_tree(request, step, target.P, tokens, parents, out=step_tree)
             except Interrupted:
@@ -140,7 +189,7 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
         tv = clock.now()
         rec.record(KIND["wait"], request, step, tw, tv)
         cv = comm_seconds(ctx.target)
-        logits = target.forward_tree(tokens, parents, greedy=acceptor.greedy)
+        logits = target.forward_tree(tokens, parents, greedy=acceptor.argmax_only)
         done, taken, path, accepted = decide(ctx, tokens, parents, logits, acceptor, tracker, result,
                                              decision, bs)
         a = len(path)
@@ -150,7 +199,8 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
         rec.record(KIND["verify"], request, step, tv, t_end, len(tokens), a,
                    comm_seconds(ctx.target) - cv)
         if leader:
-            result.steps.append((step, len(tokens), taken, tw, t_end))
+            result.steps.append(step_row(step, len(tokens), taken, tw, t_end, source,
+                                         tree_depth(parents), nodes, drafted))
             ts = clock.now()
             topo.inter.Send(chan.pack_result(request, step, accepted, done), dest=0, tag=TAG_RESULT)
             rec.record(KIND["send"], request, step, ts, clock.now(), a)
@@ -159,6 +209,7 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
                     inbox.drain_until_ack(committed)
                 except Interrupted:   # the group stops together at the next request's check
                     pass
+                inbox.fill_fresh_waits(result.steps)
             else:
                 committed.extend(int(t) for t in accepted)
                 inbox.advance(accepted)
@@ -170,9 +221,11 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
 
 
 def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
-    """Expand the best leaves without pause; after every verify result re-root and send the best
-    `send_size` nodes at once (one tree per batch of results); at the end of the request send
-    the acknowledgement (an empty tree)."""
+    """Expand the best leaves (`fresh`: d = ctx.expansions times after each result, then wait for
+    the next; else without pause; `stream`: sending the best `send_size` nodes after each
+    expansion); after every verify result re-root and send the best `send_size` nodes at once
+    (one tree per batch of results); at the end of the request send the acknowledgement (an
+    empty tree)."""
     cfg, rec, clock, topo = ctx.cfg, ctx.recorder, ctx.clock, ctx.topo
     leader = topo.is_leader
     bs, w, k, m = cfg.verify_size, cfg.tree_width, cfg.tree_topk, send_size(cfg)
@@ -189,6 +242,15 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     result_req = topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT) if leader else None
     seq = 0
     n_expand = 0
+    paced, stream = cfg.async_policy == "fresh", cfg.async_policy == "stream"
+    d = max(1, int(ctx.expansions))
+    results, exp_at_result, exp_at_previous = 0, 0, 0   # see protocol.TreeMeta
+
+    def send_tree(tokens, parents):
+        meta = TreeMeta(results, n_expand, exp_at_result, exp_at_previous, clock.now())
+        topo.inter.Send(chan.pack_tree(request, seq, draft.tree.root_pos, tokens, parents, meta=meta),
+                        dest=0, tag=TAG_TREE)
+
     while True:
         # 1. the leader decides what the whole group does next (a stop signal included: the
         #    group then leaves together, none of it blocked in a collective)
@@ -201,10 +263,11 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
             elif owe_tree and draft.root_expanded():
                 action = ACT_SEND
             else:
-                leaves = draft.select()
+                paced_out = paced and n_expand - exp_at_result >= d
+                leaves = draft.select() if not paced_out else np.zeros(0, dtype=np.int32)
                 if len(leaves):
                     action = ACT_EXPAND
-                else:   # tree (or KV) full: nothing to do but wait for the next verdict
+                else:   # paced out, or tree (or KV) full: wait for the next verdict
                     tw = clock.now()
                     try:
                         wait_for(result_req, cfg.peer_timeout, "verify result from rank 0 (verify leader)",
@@ -237,12 +300,12 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
             kept = draft.reroot(control[3:3 + int(control[1])].copy(), share)
             rec.record(KIND["reroot"], request, seq, tr, clock.now(), 0, kept)
             owe_tree = True
+            results, exp_at_previous, exp_at_result = results + 1, exp_at_result, n_expand
         elif action == ACT_SEND:
             ts = clock.now()
             tokens, parents = draft.best_subtree(m)
             if leader:
-                topo.inter.Send(chan.pack_tree(request, seq, draft.tree.root_pos, tokens, parents),
-                                dest=0, tag=TAG_TREE)
+                send_tree(tokens, parents)
             rec.record(KIND["send"], request, seq, ts, clock.now(), len(tokens))
             owe_tree = False
             seq += 1
@@ -254,6 +317,14 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
             rec.record(KIND["expand"], request, n_expand, te, clock.now(), len(leaves), 0,
                        comm_seconds(ctx.draft) - ce)
             n_expand += 1
+            if stream and draft.root_expanded():   # the verify leader takes the newest
+                ts = clock.now()
+                if leader:
+                    tokens, parents = draft.best_subtree(m)
+                    send_tree(tokens, parents)
+                    rec.record(KIND["send"], request, seq, ts, clock.now(), len(tokens))
+                owe_tree = False
+                seq += 1
 
 
 def exchange_profile(ctx: EngineContext, mine: dict[int, float], sizes) -> dict[int, float]:

@@ -89,7 +89,11 @@ def decide(ctx: EngineContext, tokens, parents, logits, acceptor, tracker, resul
     a, done, tokens taken, path[bs], accepted[bs]). -> (done, taken, path, accepted)."""
     if ctx.topo.is_leader:
         path, accepted = acceptor.accept(tokens, parents, logits, len(result.output_ids))
-        taken, done = tracker.add(accepted)
+        logprobs = None
+        if acceptor.top_logprobs is not None:
+            from swiftspec_mpi.engine.decoding import committed_logprobs   # (torch: not at job import)
+            logprobs = committed_logprobs(logits, path, accepted, acceptor.top_logprobs)
+        taken, done = tracker.add(accepted, logprobs)
         if result.t_first is None:
             result.t_first = ctx.clock.now()
         a = len(path)

@@ -222,11 +222,19 @@ class Acceptor:
 
     def __init__(self, temperature: float, rule: str, seed: int):
         self.temperature, self.rule, self.seed = temperature, rule, seed
+        self.top_logprobs: int | None = None   # the request in flight wants log-probabilities
+                                               # (and this many alternatives); every verify rank
 
     @property
     def greedy(self) -> bool:
         """Temperature 0: `accept` needs only the target's argmax per node, not its logits."""
         return self.temperature == 0.0
+
+    @property
+    def argmax_only(self) -> bool:
+        """The verify forward may return the argmax alone (greedy, and no log-probabilities
+        asked): on a GPU the argmax is read inside the CUDA graph."""
+        return self.greedy and self.top_logprobs is None
 
     def start_request(self, request_index: int, max_new_tokens: int, verify_size: int) -> None:
         """Seed the request's random streams from (seed, request_index): the same request gives
@@ -256,13 +264,29 @@ class Acceptor:
         return _tree.verify_greedy(tokens, parents, choice)
 
 
+def committed_logprobs(logits: torch.Tensor, path: np.ndarray, accepted: np.ndarray,
+                       k: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """The target's log-probabilities (log_softmax of its logits, before any temperature) of a
+    step's committed tokens: accepted[j] was chosen from the distribution at tree node path[j].
+    logits float[n, vocab], path int32[a], accepted int64[a] -> a entries (token, logprob,
+    the k most likely tokens [(token, logprob)] best first)."""
+    rows = torch.log_softmax(logits[torch.as_tensor(np.asarray(path, dtype=np.int64), device=logits.device)]
+                             .float(), dim=-1)                                  # [a, vocab]
+    chosen = torch.as_tensor(np.asarray(accepted, dtype=np.int64), device=rows.device)
+    lp = rows.gather(1, chosen.view(-1, 1)).squeeze(1).cpu().tolist()
+    top_lp, top_id = (rows.topk(k, dim=-1) if k > 0 else (rows[:, :0], rows[:, :0].long()))
+    top = [list(zip(i, v)) for i, v in zip(top_id.cpu().tolist(), top_lp.cpu().tolist())]
+    return [(int(t), float(v), alt) for t, v, alt in zip(np.asarray(accepted).tolist(), lp, top)]
+
+
 class OutputTracker:
     """Appends committed tokens to a request's output, applies stop conditions, streams text."""
 
     def __init__(self, result, tokenizer, eos_ids, max_new_tokens: int, stop: list[str],
                  stream: bool, sink=None, abandoned=None):
         from swiftspec_mpi.model.tokenizer import StreamDecoder
-        self.sink = sink        # callable(text piece) instead of stdout (an HTTP response; --serve)
+        self.sink = sink        # callable(text piece, logprob entries of the tokens it completes)
+                                # instead of stdout (an HTTP response; --serve)
         self.abandoned = abandoned   # callable() -> True when nobody reads the answer any more
         self.result = result
         self.tokenizer = tokenizer
@@ -272,22 +296,28 @@ class OutputTracker:
         self.stream = stream
         self.decoder = StreamDecoder(tokenizer)
         self.text = ""
+        self.unsent: list = []  # logprob entries of tokens whose text is not complete yet
 
-    def add(self, tokens) -> tuple[int, bool]:
-        """Take tokens in order until a stop condition. -> (tokens taken, done)."""
+    def add(self, tokens, logprobs=None) -> tuple[int, bool]:
+        """Take tokens in order until a stop condition. -> (tokens taken, done). `logprobs`:
+        their committed_logprobs entries, kept in result.logprobs (end of sequence excluded)."""
         taken = 0
-        for t in tokens:
+        for j, t in enumerate(tokens):
             t = int(t)
             self.result.output_ids.append(t)
             taken += 1
             if t in self.eos:
                 self.result.stop_reason = "eos"
                 return taken, True
+            if logprobs is not None:
+                self.result.logprobs.append(logprobs[j])
+                self.unsent.append(logprobs[j])
             piece = self.decoder.push([t])
             if piece:
                 self.text += piece
                 if self.sink is not None:
-                    self.sink(piece)
+                    self.sink(piece, self.unsent)
+                    self.unsent = []
                 elif self.stream:
                     sys.stdout.write(piece)
                     sys.stdout.flush()

@@ -1,8 +1,13 @@
 """Messages between ranks and waiting with a deadline.
 
 Leader to leader (inter-communicator, async mode), fixed-size int64 buffers allocated once:
-  TREE   draft -> verify : [TREE, request, seq, n, root_pos, tokens[m], parents[m]]  (n <= m)
+  TREE   draft -> verify : [TREE, request, seq, n, root_pos, results, expansions, exp_at_result,
+                            exp_at_previous, sent_us, tokens[m], parents[m]]  (n <= m)
   RESULT verify -> draft : [RESULT, request, seq, a, done, accepted[bs]]
+A tree's `results` counts the verify results the draft had applied when it sent it (0 before the
+first); `expansions` is the draft's expansion count of the request at sending, `exp_at_result`
+and `exp_at_previous` that count when it applied its latest and the one before (TreeMeta);
+`sent_us` is the job clock at sending, in microseconds.
 Leader to its group (intra-communicator Bcast, when the group has > 1 rank): the same buffers,
 so group members mirror every decision of their leader and their state stays identical.
 
@@ -13,6 +18,7 @@ and role, an abort notice from any rank (TAG_ABORT to world rank 0) is picked up
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -21,7 +27,31 @@ from swiftspec_mpi.core.errors import PeerError
 
 MSG_TREE, MSG_RESULT, MSG_STOP = 1, 2, 3   # MSG_STOP: a group leader's "we stop here" to its group
 TAG_TREE, TAG_RESULT, TAG_ABORT = 11, 12, 99
-HEADER = 5
+HEADER = 5          # result message header
+TREE_HEADER = 10    # tree message header (TreeMeta after the first five)
+
+
+class TreeMeta(NamedTuple):
+    """Where a tree message stands in the draft's work (see the message layout above)."""
+    results: int            # verify results the draft had applied when it sent the tree
+    expansions: int         # draft expansions of the request at sending
+    exp_at_result: int      # ... when it applied its latest result
+    exp_at_previous: int    # ... when it applied the result before that
+    sent_s: float           # job clock at sending
+
+    def drafted_since(self, results_sent: int) -> int:
+        """The draft expansions this tree holds that the draft made after it applied result
+        `results_sent - 2`, i.e. while the verify group ran the step before the one that starts
+        now (`results_sent` results were sent so far): all of them for a tree built on the
+        latest result, those since that result for a tree sent before it, none for older ones."""
+        if self.results >= results_sent:
+            return self.expansions - self.exp_at_previous
+        if self.results == results_sent - 1:
+            return self.expansions - self.exp_at_result
+        return 0
+
+
+NO_META = TreeMeta(0, 0, 0, 0, 0.0)
 
 
 class Interrupted(Exception):
@@ -105,18 +135,20 @@ class LeaderChannel:
     def __init__(self, verify_size: int, send_size: int | None = None):
         self.bs = verify_size
         self.m = max(verify_size, send_size or verify_size)
-        self.tree = np.zeros(HEADER + 2 * self.m, dtype=np.int64)
+        self.tree = np.zeros(TREE_HEADER + 2 * self.m, dtype=np.int64)
         self.result = np.zeros(HEADER + verify_size, dtype=np.int64)
 
     # -- packing -------------------------------------------------------------------------------
     def pack_tree(self, request: int, seq: int, root_pos: int, tokens: np.ndarray,
-                  parents: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+                  parents: np.ndarray, out: np.ndarray | None = None,
+                  meta: TreeMeta = NO_META) -> np.ndarray:
         """Into `out` (shaped like self.tree) or self.tree."""
         n = len(tokens)
         b = self.tree if out is None else out
-        b[:HEADER] = (MSG_TREE, request, seq, n, root_pos)
-        b[HEADER:HEADER + n] = tokens
-        b[HEADER + self.m:HEADER + self.m + n] = parents
+        b[:TREE_HEADER] = (MSG_TREE, request, seq, n, root_pos, meta.results, meta.expansions,
+                           meta.exp_at_result, meta.exp_at_previous, round(meta.sent_s * 1e6))
+        b[TREE_HEADER:TREE_HEADER + n] = tokens
+        b[TREE_HEADER + self.m:TREE_HEADER + self.m + n] = parents
         return b
 
     def unpack_tree(self, buf: np.ndarray | None = None) -> tuple[int, int, int, np.ndarray, np.ndarray]:
@@ -125,8 +157,13 @@ class LeaderChannel:
         if b[0] != MSG_TREE:
             raise PeerError(f"protocol error: expected a tree message, got kind {b[0]}")
         n = int(b[3])
-        return int(b[1]), int(b[2]), int(b[4]), b[HEADER:HEADER + n].copy(), \
-            b[HEADER + self.m:HEADER + self.m + n].astype(np.int32)
+        return int(b[1]), int(b[2]), int(b[4]), b[TREE_HEADER:TREE_HEADER + n].copy(), \
+            b[TREE_HEADER + self.m:TREE_HEADER + self.m + n].astype(np.int32)
+
+    def tree_meta(self, buf: np.ndarray | None = None) -> TreeMeta:
+        """The TreeMeta of the tree message in `buf` or self.tree."""
+        b = self.tree if buf is None else buf
+        return TreeMeta(int(b[5]), int(b[6]), int(b[7]), int(b[8]), float(b[9]) * 1e-6)
 
     def pack_result(self, request: int, seq: int, accepted: np.ndarray, done: bool) -> np.ndarray:
         a = len(accepted)

@@ -38,3 +38,12 @@ def reroot_sent_tree(tokens: np.ndarray, parents: np.ndarray, walk: list[int] | 
     new_parents = np.where(parents[idx] >= 0, remap[np.maximum(parents[idx], 0)], -1).astype(np.int32)
     new_parents[0] = -1
     return tokens[idx].astype(np.int64), new_parents
+
+
+def tree_depth(parents: np.ndarray) -> int:
+    """Edges from the root to the deepest node; parents int32[n] (-1 at the root, parents before
+    children)."""
+    depth = np.zeros(len(parents), dtype=np.int64)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return int(depth.max()) if len(parents) else 0

@@ -7,7 +7,8 @@ import numpy as np
 
 from swiftspec_mpi.engine.decoding import Acceptor, DraftSide, OutputTracker, TargetSide
 from swiftspec_mpi.engine.context import EngineContext, comm_seconds, decide, make_topk_share
-from swiftspec_mpi.trace.record import KIND
+from swiftspec_mpi.engine.sent_tree import tree_depth
+from swiftspec_mpi.trace.record import KIND, SOURCE, step_row
 
 
 def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, result,
@@ -38,7 +39,9 @@ def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, 
         t_step = clock.now()
         if draft is None:
             tokens, parents = np.array([root], dtype=np.int64), np.array([-1], dtype=np.int32)
+            expanded = 0
         else:
+            expanded = 0
             for e in range(ctx.expansions):
                 leaves = draft.select()
                 if len(leaves) == 0:
@@ -47,9 +50,10 @@ def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, 
                 draft.expand(leaves, share)
                 rec.record(KIND["expand"], request, step, te, clock.now(), len(leaves), 0,
                            comm_seconds(ctx.draft) - ce)
+                expanded += 1
             tokens, parents = draft.best_subtree(bs)
         tv, cv = clock.now(), comm_seconds(ctx.target)
-        logits = target.forward_tree(tokens, parents, greedy=acceptor.greedy)
+        logits = target.forward_tree(tokens, parents, greedy=acceptor.argmax_only)
         done, taken, path, accepted = decide(ctx, tokens, parents, logits, acceptor, tracker, result,
                                              decision, bs)
         a = len(path)
@@ -57,7 +61,11 @@ def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, 
         rec.record(KIND["verify" if draft is not None else "decode"], request, step, tv, t_end,
                    len(tokens), a, comm_seconds(ctx.target) - cv)
         if leader:
-            result.steps.append((step, len(tokens), taken, t_step, t_end))
+            if draft is None:
+                result.steps.append(step_row(step, len(tokens), taken, t_step, t_end))
+            else:   # serial: every tree is fresh, nothing to wait for
+                result.steps.append(step_row(step, len(tokens), taken, t_step, t_end, SOURCE["fresh"],
+                                             tree_depth(parents), int(draft.tree.size), expanded, 0.0))
             if ctx.on_progress is not None:
                 ctx.on_progress()
         if done:

@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import torch
 
-try:
-    from swiftspec_mpi.model import _cpu_gemm
-    _AVX2 = _cpu_gemm.has_avx2()
-except ImportError:          # built without the extension (should not happen with pip install)
-    _cpu_gemm = None
-    _AVX2 = False
+# built by every `pip install` (setup.py): an import that fails is a broken install, not a
+# machine without the kernel, so it is not caught
+from swiftspec_mpi.model import _cpu_gemm
 
 NB = 16   # output columns per panel (the kernel's SSM_NB)
+_AVX2 = _cpu_gemm.has_avx2()
 
 
-def available() -> bool:
-    """True when the packed kernel can run here (extension built, CPU has AVX2 + FMA)."""
+def has_avx2() -> bool:
+    """True when this CPU runs AVX2 + FMA, the packed kernel's instructions (checked by CPUID)."""
     return _AVX2
 
 

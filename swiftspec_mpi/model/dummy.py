@@ -107,16 +107,58 @@ class RandomSource:
         pass
 
 
-def dummy_model(spec: str, comm, max_slots: int, dtype, device, num_layers=None):
+class RandomPackedSource(RandomSource):
+    """RandomSource whose layer projections also come packed 4-bit (`get_packed`), AWQ-like:
+    group 128, codes uniform in 0..15, a zero point of 7 or 8 (offset = -z * scale) and fp16
+    scales around 0.0043, so that W has the dense source's spread (std ~0.02). Deterministic per
+    (seed, name, slice); only the requested slice is generated, on `device`."""
+
+    GROUP = 128
+
+    def get_packed(self, name: str, dim=None, start: int = 0, stop=None):
+        import torch
+
+        from swiftspec_mpi.model.quant import PackedInt4
+        shape = list(self.shapes[name])
+        if dim is not None:
+            shape[dim] = (shape[dim] if stop is None else stop) - start
+        n, k = shape
+        g = self.GROUP
+        if k % g or (dim == 1 and start % g):
+            raise UserError(f"--quant int4: {name} slice [{start}:{stop}) of dim {dim} does not fall on "
+                            f"groups of {g} inputs; use a tensor-parallel degree that keeps whole groups")
+        digest = hashlib.sha256(f"{self.seed}:int4:{name}:{dim}:{start}".encode()).digest()
+        gen = torch.Generator(device=self.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        q = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8, device=self.device)
+        scale = (0.0043 * (0.75 + 0.5 * torch.rand(n, k // g, generator=gen, device=self.device)))
+        scale = scale.half().float()
+        z = torch.randint(7, 9, (n, k // g), generator=gen, device=self.device).float()
+        return PackedInt4(q, scale, -z * scale, g)
+
+    def is_packed(self, name: str) -> bool:
+        """True for the layers' projections (`model.layers.N.*_proj.weight`)."""
+        return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+    def packed_chunks(self, name: str, dim=None, start: int = 0, stop=None):
+        """The slice as one (0, rows) chunk: PackedInt4 rows of a projection, float32 rows of
+        any other matrix (the CPU's packed layers, cpu_quant, load it)."""
+        yield 0, (self.get_packed(name, dim, start, stop) if self.is_packed(name)
+                  else self.get(name, dim, start, stop).float())
+
+
+def dummy_model(spec: str, comm, max_slots: int, dtype, device, num_layers=None, quant: str = "none"):
     """-> (Transformer with random weights at the shape of `spec`, tokenizer of `spec` if it is a
     checkpoint, else the bundled tiny tokenizer: prompts then map to ids < 4k, valid for any
-    vocabulary)."""
+    vocabulary). quant "int4": the layers' projections packed 4-bit (RandomPackedSource), run by the
+    W4A16 kernels on the GPU and by cpu_quant's packed layers on the CPU."""
     from swiftspec_mpi.model.transformer import Transformer
     cfg = shape_config(spec)
     if num_layers is not None:
         cfg = cfg.with_layers(num_layers)
-    model = Transformer(cfg, comm=comm, max_slots=max_slots, dtype=dtype, device=device)
-    model.load_weights(RandomSource(cfg, device=device, dtype=dtype))
+    int4 = quant == "int4"
+    model = Transformer(cfg, comm=comm, max_slots=max_slots, dtype=dtype, device=device,
+                        quant="int4" if int4 else "none")
+    model.load_weights((RandomPackedSource if int4 else RandomSource)(cfg, device=device, dtype=dtype))
     return model, dummy_tokenizer(spec)
 
 

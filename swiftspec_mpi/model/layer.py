@@ -10,7 +10,8 @@ class Layer(NamedTuple):
     """One decoder layer of this rank's shard (T = tensor-parallel degree, H = hidden size,
     q = local query heads x head_dim, kv = local KV heads x head_dim, I = intermediate_size / T).
     The four matrices are stored in the model's `weight_layout`: "out_in" [out, in] as below,
-    "in_out" transposed, "packed" a cpu_linear.PackedWeight of the same [out, in]."""
+    "in_out" transposed, "packed" a cpu_linear.PackedWeight of the same [out, in]; with
+    quant "int4" (GPU) a gpu.w4a16.W4A16Weight of the same [out, in]."""
     ln1: torch.Tensor               # [H] input RMSNorm weight
     wqkv: torch.Tensor              # [q + 2 kv, H]: this rank's q heads, then its K, then its V rows
     bqkv: torch.Tensor | None       # [q + 2 kv] QKV bias (Qwen2), else None

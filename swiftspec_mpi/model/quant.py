@@ -27,8 +27,10 @@ loaders produce and tests compare against.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 GROUP_SIZES = (32, 64, 128)
 
@@ -51,6 +53,7 @@ class PackedInt4:
 
     def check(self) -> None:
         """Raise ValueError when the parts do not fit together (shape, dtype, group)."""
+        import torch
         n, k = self.shape
         if self.group not in GROUP_SIZES or k % self.group:
             raise ValueError(f"4-bit group size {self.group} must be one of {GROUP_SIZES} and "
@@ -66,6 +69,7 @@ class PackedInt4:
 
 def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K // 2] -> uint8 codes [N, K] (0..15), low nibble first."""
+    import torch
     lo = qweight & 0x0F
     hi = qweight >> 4
     return torch.stack((lo, hi), dim=-1).reshape(qweight.shape[0], -1)
@@ -73,13 +77,71 @@ def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [N, K] (0..15, K even) -> uint8 [N, K // 2], the inverse of `unpack_codes`."""
+    import torch
     c = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2)
     return c[..., 0] | (c[..., 1] << 4)
 
 
 def dequantize(w: PackedInt4) -> torch.Tensor:
     """The reference dequantization: float32 [N, K], W = q * scale + offset per group."""
+    import torch
     n, k = w.shape
     q = unpack_codes(w.qweight).to(torch.float32).reshape(n, k // w.group, w.group)
     out = q * w.scale.unsqueeze(-1) + w.offset.unsqueeze(-1)
     return out.reshape(n, k)
+
+
+# ------------------------------------------------------------------------------ sharding
+def take_rows(w: PackedInt4, start: int, stop: int) -> PackedInt4:
+    """Outputs [start, stop) of w (a column-parallel shard: any rows), as views."""
+    return PackedInt4(w.qweight[start:stop], w.scale[start:stop], w.offset[start:stop], w.group)
+
+
+def take_cols(w: PackedInt4, start: int, stop: int) -> PackedInt4:
+    """Inputs [start, stop) of w (a row-parallel shard), as views; ValueError unless both ends
+    fall on group boundaries (a group's scale and offset cannot be split)."""
+    g = w.group
+    if start % g or stop % g or not 0 <= start <= stop <= w.shape[1]:
+        raise ValueError(f"inputs [{start}:{stop}) of a 4-bit weight with {w.shape[1]} inputs "
+                         f"do not fall on its group boundaries (groups of {g})")
+    return PackedInt4(w.qweight[:, start // 2:stop // 2], w.scale[:, start // g:stop // g],
+                      w.offset[:, start // g:stop // g], g)
+
+
+def cat_rows(parts: list[PackedInt4]) -> PackedInt4:
+    """Stack weights of the same inputs and group along the outputs (fused QKV, gate|up)."""
+    import torch
+    if len({(p.shape[1], p.group) for p in parts}) != 1:
+        raise ValueError("cat_rows: parts differ in input size or group")
+    return PackedInt4(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]),
+                      torch.cat([p.offset for p in parts]), parts[0].group)
+
+
+def row_parallel_splits(cfg, tp: int) -> dict[str, list[int]]:
+    """The input offsets where a tensor-parallel group of `tp` ranks cuts the row-parallel
+    layers of ModelConfig `cfg` (as transformer._Shard shards them: o_proj by query heads,
+    down_proj in chunks of ceil(intermediate / tp)): {"o_proj": [...], "down_proj": [...]}."""
+    per_rank_q = cfg.num_heads // tp * cfg.head_dim
+    chunk = -(-cfg.intermediate_size // tp)
+    return {"o_proj": [r * per_rank_q for r in range(1, tp)],
+            "down_proj": [r * chunk for r in range(1, tp) if r * chunk < cfg.intermediate_size]}
+
+
+def check_tp_groups(cfg, group: int, tp: int, what: str) -> None:
+    """UserError when a tensor-parallel group of `tp` ranks would cut a 4-bit group of `what`
+    (e.g. "the target") in two; the message names the degrees that keep groups whole."""
+    from swiftspec_mpi.core.errors import UserError
+
+    def cut(t):
+        return next(((layer, at) for layer, cuts in row_parallel_splits(cfg, t).items()
+                     for at in cuts if at % group), None)
+    bad = cut(tp)
+    if bad is None:
+        return
+    ok = [t for t in range(2, 17) if cfg.num_heads % t == 0 and cut(t) is None]
+    fix = (f"use a group of {' or '.join(map(str, ok))} ranks" if ok else
+           "no tensor-parallel degree keeps them whole: give it one rank")
+    raise UserError(f"{what}'s 4-bit weights come in groups of {group} inputs, and a "
+                    f"tensor-parallel group of {tp} ranks would cut its {bad[0]} at input "
+                    f"{bad[1]}, inside a group; {fix}, or run it with --quant none "
+                    "(dequantized weights)")

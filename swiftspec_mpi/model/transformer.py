@@ -11,7 +11,7 @@ Tensor shapes (N new tokens, S = start + N visible slots, R logits rows, TP degr
               csrc/gemm_avx2.h, see cpu_linear.py; stored in `dtype`, float32 or bfloat16, while
               activations, KV and norms stay float32), "in_out" ([in, out], x @ W; the CPU fallback)
               or "out_in" (GPU default: nn.Linear's [out, in], for cuBLAS and the CUDA kernels);
-              the math is the same, only the GEMV speed differs. quant=True (CPU, packed layout):
+              the math is the same, only the GEMV speed differs. quant="int4" on the CPU (packed layout):
               every matrix stays in the checkpoint's packed 4-/8-bit kind (cpu_quant.QuantLinear,
               embedding a cpu_quant.QuantTable), read by csrc/gemm_q_avx2.h
 
@@ -102,13 +102,19 @@ class Transformer(torch.nn.Module):
     `weight_layout` (keyword, optional): "packed" | "in_out" | "out_in", see the module doc.
     `dtype` is the weights' dtype; with "packed" the activations, KV and norms are float32
     (`self.dtype`), elsewhere everything is `dtype`. `self.weight_dtype` keeps the request.
-    `quant` (keyword): keep packed 4-/8-bit weights packed (CPU only; the source must have
-    `packed_chunks`, as GGUFSource does).
+    `quant` (keyword): "none", or "int4": packed weights.
+      CUDA (bf16, [out, in]): the layers' four projections are packed 4-bit
+      `swiftspec_mpi.gpu.w4a16.W4A16Weight`s (read with the source's `get_packed`,
+      model/packed_layers.py) and run on the W4A16 kernels; embeddings, norms and head stay bf16
+      (`self.quant4`).
+      CPU ("packed" layout, AVX2): every matrix stays in the source's packed 4-/8-bit kind
+      (cpu_quant.QuantLinear, the embedding a cpu_quant.QuantTable; read with the source's
+      `packed_chunks`, as GGUFSource and SafetensorsSource give them) (`self.quant_cpu`).
     """
 
     def __init__(self, cfg: ModelConfig, comm=None, max_slots: int = 4096,
                  dtype: torch.dtype = torch.float32, device="cpu", weight_layout: str | None = None,
-                 quant: bool = False):
+                 quant: str = "none"):
         super().__init__()
         self.cfg = cfg
         self.comm = SingleComm() if comm is None else comm
@@ -120,26 +126,35 @@ class Transformer(torch.nn.Module):
         # (MKL's M=1 GEMV is 15-30 % faster on x @ W than on nn.Linear's layout), [out, in] for
         # bf16 (x @ W[in, out] is ~10x slower there). GPU: [out, in] (cuBLAS, CUDA kernels).
         if weight_layout is None:
-            if cpu and cpu_linear.available() and dtype in (torch.float32, torch.bfloat16):
+            if cpu and cpu_linear.has_avx2() and (dtype in (torch.float32, torch.bfloat16)
+                                                  or quant == "int4"):
                 weight_layout = "packed"
             else:
                 weight_layout = "in_out" if cpu and dtype == torch.float32 else "out_in"
         if weight_layout not in ("packed", "in_out", "out_in"):
             raise ValueError("weight_layout must be 'packed', 'in_out' or 'out_in', not "
                              f"{weight_layout!r}")
-        if weight_layout == "packed" and not (cpu and cpu_linear.available()):
+        if weight_layout == "packed" and not (cpu and cpu_linear.has_avx2()):
             raise ValueError("weight_layout 'packed' needs the CPU and a CPU with AVX2 + FMA")
-        if quant and weight_layout != "packed":
+        if quant not in ("none", "int4"):
+            raise ValueError(f"quant must be 'none' or 'int4', not {quant!r}")
+        self.quant4 = quant == "int4" and not cpu         # W4A16 GPU kernels
+        self.quant_cpu = quant == "int4" and cpu          # packed records, csrc/gemm_q_avx2.h
+        if self.quant_cpu and weight_layout != "packed":
             raise ValueError("packed 4-bit weights run on the CPU with AVX2 + FMA (layout 'packed')")
         self.weight_layout = weight_layout
-        self.quant = bool(quant)
         self.weight_dtype = dtype
         self.packed = weight_layout == "packed"
         self.dtype = torch.float32 if self.packed else dtype
         self.transposed = weight_layout == "in_out"
-        self._linear = (cpu_quant.dense_linear if self.quant else
+        self._linear = (cpu_quant.dense_linear if self.quant_cpu else
                         cpu_linear.linear if self.packed else
                         _linear_in_out if self.transposed else F.linear)
+        if self.quant4:
+            if self.device.type != "cuda" or dtype != torch.bfloat16 or weight_layout != "out_in":
+                raise ValueError("quant 'int4' needs a CUDA bfloat16 model ([out, in] layout)")
+            from swiftspec_mpi.gpu import w4a16
+            self._linear = w4a16.linear
         self.shard = sh = _Shard(cfg, self.comm.rank, self.comm.size)
         hd = cfg.head_dim
         self.n_kv_local = sh.nkv_l
@@ -204,11 +219,12 @@ class Transformer(torch.nn.Module):
                 continue
             if isinstance(t, cpu_linear.PackedWeight):
                 t = t.data
-            key = t.untyped_storage().data_ptr()
-            if key in seen:
-                continue
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
+            for part in (t.tensors() if hasattr(t, "tensors") else [t]):   # W4A16Weight: its parts
+                key = part.untyped_storage().data_ptr()
+                if key in seen:
+                    continue
+                seen.add(key)
+                total += part.untyped_storage().nbytes()
         return total
 
     # ------------------------------------------------------------------------------ forward
@@ -397,8 +413,8 @@ class Transformer(torch.nn.Module):
             kinds = {"qkv": ("wqkv", "bqkv"), "o": ("wo", "bo"), "gu": ("wgu", None), "down": ("wd", None)}
             on_gemv = self.weight_layout == "out_in" and mode == "pdl"
             rp = {}
-            for kind, (weight, bias) in kinds.items():
-                ok = on_gemv and all(bias is None or getattr(lay, bias) is None for lay in lays)
+            for kind, (weight, bias) in kinds.items():     # (4-bit weights: their own kernels, in lin)
+                ok = on_gemv and not self.quant4 and all(bias is None or getattr(lay, bias) is None for lay in lays)
                 rp[kind] = ok and fused_ops.pdl_gemm_ok([getattr(lay, weight) for lay in lays], n)
             rp["head"] = on_gemv and fused_ops.pdl_gemm_ok([self.head], n)
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -414,7 +430,7 @@ class Transformer(torch.nn.Module):
         when the comm has a fused_allreduce); the last residual add is fused with the final norm. In
         "pdl" mode QKV GEMM + rope_kv_write is one kernel (kernels.gemm_qkv_rope), and so is
         gate|up GEMM + silu_mul (kernels.gemm_swiglu): 7 kernels per layer."""
-        from swiftspec_mpi.gpu import fused_ops, kernels
+        from swiftspec_mpi.gpu import fused_ops, kernels, w4a16
 
         cfg, sh, comm = self.cfg, self.shard, self.comm
         N = tokens.shape[0]
@@ -429,7 +445,9 @@ class Transformer(torch.nn.Module):
         pdl = fused_ops.gemm_mode() == "pdl"
 
         def lin(use_rp, inp, w, b=None):
-            return gemm(inp, w, pdl=pdl) if use_rp else self._linear(inp, w, b)
+            if use_rp:
+                return gemm(inp, w, pdl=pdl)
+            return w4a16.linear(inp, w, b, pdl=pdl) if self.quant4 else self._linear(inp, w, b)
 
         far = getattr(comm, "fused_allreduce", None)      # nccl_shim.DeviceAllReduce or None
 
@@ -439,6 +457,9 @@ class Transformer(torch.nn.Module):
             GEMM then the group's all-reduce."""
             if far is not None and use_rp and b is None and w.shape[0] <= far.max_n:
                 return kernels.gemm_allreduce(inp, w, far)
+            if (far is not None and self.quant4 and b is None and w.shape[0] <= far.max_n
+                    and inp.shape[0] <= w4a16.MAX_ALLREDUCE_ROWS):
+                return w4a16.gemm_allreduce(inp, w, far)
             out = lin(use_rp, inp, w, b)
             comm.all_reduce_(out)
             return out

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swiftspec_mpi.core.errors import CheckpointError
-from swiftspec_mpi.model import cpu_linear, cpu_quant
+from swiftspec_mpi.model import cpu_linear, cpu_quant, packed_layers
 from swiftspec_mpi.model.layer import Layer
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def load_weights(self: "Transformer", source) -> None:
     get_into = getattr(source, "get_into", None)   # GGUF: dequantized a few MiB at a time
 
     def fetch(dst: torch.Tensor, name: str, dim=None, start=0, stop=None, expect=None):
-        if isinstance(dst, (cpu_quant.QuantRows, cpu_quant.QuantTable)):   # packed, chunk by chunk
+        if isinstance(dst, (cpu_quant.QuantRows, cpu_quant.QuantTable)):   # CPU int4: chunk by chunk
             try:
                 dst.load(source.packed_chunks(name, dim, start, stop))
             except ValueError as exc:
@@ -69,7 +69,7 @@ def load_weights(self: "Transformer", source) -> None:
 
     def mat(rows: int, cols: int):
         """-> (stored tensor in weight_layout, its [rows, cols] = [out, in] view)."""
-        if self.quant:
+        if self.quant_cpu:
             ql = cpu_quant.QuantLinear(rows, cols)
             return ql, ql.rows()
         if self.packed:
@@ -87,13 +87,13 @@ def load_weights(self: "Transformer", source) -> None:
         raise CheckpointError("the checkpoint has no 'lm_head.weight' but config says "
                               "tie_word_embeddings=false; the checkpoint is incomplete")
     wkw = dict(dtype=self.weight_dtype, device=self.device)
-    packed_tied = self.packed and not self.quant and tied and v1 - v0 == cfg.vocab_size
+    packed_tied = self.packed and not self.quant_cpu and tied and v1 - v0 == cfg.vocab_size
     with torch.no_grad():
         if packed_tied:                # the packed head serves the lookup too (gather_rows)
             self.head, head_rows = mat(cfg.vocab_size, H)
             self.embed = None
             fetch(head_rows, "model.embed_tokens.weight")
-        elif self.quant:                 # packed rows, dequantized per looked-up token
+        elif self.quant_cpu:                 # packed rows, dequantized per looked-up token
             self.embed = emb_store = cpu_quant.QuantTable(cfg.vocab_size, H)
         elif tied and self.transposed:   # one [hidden, vocab] store serves lookup and head
             emb_store, self.embed = mat(cfg.vocab_size, H)
@@ -122,24 +122,29 @@ def load_weights(self: "Transformer", source) -> None:
             fetch(ln1, p + "input_layernorm.weight")
             ln2 = torch.empty(H, **kw)
             fetch(ln2, p + "post_attention_layernorm.weight")
-            wqkv, wqkv_v = mat(q_rows + 2 * kv_rows, H)
-            fetch_qkv(wqkv_v, p, "weight")
+            if not self.quant4:
+                wqkv, wqkv_v = mat(q_rows + 2 * kv_rows, H)
+                fetch_qkv(wqkv_v, p, "weight")
             bqkv = None
             if cfg.attention_bias:
                 bqkv = torch.empty(q_rows + 2 * kv_rows, **kw)
                 fetch_qkv(bqkv, p, "bias")
-            wo, wo_v = mat(H, q_rows)
-            fetch(wo_v, p + "self_attn.o_proj.weight", 1, *sh.q_rows)
+            if not self.quant4:
+                wo, wo_v = mat(H, q_rows)
+                fetch(wo_v, p + "self_attn.o_proj.weight", 1, *sh.q_rows)
             bo = None
             if cfg.o_bias and self.comm.rank == 0:   # added once, before the all-reduce
                 bo = torch.empty(H, **kw)
                 fetch(bo, p + "self_attn.o_proj.bias")
             il = sh.inter_l
-            wgu, wgu_v = mat(2 * il, H)
-            fetch(wgu_v[:il], p + "mlp.gate_proj.weight", 0, *sh.ff)
-            fetch(wgu_v[il:], p + "mlp.up_proj.weight", 0, *sh.ff)
-            wd, wd_v = mat(H, il)
-            fetch(wd_v, p + "mlp.down_proj.weight", 1, *sh.ff)
+            if self.quant4:                            # the four projections packed 4-bit
+                wqkv, wo, wgu, wd = packed_layers.load_projections(source, p, sh, hd, self.device)
+            else:
+                wgu, wgu_v = mat(2 * il, H)
+                fetch(wgu_v[:il], p + "mlp.gate_proj.weight", 0, *sh.ff)
+                fetch(wgu_v[il:], p + "mlp.up_proj.weight", 0, *sh.ff)
+                wd, wd_v = mat(H, il)
+                fetch(wd_v, p + "mlp.down_proj.weight", 1, *sh.ff)
             layers.append(Layer(ln1, wqkv, bqkv, wo, bo, ln2, wgu, wd,
                                  self._k_layers[i], self._v_layers[i]))
         self.norm = torch.empty(H, **kw)
@@ -152,10 +157,10 @@ def load_weights(self: "Transformer", source) -> None:
             self.head, head_v = mat(sh.v_chunk, H)
             if not self.packed:                    # (packed weights start zeroed)
                 self.head.zero_()
-            if self.quant and v1 - v0 < sh.v_chunk:   # zero padding rows, float32
+            if self.quant_cpu and v1 - v0 < sh.v_chunk:   # zero padding rows, float32
                 head_v[v1 - v0:].load([(0, torch.zeros(sh.v_chunk - (v1 - v0), H))])
             if v1 > v0:
-                if tied and self.quant:
+                if tied and self.quant_cpu:
                     fetch(head_v[:v1 - v0], "model.embed_tokens.weight", 0, v0, v1)
                 elif tied:
                     head_v[:v1 - v0].copy_(self.embed[v0:v1])

@@ -16,6 +16,10 @@ line per prompt, except:
     text \\              a line ending in a backslash continues on the next one
     {"prompt": "..."}   a JSON object, as a line of a --prompts file (newlines as \\n)
 
+A line that cannot be a prompt (a JSON line that does not parse or holds no prompt text, a lone
+surrogate escape, a prompt longer than the room or one the tokenizer or chat template refuses)
+gets one line on stderr and the session goes on; bytes that are not UTF-8 are read as U+FFFD.
+
 With --chat the prompts form one conversation: each is the next user turn, and the model sees the
 earlier turns and its own replies through its chat template. When the conversation no longer fits
 the KV cache (--max-context, less the new tokens and the tree's room), its oldest turns are left
@@ -120,11 +124,20 @@ def read_turn(readline) -> tuple[str, str]:
             obj = json.loads(stripped)
         except json.JSONDecodeError as exc:
             return "error", f"not valid JSON ({exc.msg}); a line starting with {{ is read as a JSON prompt"
+        except RecursionError:
+            return "error", "not a JSON prompt: nested too deeply"
+        except ValueError as exc:     # e.g. an integer of more than 4300 digits
+            return "error", f"not a JSON prompt: a number too large ({' '.join(str(exc).split())[:80]})"
         text = obj.get("prompt") if isinstance(obj, dict) else None
         if text is None and isinstance(obj, dict) and isinstance(obj.get("turns"), list) and obj["turns"]:
             text = obj["turns"][0]
         if not isinstance(text, str):
             return "error", 'a JSON prompt needs a "prompt" string (or Spec-Bench "turns")'
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return "error", (f"the JSON prompt holds an invalid Unicode character ({exc.object[exc.start]!r}, "
+                             "a lone surrogate escape); send UTF-8 text")
         return ("prompt", text) if text.strip() else ("skip", "")
     lines = [line]
     while lines[-1].endswith("\\"):
@@ -177,7 +190,7 @@ class SharedRequests:
     """Requests that arrive while the job runs: world rank 0 gets the next one (`_read_request`,
     a subclass's), every rank receives it from `next()` (None at the end). The other ranks wait
     in a polled nonblocking broadcast; a signal seen by rank 0 while it waits is shared too, so
-    every rank stops together (Interrupted). Subclasses: PromptSource (stdin), server.HttpSource."""
+    every rank stops together (Interrupted). Subclasses: PromptSource (stdin), http_server.HttpSource."""
 
     def __init__(self, world, cfg, tokenizer, stop_flag, watch, room: int, err=None):
         self.world, self.cfg, self.tokenizer = world, cfg, tokenizer
@@ -205,6 +218,10 @@ class SharedRequests:
 
     def finished(self, result) -> None:
         """Every rank, after a request (`result` on rank 0 only)."""
+
+    def interrupted(self, results) -> None:
+        """Rank 0 at a signal, before the trace is written: tell whoever waits (`results`: the
+        job's RequestResults so far)."""
 
     def _share(self, kind: int, payload: bytes) -> None:
         header = np.array([kind, len(payload)], dtype=np.int64)
@@ -282,6 +299,10 @@ class PromptSource(SharedRequests):
                 except TurnTooLong as exc:
                     self.say(f"swiftspec: this prompt has {exc} and the session has room for {self.room}; "
                              "shorten it, or start the session with a larger --max-context")
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a line must not end the session
+                    self.say(f"swiftspec: this prompt cannot be tokenized or rendered ({type(exc).__name__}: "
+                             f"{' '.join(str(exc).splitlines())[:200]}); the session goes on")
                     continue
                 if not ids:
                     continue

@@ -29,6 +29,7 @@ import numpy as np
 
 from swiftspec_mpi.core.errors import UserError
 from swiftspec_mpi.gpu.sharing import describe as describe_gpu_sharing
+from swiftspec_mpi.trace import tree_sources
 
 from swiftspec_mpi.trace import perfetto, plots
 from swiftspec_mpi.trace.read import ROLE_NAMES, group_leaders
@@ -169,6 +170,7 @@ def summarize(trace, label: str | None = None) -> dict:
     s.update(_speed(trace.requests))
     s.update(_acceptance(trace.requests))
     s.update(_event_summary(trace))
+    s["tree_sources"] = tree_sources.tree_source_summary(trace.requests)
     cats = {}
     if any(r.category for r in trace.requests):
         order = []
@@ -296,6 +298,7 @@ def table_rows(summaries: list[dict]) -> list[tuple[str, list[str]]]:
         rows.append(("events dropped", col(lambda s: str(s.get("events_dropped")))))
     if any(s.get("late_graph_captures") for s in summaries):   # warm-up missed a shape: a slow step
         rows.append(("CUDA graphs captured in requests", col(lambda s: str(s.get("late_graph_captures")))))
+    rows += tree_sources.table_rows(summaries)
     cats = []
     for s in summaries:
         cats += [c for c in s["categories"] if c not in cats]
@@ -381,6 +384,9 @@ def main(args) -> int:
             written.append(p + ("" if win else " (no timing data)"))
             p = os.path.join(args.plot, f"{s['label']}_accepted_hist.png")
             if plots.plot_accepted_hist(s, p):
+                written.append(p)
+            p = os.path.join(args.plot, f"{s['label']}_tree_sources.png")
+            if tree_sources.plot_tree_sources(t, p, f"{s['label']}: verified trees"):
                 written.append(p)
         p = os.path.join(args.plot, "tokens_per_s.png")
         if plots.plot_tokens_per_s(summaries, p):

@@ -22,7 +22,9 @@ ROLE_NAMES = {0: "verify", 1: "draft"}
 
 # field name -> (numpy dtype, fill value when the field is missing)
 STEP_FIELDS = {"step": (np.int32, -1), "tree_size": (np.int32, -1), "accepted": (np.int32, 0),
-               "t_start": (np.float64, np.nan), "t_end": (np.float64, np.nan)}
+               "t_start": (np.float64, np.nan), "t_end": (np.float64, np.nan),
+               "tree_source": (np.int8, -1), "tree_depth": (np.int32, -1), "tree_nodes": (np.int32, -1),
+               "drafted": (np.int32, -1), "fresh_wait_s": (np.float64, np.nan)}
 EVENT_FIELDS = {"rank": (np.int32, -1), "role": (np.int8, -1), "request": (np.int32, -1),
                 "step": (np.int32, -1), "kind": (np.int8, -1), "t_start": (np.float64, np.nan),
                 "t_end": (np.float64, np.nan), "n_tokens": (np.int32, 0), "accepted": (np.int32, 0),
@@ -31,7 +33,8 @@ RANK_FIELDS = {"rank": (np.int32, -1), "role": (np.int8, -1), "group_rank": (np.
                "group_size": (np.int32, -1), "host": (object, ""), "device": (object, ""),
                "events_dropped": (np.int64, 0), "late_graph_captures": (np.int32, 0)}
 # fields added after format_version 1 was first written: older files lack them, silently
-ADDED_FIELDS = {"late_graph_captures"}
+ADDED_FIELDS = {"late_graph_captures", "tree_source", "tree_depth", "tree_nodes", "drafted",
+                "fresh_wait_s"}
 
 
 @dataclass
@@ -42,6 +45,11 @@ class Steps:
     accepted: np.ndarray
     t_start: np.ndarray
     t_end: np.ndarray
+    tree_source: np.ndarray     # trace.record.SOURCE code, -1 in `ar` or an older file
+    tree_depth: np.ndarray      # -1 where unknown (older file)
+    tree_nodes: np.ndarray
+    drafted: np.ndarray
+    fresh_wait_s: np.ndarray    # NaN where unknown
 
     def __len__(self) -> int:
         return len(self.step)

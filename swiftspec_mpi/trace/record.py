@@ -21,7 +21,12 @@ EVENT_DTYPE = np.dtype([("rank", "<i4"), ("role", "i1"), ("request", "<i4"), ("s
                         ("kind", "i1"), ("t_start", "<f8"), ("t_end", "<f8"),
                         ("n_tokens", "<i4"), ("accepted", "<i4"), ("comm_s", "<f8")])
 STEP_DTYPE = np.dtype([("step", "<i4"), ("tree_size", "<i4"), ("accepted", "<i4"),
-                       ("t_start", "<f8"), ("t_end", "<f8")])
+                       ("t_start", "<f8"), ("t_end", "<f8"), ("tree_source", "i1"),
+                       ("tree_depth", "<i4"), ("tree_nodes", "<i4"), ("drafted", "<i4"),
+                       ("fresh_wait_s", "<f8")])
+# where a verified tree came from (steps.tree_source; -1: no tree, `ar`)
+TREE_SOURCES = ("fresh", "rerooted", "remnant")
+SOURCE = {name: i for i, name in enumerate(TREE_SOURCES)}
 RANK_DTYPE = np.dtype([("rank", "<i4"), ("role", "i1"), ("group_rank", "<i4"), ("group_size", "<i4"),
                        ("host", "S64"), ("device", "S32"), ("events_dropped", "<i8"),
                        ("late_graph_captures", "<i4")])
@@ -72,11 +77,23 @@ class RequestResult:
     t_first: float | None = None
     t_end: float | None = None
     stop_reason: str = "interrupted"
-    steps: list[tuple] = field(default_factory=list)  # (step, tree_size, accepted, t_start, t_end)
+    steps: list[tuple] = field(default_factory=list)  # rows of STEP_DTYPE (step_row)
+    logprobs: list[tuple] = field(default_factory=list)  # --serve logprobs: decoding.committed_logprobs
 
     @property
     def seconds(self) -> float:
         return max(0.0, (self.t_end or self.t_start) - self.t_start)
+
+
+def step_row(step: int, tree_size: int, accepted: int, t_start: float, t_end: float,
+             source: int = -1, depth: int = 0, nodes: int = 1, drafted: int = 0,
+             fresh_wait_s: float = float("nan")) -> tuple:
+    """One row of a request's `steps` table (STEP_DTYPE): the verified tree's size, the tokens
+    it committed, the step's span; where the tree came from (SOURCE, -1 in `ar`), its depth
+    (edges), the nodes at hand it was cut from, the draft expansions it holds made while the
+    verify group ran its previous step, and the time the step would have waited for the fresh
+    tree (the one the draft re-rooted on the previous result; NaN when none came)."""
+    return (step, tree_size, accepted, t_start, t_end, source, depth, nodes, drafted, fresh_wait_s)
 
 
 def h5_text(s: str) -> str:

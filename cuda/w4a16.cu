@@ -1,0 +1,439 @@
+// W4A16 projections for decode-sized batches (M <= 32 rows): Y[M, N] = X[M, K] @ W[N, K]^T with W
+// held as 4-bit codes and a scale and an offset per group of GS inputs (W = q * scale + offset,
+// swiftspec_mpi.model.quant.PackedInt4), bf16 activations, fp32 accumulation on tensor cores,
+// bf16 out; the same product fused with the tensor-parallel all-reduce through NCCL's device API
+// (as cuda/gemm_allreduce.cu does for bf16 weights); and the dequantization to a bf16 [N, K] matrix
+// (prompts: dequantized layer by layer, then cuBLAS).
+//
+// Device layout (swiftspec_mpi/gpu/w4a16.py repacks a PackedInt4 into it at load time):
+//   qweight uint8 [N, K/2]: row n, 128-k chunk c = bytes [64 c, 64 c + 64) of the row; inside it,
+//     the 4-byte word (lane q, part p) at byte 64 c + 16 q + 4 p holds the 8 codes of
+//     k = 128 c + 32 p + 8 q + r, r = 0..7, nibble i (bits 4i..4i+3) holding r = PERM[i] =
+//     {0, 2, 4, 6, 1, 3, 5, 7}: (nibble i, nibble i + 4) are the consecutive k's (2i, 2i + 1).
+//   so uint32 [N, K/GS]: bf16 scale (low half) and bf16 offset (high half) of each group.
+// So lane q of a warp reads one 16-byte vector per row and 128-k chunk, and its 4 words are
+// groups 4c + p for GS = 32 (one group each), 2c + p/2 for GS = 64, c for GS = 128.
+//
+// GEMV on tensor cores with W as the A operand (mma.sync m16n8k16: 16 W rows x 16 k's, times X^T:
+// 16 k's x 8 rows of X). Lane (g = lane/4, q = lane%4) supplies W rows g and g + 8 of the tile and
+// X row 8 b + g of m-block b at the same 4 k's per MMA: MMA 2p of a chunk takes k = 32p + 8q + 0..3,
+// MMA 2p + 1 k = 32p + 8q + 4..7 (a permutation of the k's inside each MMA, the same for A and B,
+// so the sum is the same). One 16-byte load of X row m gives both MMAs' B fragments, one 16-byte
+// load of W row g their A halves. Dequantization in registers: (word >> 4i) & 0x000F000F | 0x43004300
+// is the bf16 pair (128 + q_2i, 128 + q_2i+1) (one lop3 and one shift), minus 128 exactly, then one
+// bf16x2 FMA with (scale, offset) of the row's group: W = bf16(q * s + o) with s, o rounded to bf16
+// (relative error of W about 2^-9 of |q s| + |o|, the same as a bf16 weight's rounding).
+//
+// A block of 8 warps owns T tiles of 16 W rows; warp w takes the k-chunks w U, (w + 8) U, ... of
+// U x 128 k's, double-buffering its loads in registers (the next chunk's W, scales in flight while
+// the current one is multiplied); the 8 warps' partial [16 x 8 MB] tiles are summed in shared
+// memory in warp order. MB = 1, 2, 4 m-blocks of 8 rows: M <= 8, 16, 32. The summation order
+// depends on U and GS only. Programmatic dependent launch: launch_dependents at once, and
+// griddepcontrol.wait after the first chunk's W loads are issued (W is a weight, X the previous
+// kernel's output).
+//
+// Floor: the packed bytes. Llama-3-8B down_proj 4096 x 14336 at group 128: 28 MiB codes + 1.8 MiB
+// scales -> 7.5 us at 4.17 TB/s; Llama-3-70B down_proj 8192 x 28672: 117 + 7.3 MiB -> 31 us.
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#ifdef SWIFTSPEC_WITH_NCCL
+#include <nccl.h>
+#include <nccl_device.h>
+#endif
+
+namespace w4 {
+
+constexpr int WARPS = 8;
+constexpr int THREADS = WARPS * 32;
+
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+__device__ __forceinline__ __nv_bfloat162 as_bf2(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
+
+// Pair i (0..3) of a code word as bf16x2 weights: (q_2i, q_2i+1) * scale + offset, so = (scale, offset).
+__device__ __forceinline__ uint32_t dq_pair(uint32_t word, int i, uint32_t so) {
+  const uint32_t t = ((word >> (4 * i)) & 0x000F000Fu) | 0x43004300u;       // bf16 128 + q
+  const __nv_bfloat162 q = __hsub2(as_bf2(t), as_bf2(0x43004300u));          // exact q
+  const __nv_bfloat162 s2 = as_bf2((so & 0xFFFFu) | (so << 16));
+  const __nv_bfloat162 o2 = as_bf2((so >> 16) | (so & 0xFFFF0000u));
+  return as_u32(__hfma2(q, s2, o2));
+}
+
+// Scales of one row for one 128-k chunk: SW = 128 / GS words (group of word p = p * SW / 4).
+template <int GS>
+struct Scales {
+  static constexpr int SW = 128 / GS;
+  uint32_t v[SW];
+};
+
+template <int GS>
+__device__ __forceinline__ void load_scales(Scales<GS>& s, const uint32_t* p) {
+  if constexpr (GS == 32) {
+    const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
+    s.v[0] = r.x; s.v[1] = r.y; s.v[2] = r.z; s.v[3] = r.w;
+  } else if constexpr (GS == 64) {
+    const uint2 r = __ldg(reinterpret_cast<const uint2*>(p));
+    s.v[0] = r.x; s.v[1] = r.y;
+  } else {
+    s.v[0] = __ldg(p);
+  }
+}
+
+template <int GS>
+__device__ __forceinline__ uint32_t scale_of(const Scales<GS>& s, int p) {
+  return s.v[(p * Scales<GS>::SW) / 4];
+}
+
+// One warp's chunk: U 128-k units of the T tiles' rows g (h = 0) and g + 8 (h = 1).
+template <int T, int U, int GS>
+struct Chunk {
+  uint4 w[T][U][2];
+  Scales<GS> s[T][U][2];
+};
+
+// Partial Y tiles of the T tiles tile0 .. tile0 + T - 1 (those < n_tiles) over all of K, summed
+// over the block's warps, into res[t][n (16)][m (8 MB)] (shared, T * 128 * MB floats). red: shared
+// scratch [WARPS][T * 128 * MB]. All THREADS threads call it; ends with a barrier.
+template <int T, int U, int GS, int MB, bool EX>
+__device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, long long ldx,
+                                         const uint8_t* __restrict__ qw, const uint32_t* __restrict__ so,
+                                         int M, int K, int n_tiles, int tile0, float* red, float* res) {
+  constexpr int KC = 128 * U;
+  constexpr int STEP = WARPS * KC;
+  constexpr int TS = 128 * MB;               // floats of one tile's [16 x 8 MB] partial
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, q = lane & 3;
+  const long long qrow = K / 2, srow = K / GS;
+  const uint8_t* wrow[T][2];
+  const uint32_t* srowp[T][2];
+  bool tv[T];
+#pragma unroll
+  for (int t = 0; t < T; ++t) {
+    tv[t] = tile0 + t < n_tiles;
+    const int tile = tv[t] ? tile0 + t : tile0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const long long n = (long long)tile * 16 + g + 8 * h;
+      wrow[t][h] = qw + n * qrow + 16 * q;
+      srowp[t][h] = so + n * srow;
+    }
+  }
+  const __nv_bfloat16* xrow[MB];
+  bool xv[MB];
+#pragma unroll
+  for (int b = 0; b < MB; ++b) {
+    xv[b] = 8 * b + g < M;
+    xrow[b] = x + (long long)(xv[b] ? 8 * b + g : 0) * ldx + 8 * q;
+  }
+
+  auto load = [&](Chunk<T, U, GS>& ch, int k0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = k0 + 128 * u;
+      const bool ok = k < K;
+#pragma unroll
+      for (int t = 0; t < T; ++t)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (ok && tv[t]) {
+            ch.w[t][u][h] = ld_stream(wrow[t][h] + k / 2);
+            load_scales<GS>(ch.s[t][u][h], srowp[t][h] + k / GS);
+          } else {
+            ch.w[t][u][h] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int i = 0; i < Scales<GS>::SW; ++i) ch.s[t][u][h].v[i] = 0u;
+          }
+        }
+    }
+  };
+  float cc[T][MB][4];
+#pragma unroll
+  for (int t = 0; t < T; ++t)
+#pragma unroll
+    for (int b = 0; b < MB; ++b) cc[t][b][0] = cc[t][b][1] = cc[t][b][2] = cc[t][b][3] = 0.f;
+
+  // EX (exact group scaling): the MMAs take the codes' bf16 (128 + q) as they come out of one
+  // lop3 (no per-weight subtract and FMA); per group, P = sum x (128 + q) of each output and
+  // X = sum x (one MMA with an all-ones A per X fragment), then Y += s P + (o - 128 s) X in fp32.
+  auto compute_exact = [&](const Chunk<T, U, GS>& ch, int u, int k) {
+    constexpr int PG = GS / 32;               // words p per group (1, 2, 4)
+    constexpr uint32_t ONE = 0x3F803F80u;     // bf16 (1, 1)
+    float tp[T][MB][4], xs[MB][4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      if (p % PG == 0) {
+#pragma unroll
+        for (int b = 0; b < MB; ++b) {
+          xs[b][0] = xs[b][1] = xs[b][2] = xs[b][3] = 0.f;
+#pragma unroll
+          for (int t = 0; t < T; ++t) tp[t][b][0] = tp[t][b][1] = tp[t][b][2] = tp[t][b][3] = 0.f;
+        }
+      }
+      uint4 xb[MB];
+#pragma unroll
+      for (int b = 0; b < MB; ++b) {
+        xb[b] = xv[b] ? __ldg(reinterpret_cast<const uint4*>(xrow[b] + k + 32 * p)) : make_uint4(0, 0, 0, 0);
+        mma_bf16(xs[b], ONE, ONE, ONE, ONE, xb[b].x, xb[b].y);
+        mma_bf16(xs[b], ONE, ONE, ONE, ONE, xb[b].z, xb[b].w);
+      }
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const uint32_t wg = (&ch.w[t][u][0].x)[p], wh = (&ch.w[t][u][1].x)[p];
+        const uint32_t a0 = (wg & 0x000F000Fu) | 0x43004300u, a1 = (wh & 0x000F000Fu) | 0x43004300u;
+        const uint32_t a2 = ((wg >> 4) & 0x000F000Fu) | 0x43004300u, a3 = ((wh >> 4) & 0x000F000Fu) | 0x43004300u;
+        const uint32_t e0 = ((wg >> 8) & 0x000F000Fu) | 0x43004300u, e1 = ((wh >> 8) & 0x000F000Fu) | 0x43004300u;
+        const uint32_t e2 = ((wg >> 12) & 0x000F000Fu) | 0x43004300u, e3 = ((wh >> 12) & 0x000F000Fu) | 0x43004300u;
+#pragma unroll
+        for (int b = 0; b < MB; ++b) {
+          mma_bf16(tp[t][b], a0, a1, a2, a3, xb[b].x, xb[b].y);
+          mma_bf16(tp[t][b], e0, e1, e2, e3, xb[b].z, xb[b].w);
+        }
+      }
+      if (p % PG == PG - 1) {                 // the group ends: scale and offset in fp32
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          const uint32_t sg = scale_of<GS>(ch.s[t][u][0], p), sh = scale_of<GS>(ch.s[t][u][1], p);
+          const float s0 = __uint_as_float(sg << 16), o0 = __uint_as_float(sg & 0xFFFF0000u) - 128.f * s0;
+          const float s1 = __uint_as_float(sh << 16), o1 = __uint_as_float(sh & 0xFFFF0000u) - 128.f * s1;
+#pragma unroll
+          for (int b = 0; b < MB; ++b) {
+            cc[t][b][0] = fmaf(s0, tp[t][b][0], fmaf(o0, xs[b][0], cc[t][b][0]));
+            cc[t][b][1] = fmaf(s0, tp[t][b][1], fmaf(o0, xs[b][1], cc[t][b][1]));
+            cc[t][b][2] = fmaf(s1, tp[t][b][2], fmaf(o1, xs[b][0], cc[t][b][2]));
+            cc[t][b][3] = fmaf(s1, tp[t][b][3], fmaf(o1, xs[b][1], cc[t][b][3]));
+          }
+        }
+      }
+    }
+  };
+
+  auto compute = [&](const Chunk<T, U, GS>& ch, int k0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = k0 + 128 * u;
+      if (k >= K) break;                      // uniform over the warp
+      if constexpr (EX) {
+        compute_exact(ch, u, k);
+        continue;
+      }
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        uint4 xb[MB];
+#pragma unroll
+        for (int b = 0; b < MB; ++b)
+          xb[b] = xv[b] ? __ldg(reinterpret_cast<const uint4*>(xrow[b] + k + 32 * p)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          const uint32_t wg = (&ch.w[t][u][0].x)[p], wh = (&ch.w[t][u][1].x)[p];
+          const uint32_t sg = scale_of<GS>(ch.s[t][u][0], p), sh = scale_of<GS>(ch.s[t][u][1], p);
+          // MMA 2p: k's 0..3 of this word (pairs 0, 1); MMA 2p + 1: k's 4..7 (pairs 2, 3)
+          const uint32_t a0 = dq_pair(wg, 0, sg), a1 = dq_pair(wh, 0, sh);
+          const uint32_t a2 = dq_pair(wg, 1, sg), a3 = dq_pair(wh, 1, sh);
+          const uint32_t e0 = dq_pair(wg, 2, sg), e1 = dq_pair(wh, 2, sh);
+          const uint32_t e2 = dq_pair(wg, 3, sg), e3 = dq_pair(wh, 3, sh);
+#pragma unroll
+          for (int b = 0; b < MB; ++b) {
+            mma_bf16(cc[t][b], a0, a1, a2, a3, xb[b].x, xb[b].y);
+            mma_bf16(cc[t][b], e0, e1, e2, e3, xb[b].z, xb[b].w);
+          }
+        }
+      }
+    }
+  };
+
+  int k0 = warp * KC;
+  {
+    Chunk<T, U, GS> c0, c1;
+    if (k0 < K) load(c0, k0);
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");   // no-op without PDL
+    while (k0 < K) {
+      load(c1, k0 + STEP);                    // past K: zeros
+      compute(c0, k0);
+      k0 += STEP;
+      if (k0 >= K) break;
+      load(c0, k0 + STEP);
+      compute(c1, k0);
+      k0 += STEP;
+    }
+  }
+  // partials: c[0] (n g, m 8b + 2q), c[1] (g, 8b + 2q + 1), c[2] (g + 8, 2q), c[3] (g + 8, 2q + 1)
+#pragma unroll
+  for (int t = 0; t < T; ++t)
+#pragma unroll
+    for (int b = 0; b < MB; ++b) {
+      float* r = red + warp * (T * TS) + t * TS;
+      const int m0 = 8 * b + 2 * q;
+      r[g * (8 * MB) + m0] = cc[t][b][0];
+      r[g * (8 * MB) + m0 + 1] = cc[t][b][1];
+      r[(g + 8) * (8 * MB) + m0] = cc[t][b][2];
+      r[(g + 8) * (8 * MB) + m0 + 1] = cc[t][b][3];
+    }
+  __syncthreads();
+  for (int e = tid; e < T * TS; e += THREADS) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < WARPS; ++i) s += red[i * (T * TS) + e];
+    res[e] = s;
+  }
+  __syncthreads();
+}
+
+template <int T, int U, int GS, int MB, bool EX>
+__device__ __forceinline__ void gemm_body(const __nv_bfloat16* __restrict__ x, long long ldx,
+                                          const uint8_t* __restrict__ qw, const uint32_t* __restrict__ so,
+                                          __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K) {
+  constexpr int TS = 128 * MB;
+  __shared__ float red[WARPS * T * TS];
+  __shared__ float res[T * TS];
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  const int n_tiles = N / 16;
+  for (int tile0 = blockIdx.x * T; tile0 < n_tiles; tile0 += gridDim.x * T) {
+    w4_tiles<T, U, GS, MB, EX>(x, ldx, qw, so, M, K, n_tiles, tile0, red, res);
+    for (int e = threadIdx.x; e < T * TS; e += THREADS) {
+      const int t = e / TS, n = (e % TS) / (8 * MB), m = e % (8 * MB);
+      if (m < M && tile0 + t < n_tiles) y[(long long)m * ldy + (tile0 + t) * 16 + n] = __float2bfloat16_rn(res[e]);
+    }
+  }
+}
+
+}  // namespace w4
+
+// w4a16_gemm_mb<MB>_g<GS>_t<T>_u<U>_e<EX>: grid <= ceil(N / 16 / T) blocks of 256 threads (blocks
+// stride over the tile groups); MINB blocks per SM (2: at most 128 registers a thread).
+#define W4_GEMM(MB, GS, T, U, EX, MINB)                                                                \
+  extern "C" __global__ void __launch_bounds__(w4::THREADS, MINB)                                     \
+  w4a16_gemm_mb##MB##_g##GS##_t##T##_u##U##_e##EX(const __nv_bfloat16* __restrict__ x, long long ldx, \
+      const uint8_t* __restrict__ qw, const uint32_t* __restrict__ so, __nv_bfloat16* __restrict__ y,   \
+      long long ldy, int M, int N, int K) {                                                           \
+    w4::gemm_body<T, U, GS, MB, EX>(x, ldx, qw, so, y, ldy, M, N, K);                                \
+  }
+#define W4_GEMM_MB(GS, T, U, EX, MINB) \
+  W4_GEMM(1, GS, T, U, EX, MINB) W4_GEMM(2, GS, T, U, EX, MINB) W4_GEMM(4, GS, T, U, EX, MINB)
+#define W4_GEMM_ALL(T, U, EX, MINB) \
+  W4_GEMM_MB(32, T, U, EX, MINB) W4_GEMM_MB(64, T, U, EX, MINB) W4_GEMM_MB(128, T, U, EX, MINB)
+W4_GEMM_ALL(1, 2, 0, 2)
+W4_GEMM_ALL(2, 2, 0, 1)
+W4_GEMM_ALL(1, 2, 1, 2)
+W4_GEMM_ALL(2, 2, 1, 1)
+W4_GEMM_ALL(1, 4, 1, 1)
+
+// The dequantized matrix: out [N, K] bf16 (row stride ldo), the very values the GEMV multiplies.
+// One thread per code word (8 consecutive k's, one 16-byte store).
+template <int GS>
+__device__ __forceinline__ void dequant_body(const uint8_t* __restrict__ qw, const uint32_t* __restrict__ so,
+                                             __nv_bfloat16* __restrict__ out, long long ldo, int N, int K) {
+  const long long words = (long long)N * (K / 8);
+  for (long long wi = blockIdx.x * (long long)blockDim.x + threadIdx.x; wi < words;
+       wi += (long long)gridDim.x * blockDim.x) {
+    const long long n = wi / (K / 8);
+    const int r = (int)(wi % (K / 8));          // word of the row: chunk c, lane q, part p
+    const int c = r >> 4, q = (r >> 2) & 3, p = r & 3;
+    const int k = 128 * c + 32 * p + 8 * q;
+    const uint32_t word = reinterpret_cast<const uint32_t*>(qw + n * (K / 2))[r];
+    const uint32_t s = so[n * (K / GS) + k / GS];
+    uint4 v;
+    v.x = w4::dq_pair(word, 0, s);
+    v.y = w4::dq_pair(word, 1, s);
+    v.z = w4::dq_pair(word, 2, s);
+    v.w = w4::dq_pair(word, 3, s);
+    *reinterpret_cast<uint4*>(out + n * ldo + k) = v;
+  }
+}
+
+#define W4_DEQUANT(GS)                                                                                 \
+  extern "C" __global__ void __launch_bounds__(256) w4a16_dequant_g##GS(const uint8_t* __restrict__ qw, \
+      const uint32_t* __restrict__ so, __nv_bfloat16* __restrict__ out, long long ldo, int N, int K) { \
+    dequant_body<GS>(qw, so, out, ldo, N, K);                                                         \
+  }
+W4_DEQUANT(32)
+W4_DEQUANT(64)
+W4_DEQUANT(128)
+
+#ifdef SWIFTSPEC_WITH_NCCL
+namespace w4 {
+
+// GEMM + all-reduce over the LSA team, like rowpar::gemm_allreduce_body (cuda/gemm_allreduce.cu):
+// a persistent grid, block b computes the same 16-row tiles on every rank, writes its fp32
+// partials [tile][16 n][16 m] into its half (parity) of the symmetric window (2 * N * 16 * 4 bytes,
+// the DeviceAllReduce's), meets block b of every peer at LSA barrier b, then sums the peers'
+// partials in rank order (same bits on every rank) and writes Y. M <= 16 (MB <= 2: the window).
+template <int T, int U, int GS, int MB, bool EX>
+__device__ __forceinline__ void allreduce_body(const __nv_bfloat16* __restrict__ x, long long ldx,
+                                               const uint8_t* __restrict__ qw, const uint32_t* __restrict__ so,
+                                               __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K,
+                                               ncclWindow_t win, const ncclDevComm* __restrict__ dcomm_p,
+                                               unsigned int* __restrict__ seq) {
+  static_assert(MB <= 2, "the window holds 16 rows");
+  constexpr int TS = 128 * MB;
+  __shared__ float red[WARPS * T * TS];
+  __shared__ float res[T * TS];
+  __shared__ unsigned int s_parity;
+  const ncclDevComm& dcomm = *dcomm_p;
+  const int tid = threadIdx.x;
+  const int n_tiles = N / 16;
+  if (tid == 0) {
+    s_parity = seq[blockIdx.x] & 1u;
+    seq[blockIdx.x] += 1u;
+  }
+  __syncthreads();
+  const size_t half_bytes = (size_t)n_tiles * 16 * 16 * sizeof(float);
+  const size_t base = s_parity * half_bytes;
+  float* mine = reinterpret_cast<float*>(ncclGetLocalPointer(win, base));
+  for (int tile0 = blockIdx.x * T; tile0 < n_tiles; tile0 += gridDim.x * T) {
+    w4_tiles<T, U, GS, MB, EX>(x, ldx, qw, so, M, K, n_tiles, tile0, red, res);
+    for (int e = tid; e < T * TS; e += THREADS)
+      if (tile0 + e / TS < n_tiles) mine[(size_t)tile0 * TS + e] = res[e];
+  }
+  ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dcomm, ncclTeamLsa(dcomm), dcomm.lsaBarrier, blockIdx.x);
+  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+  const int nranks = dcomm.lsaSize;
+  for (int tile0 = blockIdx.x * T; tile0 < n_tiles; tile0 += gridDim.x * T) {
+    for (int e = tid; e < T * TS; e += THREADS) {
+      const int t = e / TS, n = (e % TS) / (8 * MB), m = e % (8 * MB);
+      if (tile0 + t < n_tiles && m < M) {
+        float s = 0.f;
+        for (int peer = 0; peer < nranks; ++peer) {
+          const float* p = reinterpret_cast<const float*>(ncclGetLsaPointer(win, base, peer));
+          s += p[(size_t)tile0 * TS + e];
+        }
+        y[(long long)m * ldy + (tile0 + t) * 16 + n] = __float2bfloat16_rn(s);
+      }
+    }
+  }
+}
+
+}  // namespace w4
+
+// w4a16_allreduce_mb<MB>_g<GS>_t<T>_u<U>_e<EX>, launched with the DeviceAllReduce's persistent grid.
+#define W4_ALLREDUCE(MB, GS, T, U, EX)                                                                 \
+  extern "C" __global__ void __launch_bounds__(w4::THREADS, 2)                                        \
+  w4a16_allreduce_mb##MB##_g##GS##_t##T##_u##U##_e##EX(const __nv_bfloat16* __restrict__ x, long long ldx, \
+      const uint8_t* __restrict__ qw, const uint32_t* __restrict__ so, __nv_bfloat16* __restrict__ y,   \
+      long long ldy, int M, int N, int K, ncclWindow_t win, const ncclDevComm* __restrict__ dcomm,     \
+      unsigned int* __restrict__ seq) {                                                               \
+    w4::allreduce_body<T, U, GS, MB, EX>(x, ldx, qw, so, y, ldy, M, N, K, win, dcomm, seq);          \
+  }
+#define W4_ALLREDUCE_MB(GS, EX) W4_ALLREDUCE(1, GS, 1, 2, EX) W4_ALLREDUCE(2, GS, 1, 2, EX)
+W4_ALLREDUCE_MB(32, 0)
+W4_ALLREDUCE_MB(64, 0)
+W4_ALLREDUCE_MB(128, 0)
+W4_ALLREDUCE_MB(32, 1)
+W4_ALLREDUCE_MB(64, 1)
+W4_ALLREDUCE_MB(128, 1)
+#endif

@@ -1,0 +1,257 @@
+"""W4A16 kernels (cuda/w4a16.cu via swiftspec_mpi.gpu.w4a16) and the 4-bit GPU step.
+
+CPU: the device layout's repacking is a bijection that puts each code where the kernels read it.
+GPU (marked gpu): the GEMV against a float64 product of the dequantized weights for every M in
+1..32, groups 32 and 128 (64 once), Llama-3-8B and -70B projection shapes, fresh random inputs,
+poisoned outputs; the dequantization exact; PDL launches in a CUDA graph; the fused all-reduce at
+TP = 1; a 4-bit model's graphed step against its eager forward.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from swiftspec_mpi.gpu import kernels, nccl_shim, w4a16
+from swiftspec_mpi.model.quant import PackedInt4, dequantize, unpack_codes
+
+needs_gpu = pytest.mark.skipif(not kernels.available(), reason="needs CuPy, nvcc and an sm_90 GPU")
+TOL = 1e-2      # bf16 activations and bf16-rounded weights, output in bf16 (METHOD: 1e-3 .. 1e-2)
+# (N, K) of the projections: Llama-3-8B o_proj, down_proj, gate|up; Llama-3-70B o_proj, down_proj
+SHAPES_8B = ((4096, 4096), (4096, 14336), (28672, 4096))
+SHAPES_70B = ((8192, 8192), (8192, 28672))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def random_packed(n: int, k: int, group: int, gen: torch.Generator, device="cpu") -> PackedInt4:
+    """Random codes, positive scales and offsets of either sign (GGUF-like: not just -z * s)."""
+    q = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8, device=device)
+    scale = (torch.rand(n, k // group, generator=gen, device=device) * 0.01 + 0.001) / math.sqrt(k)
+    offset = scale * (torch.rand(n, k // group, generator=gen, device=device) * 20 - 15)
+    return PackedInt4(q, scale.float(), offset.float(), group)
+
+
+# ------------------------------------------------------------------------------------- CPU
+def test_repack_roundtrip_and_word_layout():
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 256, (48, 384 // 2), dtype=torch.uint8, generator=gen)
+    d = w4a16.repack_codes(q)
+    assert torch.equal(w4a16.unpack_device(d), q)
+    codes = unpack_codes(q)
+    for r in (0, 17, 47):                     # every word of a few rows, read as the kernel does
+        for c in range(3):
+            for lane_q in range(4):
+                for p in range(4):
+                    o = 64 * c + 16 * lane_q + 4 * p
+                    word = int.from_bytes(bytes(d[r, o:o + 4].tolist()), "little")
+                    for i in range(8):
+                        k = 128 * c + 32 * p + 8 * lane_q + w4a16.PERM[i]
+                        assert (word >> (4 * i)) & 15 == codes[r, k]
+
+
+def test_pack_scales_halves():
+    s = torch.tensor([[0.5, 0.015625]])
+    o = torch.tensor([[-3.0, 0.25]])
+    so = w4a16.pack_scales(s, o)
+    assert so.dtype == torch.int32 and so.shape == (1, 2)
+    pair = so.view(torch.bfloat16).view(1, 2, 2).float()
+    assert torch.equal(pair[..., 0], s) and torch.equal(pair[..., 1], o)
+
+
+def test_supported_shapes():
+    assert w4a16.supported(4096, 14336, 128) and w4a16.supported(16, 128, 32)
+    assert not w4a16.supported(4096, 4160, 32)      # K not a multiple of 128
+    assert not w4a16.supported(4104, 4096, 128)     # N not a multiple of 16
+    assert not w4a16.supported(4096, 4096, 16)
+
+
+# ------------------------------------------------------------------------------------- GPU
+def _check_gemm(n, k, group, ms, gen):
+    wp = random_packed(n, k, group, gen, "cuda")
+    w = w4a16.from_packed(wp, "cuda")
+    wd = dequantize(wp).double()                         # the exact weights, float64
+    errs = []
+    for m in ms:
+        x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        w4a16.gemm(x, w, out=out)
+        torch.cuda.synchronize()
+        assert bool(torch.isfinite(out).all()), f"unwritten outputs: N={n} K={k} g={group} M={m}"
+        e = rel_err(out, x.double() @ wd.T)
+        errs.append(e)
+        assert e < TOL, f"N={n} K={k} g={group} M={m}: rel err {e:.2e}"
+    return max(errs)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("nk", SHAPES_8B + SHAPES_70B, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gemm_matches_float64_every_m(nk, group):
+    gen = torch.Generator(device="cuda").manual_seed(hash((nk, group)) & 0xFFFF)
+    _check_gemm(*nk, group, range(1, 33), gen)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gemm_group64_and_small_shapes():
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    _check_gemm(4096, 4096, 64, (1, 8, 13, 32), gen)
+    _check_gemm(16, 128, 32, (1, 32), gen)             # one tile, one chunk
+    _check_gemm(48, 1152, 128, (3, 24), gen)           # warps without a chunk
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("config", w4a16.VARIANTS)
+def test_gemm_variants_same_function(config):
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    wp = random_packed(8192, 8192, 128, gen, "cuda")
+    w = w4a16.from_packed(wp, "cuda")
+    ref_w = dequantize(wp).double()
+    for m in (1, 8, 17, 32):
+        x = torch.randn(m, 8192, generator=gen, device="cuda").to(torch.bfloat16)
+        out = torch.full((m, 8192), float("nan"), dtype=torch.bfloat16, device="cuda")
+        w4a16.gemm(x, w, out=out, config=config)
+        assert rel_err(out, x.double() @ ref_w.T) < TOL
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_dequantize_is_the_rounded_exact_weight(group):
+    """dequantize = bf16(q * s + o) with s, o the bf16 values the kernels hold, rounded once."""
+    gen = torch.Generator(device="cuda").manual_seed(group)
+    wp = random_packed(1024, 2048, group, gen, "cuda")
+    w = w4a16.from_packed(wp, "cuda")
+    back = w4a16.to_packed(w)
+    assert torch.equal(back.qweight, wp.qweight)
+    exact = (unpack_codes(back.qweight).double().view(1024, -1, group) * back.scale.double().unsqueeze(-1)
+             + back.offset.double().unsqueeze(-1)).view(1024, 2048)
+    out = torch.full((1024, 2048), float("nan"), dtype=torch.bfloat16, device="cuda")
+    w4a16.dequantize(w, out=out)
+    assert torch.equal(out, exact.to(torch.bfloat16))
+    # the GEMV multiplies the same weights: against cuBLAS on them, a summation-order difference
+    x = torch.randn(8, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+    assert rel_err(w4a16.gemm(x, w), x.double() @ exact.T) < 4e-3
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gemm_pdl_in_graph_equals_plain():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w = w4a16.from_packed(random_packed(4096, 14336, 128, gen, "cuda"), "cuda")
+    for m in (1, 8, 32):
+        x = torch.randn(m, 14336, generator=gen, device="cuda").to(torch.bfloat16)
+        plain = w4a16.gemm(x, w)
+        x2 = torch.empty_like(x)
+        out = torch.empty_like(plain)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.add(x, 0.0, out=x2)
+            w4a16.gemm(x2, w, out=out, pdl=True)
+        x2.zero_()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_linear_dispatch_prompt_rows():
+    """More rows than the GEMV takes: dequantize + cuBLAS, the same function."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    wp = random_packed(2048, 4096, 128, gen, "cuda")
+    w = w4a16.from_packed(wp, "cuda")
+    x = torch.randn(100, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    assert rel_err(w4a16.linear(x, w), x.double() @ dequantize(wp).double().T) < TOL
+    with pytest.raises(ValueError):
+        w4a16.gemm(x, w)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gemm_allreduce_single_rank_equals_gemm():
+    if nccl_shim.nccl_include_dir() is None:
+        pytest.skip("no NCCL >= 2.28 headers")
+    n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    nccl = nccl_shim.get_nccl()
+    comm = nccl.comm_init_rank(1, nccl.get_unique_id(), 0)
+    try:
+        ar = nccl_shim.DeviceAllReduce(comm, max_n=8192, n_ctas=2 * n_sms)
+    except nccl_shim.NcclError as e:
+        nccl.comm_destroy(comm)
+        pytest.skip(f"this NCCL gives no device communicator on 1 rank: {e}")
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(9)
+        for m, n, k, g in ((1, 4096, 4096, 128), (8, 4096, 14336, 128), (16, 8192, 8192, 32), (5, 8192, 1024, 128)):
+            w = w4a16.from_packed(random_packed(n, k, g, gen, "cuda"), "cuda")
+            x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+            plain = w4a16.gemm(x, w)
+            for _ in range(3):                       # both window halves
+                out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                w4a16.gemm_allreduce(x, w, ar, out=out)
+                torch.cuda.synchronize()
+                assert torch.equal(out, plain), f"M={m} N={n} K={k} g={g}"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            w4a16.gemm_allreduce(x, w, ar, out=out)
+        for _ in range(3):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, plain)
+    finally:
+        ar.close()
+        nccl.comm_destroy(comm)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_int4_model_graphed_step_matches_eager():
+    """A 4-bit Llama-3.2-1B shape (4 layers): the CUDA-graph step (fused ops, W4A16 GEMVs with
+    PDL) against the eager forward (torch ops, the GEMV / dequantize + cuBLAS), a prompt first."""
+    from swiftspec_mpi.core.comm import SingleComm
+    from swiftspec_mpi.gpu.graphs import GraphedModel, graphs_supported
+    from swiftspec_mpi.model.dummy import dummy_model
+    from swiftspec_mpi.model.transformer import chain_mask
+    model, _ = dummy_model("llama-3.2-1b", SingleComm(), 512, torch.bfloat16, "cuda", num_layers=4, quant="int4")
+    assert isinstance(model.layers[0].wqkv, w4a16.W4A16Weight) and graphs_supported(model)
+    dense_bytes = 4 * 2 * (3072 * 2048 + 2048 * 2048 + 2 * 8192 * 2048 + 2048 * 8192)
+    assert model.weight_bytes() < 2 * 128256 * 2048 + dense_bytes * 0.3
+    gm = GraphedModel(model)
+    ids = torch.randint(0, 4000, (40,))
+    model.forward(ids.cuda(), torch.arange(40, device="cuda"), 0, chain_mask(0, 40).cuda())   # prompt > 32 rows
+    for n in (1, 8, 24):
+        toks = torch.randint(0, 4000, (n,))
+        pos = torch.arange(40, 40 + n)
+        mask = chain_mask(40, n)
+        eager = model.forward(toks, pos, 40, mask).float()
+        graphed = gm.forward(toks, pos, 40, mask).float()
+        assert torch.isfinite(graphed).all()
+        assert rel_err(graphed, eager) < 3e-2, n
+
+
+def test_quant_flag_checks(monkeypatch):
+    """--quant: unknown values refused up front; int4 on the GPU needs bf16 and dummy weights
+    (on the CPU it runs packed weights of any dtype: cpu_quant)."""
+    from swiftspec_mpi.cli import validate as job
+    from swiftspec_mpi.core.config import RunConfig, validate_basic
+    from swiftspec_mpi.core.errors import UserError
+    with pytest.raises(UserError, match="--quant"):
+        validate_basic(RunConfig(quant="int8"), 1)
+    monkeypatch.setattr(job, "_gpu_visible", lambda: True)
+    ok = dict(quant="int4", dtype="bfloat16", load_format="dummy", device="cuda")
+    job.check_quant(RunConfig(**ok))
+    job.check_quant(RunConfig(quant="none"))
+    for change, msg in (({"dtype": "float32"}, "bfloat16"), ({"load_format": "auto"}, "dummy")):
+        with pytest.raises(UserError, match=msg):
+            job.check_quant(RunConfig(**{**ok, **change}))
+    job.check_quant(RunConfig(**{**ok, "device": "cpu", "dtype": "float32"}))
+    monkeypatch.setattr(job, "_gpu_visible", lambda: False)
+    job.check_quant(RunConfig(**{**ok, "device": "auto", "load_format": "auto"}))
