@@ -331,7 +331,8 @@ def test_packed_group_follows_the_quant_flag(quantized_pairs, tmp_path):
 # ------------------------------------------------------------------------------ dummy int4
 def test_dummy_int4_weights():
     """--load-format dummy --quant int4: random packed projections at the named shape, shards
-    on group boundaries (the GPU step runs them; tests/test_w4a16_gpu.py)."""
+    on group boundaries (the GPU's W4A16 step runs them, tests/test_w4a16_gpu.py; the CPU's
+    packed layers too, tests/test_quant_cpu.py)."""
     cfg = dummy.SHAPES["qwen2.5-0.5b"]
     src = dummy.RandomPackedSource(cfg)
     name = "model.layers.3.mlp.down_proj.weight"

@@ -306,6 +306,15 @@ def test_bad_packed_checkpoints_fail_cleanly(tmp_path):
                      "holds dense weights")
 
 
+@pytest.mark.mpi
+def test_dummy_int4_on_a_shape_without_whole_groups_fails_cleanly(tmp_path, tiny_pair):
+    """Random packed weights come in groups of 128: the tiny pair's shape (hidden 64) is refused
+    by rank 0 in one line, before any rank generates weights."""
+    _one_clean_error(_run_cli(tmp_path, ["--load-format", "dummy", "--target", tiny_pair[0],
+                                         "--quant", "int4", "--device", "cpu"]),
+                     r"groups of 128 inputs, which the target's hidden size 64")
+
+
 # ------------------------------------------------------------------------------ real models
 
 def _registry_gguf(name: str):

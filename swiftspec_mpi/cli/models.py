@@ -87,9 +87,9 @@ def main(args) -> int:
         for r in rows:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[5])
         print(f"\ncache: {reg.cache_root()}   (statuses: missing -> wheels -> gguf -> prepared)")
-        print("runs as: what `swiftspec run` uses by default (--quant auto): packed 4-bit weights "
-              "from the GGUF file, Q6_K/Q8_0/Q5_0 tensors packed 8-bit; --quant none runs the "
-              "prepared bf16 folder instead")
+        print("runs as: what `swiftspec run` uses by default (--quant auto) on the CPU: packed "
+              "4-bit weights from the GGUF file, Q6_K/Q8_0/Q5_0 tensors packed 8-bit; --quant none "
+              "(and a GPU run) uses the prepared bf16 folder instead")
         for name, m in reg.MODELS.items():
             pins = ", ".join(f"{p}=={v}" for p, v in m.packages[:2])
             more = f", ... ({len(m.packages)} wheels)" if len(m.packages) > 2 else ""

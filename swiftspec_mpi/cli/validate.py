@@ -96,12 +96,22 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
 
 
 def check_packed(cfg: C.RunConfig, path: str, mcfg, tp: int, role: str) -> None:
-    """UserError when --quant does not fit the checkpoint, or when a tensor-parallel group of
-    `tp` ranks would cut its 4-bit groups (model.quant.check_tp_groups)."""
+    """UserError when --quant does not fit the checkpoint (or the dummy shape's layers do not
+    take whole groups of random packed weights), or when a tensor-parallel group of `tp` ranks
+    would cut its 4-bit groups (model.quant.check_tp_groups)."""
     from swiftspec_mpi.model.quant import check_tp_groups
     group = checkpoint.packed_group(path, cfg.quant, cfg.load_format)
-    if group is not None:
-        check_tp_groups(mcfg, group, tp, f"the {role}")
+    if group is None:
+        return
+    if cfg.load_format == "dummy":
+        inputs = {"hidden size": mcfg.hidden_size, "attention width": mcfg.num_heads * mcfg.head_dim,
+                  "MLP size": mcfg.intermediate_size}
+        bad = [f"{k} {v}" for k, v in inputs.items() if v % group]
+        if bad:
+            raise UserError(f"--quant int4 --load-format dummy: random packed weights come in "
+                            f"groups of {group} inputs, which the {role}'s {', '.join(bad)} do not "
+                            "fill; use --quant none or a shape whose layers take whole groups")
+    check_tp_groups(mcfg, group, tp, f"the {role}")
 
 
 def check_weight_files(path: str, mcfg=None) -> None:

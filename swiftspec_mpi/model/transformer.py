@@ -11,9 +11,8 @@ Tensor shapes (N new tokens, S = start + N visible slots, R logits rows, TP degr
               csrc/gemm_avx2.h, see cpu_linear.py; stored in `dtype`, float32 or bfloat16, while
               activations, KV and norms stay float32), "in_out" ([in, out], x @ W; the CPU fallback)
               or "out_in" (GPU default: nn.Linear's [out, in], for cuBLAS and the CUDA kernels);
-              the math is the same, only the GEMV speed differs. quant="int4" on the CPU (packed layout):
-              every matrix stays in the checkpoint's packed 4-/8-bit kind (cpu_quant.QuantLinear,
-              embedding a cpu_quant.QuantTable), read by csrc/gemm_q_avx2.h
+              the math is the same, only the GEMV speed differs. quant="int4" on the CPU: every
+              matrix in its packed 4-/8-bit kind (cpu_quant: QuantLinear, QuantTable embedding)
 
 Tensor parallelism (comm.size = T > 1):
     column-parallel: fused QKV (this rank's query heads and their KV heads) and fused gate|up;
@@ -102,15 +101,10 @@ class Transformer(torch.nn.Module):
     `weight_layout` (keyword, optional): "packed" | "in_out" | "out_in", see the module doc.
     `dtype` is the weights' dtype; with "packed" the activations, KV and norms are float32
     (`self.dtype`), elsewhere everything is `dtype`. `self.weight_dtype` keeps the request.
-    `quant` (keyword): "none", or "int4": packed weights.
-      CUDA (bf16, [out, in]): the layers' four projections are packed 4-bit
-      `swiftspec_mpi.gpu.w4a16.W4A16Weight`s (read with the source's `get_packed`,
-      model/packed_layers.py) and run on the W4A16 kernels; embeddings, norms and head stay bf16
-      (`self.quant4`).
-      CPU ("packed" layout, AVX2): every matrix stays in the source's packed 4-/8-bit kind
-      (cpu_quant.QuantLinear, the embedding a cpu_quant.QuantTable; read with the source's
-      `packed_chunks`, as GGUFSource and SafetensorsSource give them) (`self.quant_cpu`).
-    """
+    `quant` (keyword): "none" or "int4". int4 on CUDA (bf16, `self.quant4`): the four projections
+    are packed `gpu.w4a16.W4A16Weight`s (source's `get_packed`, packed_layers.py), the rest bf16.
+    int4 on the CPU ("packed" layout, `self.quant_cpu`): every matrix in the source's packed kind
+    (module doc; source's `packed_chunks`, as GGUF, safetensors and dummy sources give them)."""
 
     def __init__(self, cfg: ModelConfig, comm=None, max_slots: int = 4096,
                  dtype: torch.dtype = torch.float32, device="cpu", weight_layout: str | None = None,
