@@ -192,6 +192,30 @@ def test_tiny_model_packed_equals_dequantized(tmp_path):
     assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
 
 
+def test_gguf_packed_chunks_column_shards_on_group_boundaries(tmp_path):
+    """A row-parallel shard (dim 1) of a packed GGUF matrix: whole groups of 32 give the exact
+    columns of the dequantized matrix; a cut inside a group is refused by name. packed_group
+    reports the file's group (what rank 0 checks tensor-parallel degrees against)."""
+    from test_gguf import write_tiny_gguf
+
+    from swiftspec_mpi.core.errors import CheckpointError
+    from swiftspec_mpi.model import gguf_loader, load
+
+    path = tmp_path / "tiny-q.gguf"
+    write_tiny_gguf(path, "qwen2", tied=True, qtypes={"attn": Q.Q4_0, "ffn": Q.Q4_1})
+    assert load.packed_group(path, "auto") == 32 and load.packed_group(path, "none") is None
+    with gguf_loader.GGUFSource(path) as src:
+        name = "model.layers.0.mlp.down_proj.weight"
+        k = src.shape(name)[1]
+        whole = src.get(name)
+        for a, b in ((0, 32), (32, k), (64, k - 32)):
+            (off, w), = list(src.packed_chunks(name, 1, a, b))
+            assert off == 0 and isinstance(w, quant.PackedInt4)
+            assert torch.equal(quant.dequantize(w), whole[:, a:b])
+        with pytest.raises(CheckpointError, match="groups of 32"):
+            list(src.packed_chunks(name, 1, 16, 48))
+
+
 @pytest.mark.parametrize("layout", ["awq", "gptq", "gptq-v2"])
 def test_tiny_hf_4bit_model_packed_equals_dequantized(tmp_path, layout):
     """An AWQ / GPTQ folder (--quant auto on the CPU) keeps its layers packed 4-bit in groups of
