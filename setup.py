@@ -1,5 +1,5 @@
 """Build: the Cython tree scheduler (scheduler/*.pyx -> swiftspec_mpi._tree), the CPU decode GEMM
-(swiftspec_mpi/model/_cpu_gemm.pyx + model/csrc/gemm_avx2.h -> swiftspec_mpi.model._cpu_gemm) and the CUDA
+(swiftspec_mpi/model/_cpu_gemm.pyx + model/csrc/gemm_*avx2.h -> swiftspec_mpi.model._cpu_gemm) and the CUDA
 sources in cuda/ shipped as package data (swiftspec_mpi.cuda). Metadata lives in setup.cfg."""
 from Cython.Build import cythonize
 from setuptools import Extension, find_packages, setup
@@ -8,7 +8,9 @@ extensions = cythonize(
     [Extension("swiftspec_mpi._tree", ["scheduler/tree.pyx"], extra_compile_args=["-O3"]),
      # the CPU decode GEMM (AVX2 + FMA by function attribute, checked at run time; OpenMP threads)
      Extension("swiftspec_mpi.model._cpu_gemm", ["swiftspec_mpi/model/_cpu_gemm.pyx"],
-               include_dirs=["swiftspec_mpi/model/csrc"], extra_compile_args=["-O3", "-fopenmp"],
+               include_dirs=["swiftspec_mpi/model/csrc"],
+               depends=["swiftspec_mpi/model/csrc/gemm_avx2.h",
+                        "swiftspec_mpi/model/csrc/gemm_q_avx2.h"], extra_compile_args=["-O3", "-fopenmp"],
                extra_link_args=["-fopenmp"])],
     compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False,
                          "cdivision": True, "initializedcheck": False},

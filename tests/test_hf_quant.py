@@ -222,7 +222,7 @@ def test_dequantized_model_equals_dense_model_of_the_reference_weights(quantized
     ids = torch.tensor([5, 300, 17, 1999, 42, 7, 123, 1024])
     logits = {}
     for key, folder in (("4bit", target), ("ref", dense_ref), ("orig", quantized_pairs["dense"][0])):
-        m, _ = load.load_model(folder, max_slots=32)
+        m, _ = load.load_model(folder, max_slots=32, quant="none")
         logits[key] = m.forward(ids, torch.arange(8), 0, chain_mask(0, 8))
     assert torch.equal(logits["4bit"], logits["ref"])
     rel = (logits["4bit"] - logits["orig"]).norm() / logits["orig"].norm()
@@ -331,7 +331,8 @@ def test_packed_group_follows_the_quant_flag(quantized_pairs, tmp_path):
 # ------------------------------------------------------------------------------ dummy int4
 def test_dummy_int4_weights():
     """--load-format dummy --quant int4: random packed projections at the named shape, shards
-    on group boundaries (the GPU step runs them; tests/test_w4a16_gpu.py)."""
+    on group boundaries (the GPU's W4A16 step runs them, tests/test_w4a16_gpu.py; the CPU's
+    packed layers too, tests/test_quant_cpu.py)."""
     cfg = dummy.SHAPES["qwen2.5-0.5b"]
     src = dummy.RandomPackedSource(cfg)
     name = "model.layers.3.mlp.down_proj.weight"

@@ -199,7 +199,7 @@ def test_ensure_prepared_loads_like_the_gguf(tiny_registered):
 
     ids = torch.tensor([5, 77, 256, 3, 200, 100, 42, 259, 7])
     pos, mask = torch.arange(len(ids)), chain_mask(0, len(ids))
-    m_gguf, t_gguf = load_model(gguf_file, max_slots=32)
+    m_gguf, t_gguf = load_model(gguf_file, max_slots=32, quant="none")   # dequantized, as the folder
     m_hf, t_hf = load_model(folder, max_slots=32)
     assert torch.equal(m_gguf(ids, pos, 0, mask), m_hf(ids, pos, 0, mask))
     assert t_gguf.fingerprint() == t_hf.fingerprint()
@@ -266,7 +266,7 @@ def test_smollm2_prepared_equals_gguf_in_bf16():
     need_registry_model("smollm2-135m")
     folder = registry.ensure_prepared("smollm2-135m")
     m_gguf, tok = load_model(registry.gguf_path("smollm2-135m"), max_slots=64,
-                             dtype=torch.bfloat16)
+                             dtype=torch.bfloat16, quant="none")
     m_hf, tok_hf = load_model(folder, max_slots=64, dtype=torch.bfloat16)
     assert tok.fingerprint() == tok_hf.fingerprint() and tok.eos_token_ids == tok_hf.eos_token_ids
     ids = tok.encode("<|im_start|>user\nWhat is 2+2?<|im_end|>\n")

@@ -84,7 +84,7 @@ def load_one(cfg, path, comm, dtype, device, num_layers):
         model, tok = dummy_model(path, comm, cfg.max_context, dtype, device, num_layers, quant=cfg.quant)
     else:
         model, tok = checkpoint.load_model(path, comm=comm, max_slots=cfg.max_context, dtype=dtype,
-                                           device=device, num_layers=num_layers)
+                                           device=device, num_layers=num_layers, quant=cfg.quant)
     if device.startswith("cuda") and not switches.flag("SWIFTSPEC_NO_GRAPHS"):
         if graphs_supported(model):
             model = GraphedModel(model)

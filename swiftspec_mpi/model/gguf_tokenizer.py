@@ -11,8 +11,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 
 from swiftspec_mpi.core.errors import CheckpointError
-from swiftspec_mpi.model.gguf_loader import (FIX, TOKEN_CONTROL, TOKEN_USER_DEFINED, Header, eos_ids,
-                                             read_header)
+from swiftspec_mpi.model.gguf_config import FIX, TOKEN_CONTROL, TOKEN_USER_DEFINED, eos_ids
+from swiftspec_mpi.model.gguf_loader import Header, read_header
 from swiftspec_mpi.model.tokenizer import TextTokenizer
 
 # llama.cpp pre-tokenizer names (tokenizer.ggml.pre) -> split regex, as in the HF tokenizers

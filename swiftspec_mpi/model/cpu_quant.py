@@ -1,0 +1,255 @@
+"""Packed 4-/8-bit linear layers on the CPU: kernel records (csrc/gemm_q_avx2.h), layers made of
+row segments, and the quantized embedding table.
+
+    QuantPanels(n_out, n_in, bits, group, has_offset)   one weight in the kernel's records:
+        blob uint8 [P = ceil(N / 16), K / group, S]     (layout in csrc/gemm_q_avx2.h)
+        write_rows(a, w)                                w: PackedInt4 | PackedInt8 rows [a, a+n)
+    QuantLinear(n_out, n_in)        a linear layer's W [N, K] as row segments [a, b), each a
+                                    QuantPanels or a float32 cpu_linear.PackedWeight (tensors of
+                                    a fused QKV may differ in type: Q4_K q/k beside a Q6_K v)
+    QuantTable(n_rows, n_cols)      row-major packed rows for lookups (the embedding):
+                                    gather_rows(idx [T]) -> float32 [T, n_cols]
+    linear(x [M, K] float32, w: QuantLinear, b [N] | None) -> y [M, N] float32
+
+Loading fills these chunk by chunk (`load(chunks)` with chunks = iterator of (row offset,
+PackedInt4 | PackedInt8 | float32 tensor)), so no [N, K] float temporary ever exists. The
+kernel scales each group of activations to int16 (error <= max|x| / 65534 per input) and sums
+code x input products exactly in int32; see the header for the sum order and the bounds.
+"""
+from __future__ import annotations
+
+import torch
+
+from swiftspec_mpi.model import cpu_linear
+from swiftspec_mpi.model.quant import PackedInt4, dequantize as dequantize4, unpack_codes
+from swiftspec_mpi.model.quant_int8 import PackedInt8, dequantize as dequantize8
+
+NB = 16   # outputs per panel (SSQ_NB)
+
+
+def _kind(w) -> tuple[int, int, bool]:
+    """(bits, group, has_offset) of a packed chunk."""
+    if isinstance(w, PackedInt4):
+        return 4, w.group, True
+    return 8, w.group, w.offset is not None
+
+
+class QuantPanels:
+    """One weight [N, K] in the kernel's per-(panel, group) records; see the module doc."""
+
+    def __init__(self, n_out: int, n_in: int, bits: int, group: int, has_offset: bool):
+        if bits not in (4, 8) or n_in % group or group % 4 or group > (128 if bits == 4 else 32):
+            raise ValueError(f"no {bits}-bit records with group {group} for K = {n_in}")
+        self.n_out, self.n_in = int(n_out), int(n_in)
+        self.bits, self.group, self.has_offset = bits, group, bool(has_offset)
+        self.code_bytes = group * (8 if bits == 4 else 16)
+        rec = self.code_bytes + 64 * (1 + self.has_offset)
+        self.blob = torch.zeros((self.n_out + NB - 1) // NB, n_in // group, rec, dtype=torch.uint8)
+
+    def kind(self) -> tuple[int, int, bool]:
+        return self.bits, self.group, self.has_offset
+
+    def write_rows(self, a: int, w: PackedInt4 | PackedInt8) -> None:
+        """W[a : a + n] = w (n rows; a a multiple of 16; n too unless the rows end at N)."""
+        n, k = w.shape
+        if _kind(w) != self.kind() or k != self.n_in:
+            raise ValueError(f"{_kind(w)} rows of {k} inputs do not fit {self.kind()} records "
+                             f"of {self.n_in}")
+        if a % NB or a + n > self.n_out or (n % NB and a + n != self.n_out):
+            raise ValueError(f"rows [{a}, {a + n}) are not whole panels of a {self.n_out}-row "
+                             "weight")
+        q, g, kg = -(-n // NB), self.group, self.n_in // self.group
+        codes = unpack_codes(w.qweight) if self.bits == 4 else w.qweight.view(torch.uint8)
+        scale, offset = w.scale, w.offset
+        if n % NB:                                    # zero rows up to a whole panel
+            pad = q * NB - n
+            codes = torch.cat((codes, codes.new_zeros(pad, k)))
+            scale = torch.cat((scale, scale.new_zeros(pad, kg)))
+            offset = None if offset is None else torch.cat((offset, offset.new_zeros(pad, kg)))
+        if self.bits == 4:      # [panel, half, output, group, step, pair, t] (lanes: the header)
+            c = codes.view(q, 2, 8, kg, g // 4, 2, 2)
+            lo = c[:, 0, :, :, :, 0] | (c[:, 1, :, :, :, 0] << 4)      # k0 + t: A | B << 4
+            hi = c[:, 0, :, :, :, 1] | (c[:, 1, :, :, :, 1] << 4)      # k0 + 2 + t: C | D << 4
+            c = torch.stack((lo, hi), dim=-1).permute(0, 2, 3, 1, 4, 5)  # [q, kg, s, c, t, byte]
+        else:                   # [panel, half, output, group, step, t] -> low / high byte
+            c = codes.view(q, 2, 8, kg, g // 2, 2).permute(0, 3, 4, 2, 5, 1)
+        p0 = a // NB
+        dst = self.blob[p0:p0 + q]
+        dst[:, :, :self.code_bytes].copy_(c.reshape(q, kg, -1))
+        cb = self.code_bytes
+        dst[:, :, cb:cb + 64].copy_(
+            scale.view(q, NB, kg).transpose(1, 2).contiguous().view(torch.uint8).view(q, kg, 64))
+        if self.has_offset:
+            dst[:, :, cb + 64:].copy_(
+                offset.view(q, NB, kg).transpose(1, 2).contiguous().view(torch.uint8)
+                .view(q, kg, 64))
+
+    def nbytes(self) -> int:
+        return self.blob.numel()
+
+
+def _check_chunk(w, k: int):
+    if isinstance(w, (PackedInt4, PackedInt8)):
+        w.check()
+        got = w.shape[1]
+    else:
+        got = w.shape[1]
+    if got != k:
+        raise ValueError(f"rows of {got} inputs for a weight of {k}")
+
+
+class QuantLinear:
+    """A linear layer's W [N, K] as row segments (a, b, QuantPanels | PackedWeight)."""
+
+    def __init__(self, n_out: int, n_in: int):
+        self.n_out, self.n_in = int(n_out), int(n_in)
+        self.segments: list[tuple[int, int, object]] = []
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.n_out, self.n_in))
+
+    def rows(self, a: int = 0, b: int | None = None) -> "QuantRows":
+        return QuantRows(self, a, self.n_out if b is None else b)
+
+    def load(self, a: int, b: int, chunks) -> None:
+        """Rows [a, b) from `chunks`: (offset from a, PackedInt4 | PackedInt8 | float tensor
+        [n, K]) in row order, covering [a, b) exactly; they become one segment."""
+        if not 0 <= a < b <= self.n_out or any(s < b and a < e for s, e, _ in self.segments):
+            raise ValueError(f"rows [{a}, {b}) overlap a loaded segment or leave [0, {self.n_out})")
+        seg, done = None, 0
+        for off, w in chunks:
+            _check_chunk(w, self.n_in)
+            n = w.shape[0]
+            if off != done or done + n > b - a:
+                raise ValueError(f"chunk rows [{off}, {off + n}) out of order for [0, {b - a})")
+            if seg is None:
+                if isinstance(w, torch.Tensor):
+                    seg = cpu_linear.PackedWeight(b - a, self.n_in, torch.float32)
+                else:
+                    seg = QuantPanels(b - a, self.n_in, *_kind(w))
+            if isinstance(seg, cpu_linear.PackedWeight) != isinstance(w, torch.Tensor):
+                raise ValueError("one tensor's chunks mix packed and dense rows")
+            seg.write_rows(off, w)
+            done += n
+        if done != b - a:
+            raise ValueError(f"got {done} rows for [{a}, {b})")
+        self.segments.append((a, b, seg))
+        self.segments.sort(key=lambda s: s[0])
+
+    def complete(self) -> bool:
+        edge = 0
+        for a, b, _ in self.segments:
+            if a != edge:
+                return False
+            edge = b
+        return edge == self.n_out
+
+    def kinds(self) -> list[str]:
+        """One label per segment: 'int4/g32', 'int8/g16', 'float32'."""
+        return [f"int{s.bits}/g{s.group}" if isinstance(s, QuantPanels) else "float32"
+                for _, _, s in self.segments]
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for _, _, s in self.segments)
+
+
+class QuantRows:
+    """Write target for rows [a, b) of a QuantLinear (what Transformer.load_weights fetches
+    into): `shape`, slicing, `load(chunks)`."""
+
+    def __init__(self, w: QuantLinear, a: int, b: int):
+        self.w, self.a, self.b = w, a, b
+        self.shape = torch.Size((b - a, w.n_in))
+
+    def __getitem__(self, s: slice) -> "QuantRows":
+        start, stop, step = s.indices(self.b - self.a)
+        if step != 1:
+            raise ValueError("packed rows take contiguous slices only")
+        return QuantRows(self.w, self.a + start, self.a + stop)
+
+    def load(self, chunks) -> None:
+        self.w.load(self.a, self.b, chunks)
+
+
+class QuantTable:
+    """Rows [V, K] kept row-major in their packed kind (or float32) for lookups."""
+
+    def __init__(self, n_rows: int, n_cols: int):
+        self.n_rows, self.n_cols = int(n_rows), int(n_cols)
+        self.shape = torch.Size((self.n_rows, self.n_cols))
+        self.parts: list[tuple[int, object]] = []      # (first row, chunk)
+        self._starts = torch.zeros(0, dtype=torch.long)
+
+    def load(self, chunks) -> None:
+        done = 0
+        for off, w in chunks:
+            _check_chunk(w, self.n_cols)
+            if off != done:
+                raise ValueError("table chunks out of order")
+            self.parts.append((off, w))
+            done += w.shape[0]
+        if done != self.n_rows:
+            raise ValueError(f"got {done} rows for a table of {self.n_rows}")
+        self._starts = torch.tensor([o for o, _ in self.parts], dtype=torch.long)
+
+    def gather_rows(self, idx: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+        """rows idx [T] -> [T, n_cols] (dequantized exactly, then cast to dtype)."""
+        idx = idx.to(torch.long).cpu()
+        out = torch.empty(idx.shape[0], self.n_cols, dtype=torch.float32)
+        part = torch.searchsorted(self._starts, idx, right=True) - 1
+        for i, (t, p) in enumerate(zip(idx.tolist(), part.tolist())):
+            off, w = self.parts[p]
+            r = t - off
+            if isinstance(w, PackedInt4):
+                out[i] = dequantize4(PackedInt4(w.qweight[r:r + 1], w.scale[r:r + 1],
+                                                w.offset[r:r + 1], w.group))[0]
+            elif isinstance(w, PackedInt8):
+                out[i] = dequantize8(PackedInt8(w.qweight[r:r + 1], w.scale[r:r + 1],
+                                                None if w.offset is None else w.offset[r:r + 1],
+                                                w.group))[0]
+            else:
+                out[i] = w[r]
+        return out if dtype == torch.float32 else out.to(dtype)
+
+    def nbytes(self) -> int:
+        total = 0
+        for _, w in self.parts:
+            total += w.nbytes() if hasattr(w, "nbytes") and callable(w.nbytes) else \
+                w.numel() * w.element_size()
+        return total
+
+
+def linear(x: torch.Tensor, w: QuantLinear, b: torch.Tensor | None = None,
+           n_threads: int | None = None) -> torch.Tensor:
+    """x [M, K] float32 -> x @ W^T (+ b [N] float32): [M, N] float32, segment by segment."""
+    from swiftspec_mpi.model import _cpu_gemm
+
+    if x.dtype != torch.float32:
+        x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    if K != w.n_in:
+        raise ValueError(f"x has {K} columns, the weight wants {w.n_in}")
+    y = torch.empty(M, w.n_out, dtype=torch.float32)
+    if b is not None and (b.dtype != torch.float32 or not b.is_contiguous()):
+        b = b.float().contiguous()
+    nt = torch.get_num_threads() if n_threads is None else n_threads
+    xp, yp, ldy = x.data_ptr(), y.data_ptr(), y.stride(0)
+    for a, e, s in w.segments:
+        bp = 0 if b is None else b.data_ptr() + 4 * a
+        if isinstance(s, QuantPanels):
+            _cpu_gemm.gemm_quant(s.blob.data_ptr(), s.bits, s.has_offset, s.group, K, e - a, xp,
+                                 x.stride(0), M, yp + 4 * a, ldy, bp, nt)
+        else:
+            _cpu_gemm.gemm_packed(s.data.data_ptr(), s.is_bf16, K, e - a, xp, x.stride(0), M,
+                                  yp + 4 * a, ldy, bp, nt)
+    return y
+
+
+def dense_linear(x: torch.Tensor, w, b=None, n_threads=None) -> torch.Tensor:
+    """The CPU linear of either weight kind: QuantLinear here, PackedWeight in cpu_linear."""
+    if isinstance(w, QuantLinear):
+        return linear(x, w, b, n_threads)
+    return cpu_linear.linear(x, w, b, n_threads)
