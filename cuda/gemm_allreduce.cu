@@ -58,6 +58,8 @@
 #ifdef SWIFTSPEC_WITH_NCCL
 #include <nccl.h>
 #include <nccl_device.h>
+
+#include "nccl_window.cuh"
 #endif
 
 namespace rowpar {
@@ -457,17 +459,10 @@ __device__ __forceinline__ void gemm_allreduce_body(const __nv_bfloat16* __restr
                                                     unsigned int* __restrict__ seq) {
   __shared__ float red[WARPS * T * 128];
   __shared__ float res[T * 128];
-  __shared__ unsigned int s_parity;
   const ncclDevComm& dcomm = *dcomm_p;
   const int tid = threadIdx.x;
   const int n_tiles = N / 8;
-  if (tid == 0) {
-    s_parity = seq[blockIdx.x] & 1u;
-    seq[blockIdx.x] += 1u;
-  }
-  __syncthreads();
-  const size_t half_bytes = (size_t)n_tiles * 16 * 8 * sizeof(float);
-  const size_t base = s_parity * half_bytes;
+  const size_t base = window::launch_half(seq, (size_t)n_tiles * 16 * 8 * sizeof(float));
   float* mine = reinterpret_cast<float*>(ncclGetLocalPointer(win, base));
 
   // 1. Partials of this block's tile groups (tiles b*T .. b*T + T - 1, then + gridDim.x*T, ...)
@@ -488,14 +483,9 @@ __device__ __forceinline__ void gemm_allreduce_body(const __nv_bfloat16* __restr
   for (int tile0 = blockIdx.x * T; tile0 < n_tiles; tile0 += gridDim.x * T) {
     for (int e = tid; e < T * 128; e += THREADS) {
       const int tile = tile0 + e / 128, m = (e % 128) >> 3, n = e & 7;
-      if (tile < n_tiles && m < M) {
-        float s = 0.f;
-        for (int peer = 0; peer < nranks; ++peer) {
-          const float* p = reinterpret_cast<const float*>(ncclGetLsaPointer(win, base, peer));
-          s += p[(size_t)tile0 * 128 + e];
-        }
-        y[(long long)m * ldy + tile * 8 + n] = __float2bfloat16_rn(s);
-      }
+      if (tile < n_tiles && m < M)
+        y[(long long)m * ldy + tile * 8 + n] =
+            __float2bfloat16_rn(window::peer_sum(win, base, nranks, (size_t)tile0 * 128 + e));
     }
   }
   // The session's destructor syncs the CTA and stores the barrier epoch.

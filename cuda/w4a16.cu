@@ -43,6 +43,8 @@
 #ifdef SWIFTSPEC_WITH_NCCL
 #include <nccl.h>
 #include <nccl_device.h>
+
+#include "nccl_window.cuh"
 #endif
 
 namespace w4 {
@@ -378,17 +380,10 @@ __device__ __forceinline__ void allreduce_body(const __nv_bfloat16* __restrict__
   constexpr int TS = 128 * MB;
   __shared__ float red[WARPS * T * TS];
   __shared__ float res[T * TS];
-  __shared__ unsigned int s_parity;
   const ncclDevComm& dcomm = *dcomm_p;
   const int tid = threadIdx.x;
   const int n_tiles = N / 16;
-  if (tid == 0) {
-    s_parity = seq[blockIdx.x] & 1u;
-    seq[blockIdx.x] += 1u;
-  }
-  __syncthreads();
-  const size_t half_bytes = (size_t)n_tiles * 16 * 16 * sizeof(float);
-  const size_t base = s_parity * half_bytes;
+  const size_t base = window::launch_half(seq, (size_t)n_tiles * 16 * 16 * sizeof(float));
   float* mine = reinterpret_cast<float*>(ncclGetLocalPointer(win, base));
   for (int tile0 = blockIdx.x * T; tile0 < n_tiles; tile0 += gridDim.x * T) {
     w4_tiles<T, U, GS, MB, EX>(x, ldx, qw, so, M, K, n_tiles, tile0, red, res);
@@ -401,14 +396,9 @@ __device__ __forceinline__ void allreduce_body(const __nv_bfloat16* __restrict__
   for (int tile0 = blockIdx.x * T; tile0 < n_tiles; tile0 += gridDim.x * T) {
     for (int e = tid; e < T * TS; e += THREADS) {
       const int t = e / TS, n = (e % TS) / (8 * MB), m = e % (8 * MB);
-      if (tile0 + t < n_tiles && m < M) {
-        float s = 0.f;
-        for (int peer = 0; peer < nranks; ++peer) {
-          const float* p = reinterpret_cast<const float*>(ncclGetLsaPointer(win, base, peer));
-          s += p[(size_t)tile0 * TS + e];
-        }
-        y[(long long)m * ldy + (tile0 + t) * 16 + n] = __float2bfloat16_rn(s);
-      }
+      if (tile0 + t < n_tiles && m < M)
+        y[(long long)m * ldy + (tile0 + t) * 16 + n] =
+            __float2bfloat16_rn(window::peer_sum(win, base, nranks, (size_t)tile0 * TS + e));
     }
   }
 }

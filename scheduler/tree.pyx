@@ -132,6 +132,14 @@ cdef object _readonly(object view):
     return view
 
 
+def _node_view(str name, str doc):
+    """A read-only property of TokenTree: a read-only view of node array `name` (`doc`: its
+    dtype, length and meaning)."""
+    def get(TokenTree tree):
+        return tree._node_array(name)
+    return property(get, doc="Read-only " + doc + " (valid until the next mutating call).")
+
+
 cdef inline bint _better(int32_t a, int32_t b, const double* score,
                          const int32_t* depth) noexcept nogil:
     """True iff node a ranks before node b: higher score, then lower depth, then lower id."""
@@ -288,45 +296,25 @@ cdef class TokenTree:
         Cleared by :meth:`reset` and by a :meth:`reroot` that does not leave such a hole."""
         return self._prefix_kv_missing
 
-    @property
-    def token(self):
-        """Read-only int64[size] view of the node tokens (valid until the next mutating call)."""
-        return _readonly(self._a_token[:self._size])
+    # Read-only views of the first `size` entries of the node arrays (valid until the next
+    # mutating call); `_node_view` below makes each property.
+    token = _node_view("_a_token", "int64[size]: the node tokens")
+    parent = _node_view("_a_parent", "int32[size]: the parent ids (-1 for the root)")
+    depth = _node_view("_a_depth", "int32[size]: the depths (root 0)")
+    logprob = _node_view("_a_logprob", "float64[size]: the edge log-probabilities (root 0)")
+    score = _node_view("_a_score", "float64[size]: cumulative log-probabilities from the root")
+    kv_slot = _node_view("_a_kv_slot", "int32[size]: the draft KV slots (-1: never computed)")
+    state = _node_view("_a_state", "int8[size]: STATE_ALIVE / STATE_SENT / STATE_ACCEPTED")
+    expanded = _node_view("_a_expanded", "bool[size]: the expanded flags")
 
-    @property
-    def parent(self):
-        """Read-only int32[size] view of the parent ids (-1 for the root)."""
-        return _readonly(self._a_parent[:self._size])
-
-    @property
-    def depth(self):
-        """Read-only int32[size] view of the depths (root 0)."""
-        return _readonly(self._a_depth[:self._size])
-
-    @property
-    def logprob(self):
-        """Read-only float64[size] view of the edge log-probabilities (root 0)."""
-        return _readonly(self._a_logprob[:self._size])
-
-    @property
-    def score(self):
-        """Read-only float64[size] view of the cumulative log-probabilities from the root."""
-        return _readonly(self._a_score[:self._size])
-
-    @property
-    def kv_slot(self):
-        """Read-only int32[size] view of the draft KV slots (-1: never computed)."""
-        return _readonly(self._a_kv_slot[:self._size])
-
-    @property
-    def state(self):
-        """Read-only int8[size] view of the states (STATE_ALIVE / STATE_SENT / STATE_ACCEPTED)."""
-        return _readonly(self._a_state[:self._size])
-
-    @property
-    def expanded(self):
-        """Read-only bool[size] view of the expanded flags."""
-        return _readonly(self._a_expanded[:self._size].view(np.bool_))
+    def _node_array(self, str name):
+        """The node array `name` (one of the `_a_*` fields), its first `size` entries, read-only."""
+        cdef object arr = {"_a_token": self._a_token, "_a_parent": self._a_parent,
+                           "_a_depth": self._a_depth, "_a_logprob": self._a_logprob,
+                           "_a_score": self._a_score, "_a_kv_slot": self._a_kv_slot,
+                           "_a_state": self._a_state, "_a_expanded": self._a_expanded}[name]
+        view = arr[:self._size]
+        return _readonly(view.view(np.bool_) if name == "_a_expanded" else view)
 
     def __repr__(self):
         return (f"TokenTree(size={self._size}, capacity={self.capacity}, "
@@ -373,7 +361,11 @@ cdef class TokenTree:
         self._root_pos = root_pos
         self._num_expanded = 0
         self._prefix_kv_missing = False
-        self._token[0] = root_token
+        self._set_root(root_token)
+
+    cdef void _set_root(self, int64_t token) noexcept nogil:
+        """Node 0 becomes a lone accepted root holding `token` (no KV slot, not expanded)."""
+        self._token[0] = token
         self._parent[0] = -1
         self._depth[0] = 0
         self._logprob[0] = 0.0
@@ -845,16 +837,7 @@ cdef class TokenTree:
         else:
             self._size = 1
             self._num_expanded = 0
-            self._token[0] = bonus
-            self._parent[0] = -1
-            self._depth[0] = 0
-            self._logprob[0] = 0.0
-            self._score[0] = 0.0
-            self._kv_slot[0] = -1
-            self._state[0] = _ACCEPTED
-            self._expanded[0] = 0
-            self._first_child[0] = -1
-            self._num_children[0] = 0
+            self._set_root(bonus)
         self._root_pos = new_root_pos
         self._prefix_kv_missing = missing
         return src_arr[:moves], dst_arr[:moves], new_root_pos, not self._expanded[0]

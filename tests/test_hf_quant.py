@@ -234,10 +234,10 @@ def test_tensor_parallel_shards_cover_each_layer_on_group_boundaries(quantized_p
     """Every rank of a group of 2 takes its shards as the Transformer cuts them (column-parallel
     rows of q/k/v and gate/up, row-parallel inputs of o_proj and down_proj in whole groups);
     put back together they are the whole layer, bit for bit."""
-    from swiftspec_mpi.model.transformer import _Shard
+    from swiftspec_mpi.model.shard import TPShard
     src = SafetensorsSource(quantized_pairs[layout][0])
     cfg, hd = src.config, src.config.head_dim
-    shards = [_Shard(cfg, r, 2) for r in range(2)]
+    shards = [TPShard(cfg, r, 2) for r in range(2)]
     p = "model.layers.2."
     for proj, dim, ranges in (
             ("self_attn.q_proj", 0, [sh.q_rows for sh in shards]),

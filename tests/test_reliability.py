@@ -116,6 +116,12 @@ def base_args(models, out, target="target", draft="draft", mode="async",
             "--max-new-tokens", str(max_new_tokens), "--out", str(out), "--quiet"]
 
 
+def fixture_as(role: str, name: str):
+    """The VALIDATION args of a default run with the fixture model `name` as the `role` model
+    ("target" or "draft")."""
+    return lambda m, o, t: base_args(m, o, **{role: name})
+
+
 def ar_target(target: str):
     """The VALIDATION args of a plain autoregressive run on the fixture model `target`."""
     return lambda m, o, t: base_args(m, o, target=target, mode="ar")
@@ -150,11 +156,11 @@ VALIDATION = [
     ("missing-draft", 2, lambda m, o, t: ["--target", m["target"], "--draft", str(t / "gone"),
                                           "--out", str(o)],
      r"gone.*(neither a registry name|no such file)"),
-    ("truncated-safetensors", 2, lambda m, o, t: base_args(m, o, draft="truncated_st"),
+    ("truncated-safetensors", 2, fixture_as("draft", "truncated_st"),
      r"truncated_st/model\.safetensors: truncated or corrupt safetensors.*re-download"),
-    ("corrupt-safetensors-header", 2, lambda m, o, t: base_args(m, o, target="corrupt_st"),
+    ("corrupt-safetensors-header", 2, fixture_as("target", "corrupt_st"),
      r"corrupt_st/model\.safetensors: truncated or corrupt safetensors.*re-download"),
-    ("safetensors-header-length-lies", 2, lambda m, o, t: base_args(m, o, draft="huge_header_st"),
+    ("safetensors-header-length-lies", 2, fixture_as("draft", "huge_header_st"),
      r"huge_header_st/model\.safetensors: truncated or corrupt safetensors"),
     ("gguf-truncated-data", 2, ar_target("gguf_truncated_data"),
      r"gguf_truncated_data\.gguf: truncated GGUF file: tensor .* ends at byte \d+ but the file "
@@ -163,12 +169,12 @@ VALIDATION = [
      r"gguf_truncated_header\.gguf: truncated (or corrupt )?GGUF file.*re-download"),
     ("gguf-bad-magic", 2, ar_target("gguf_bad_magic"),
      r"bad_magic\.gguf: .*(corrupt|not a GGUF file).*re-download"),
-    ("draft-lacks-a-tensor", 2, lambda m, o, t: base_args(m, o, draft="missing_tensor"),
+    ("draft-lacks-a-tensor", 2, fixture_as("draft", "missing_tensor"),
      r"missing_tensor: lacks tensor 'model\.layers\.1\.mlp\.down_proj\.weight'"),
-    ("config-disagrees-with-weights", 2, lambda m, o, t: base_args(m, o, target="config_mismatch"),
+    ("config-disagrees-with-weights", 2, fixture_as("target", "config_mismatch"),
      r"config_mismatch: tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \[176, 64\] "
      r"but the config\.json implies \[352, 64\]"),
-    ("config-zero-heads", 2, lambda m, o, t: base_args(m, o, target="zero_heads"),
+    ("config-zero-heads", 2, fixture_as("target", "zero_heads"),
      r"zero_heads: .*num_attention_heads.*0"),
     ("gguf-metadata-huge-head-count", 2, ar_target("gguf_huge_heads"),
      r"gguf_huge_heads\.gguf: GGUF metadata has attention\.head_count=2147483648.*does not "
@@ -176,10 +182,10 @@ VALIDATION = [
     ("gguf-metadata-huge-mlp", 2, ar_target("gguf_huge_mlp"),
      r"gguf_huge_mlp\.gguf: tensor 'model\.layers\.0\.mlp\.gate_proj\.weight' has shape "
      r"\[176, 64\] but the GGUF metadata implies \[117440512, 64\]"),
-    ("unsupported-architecture", 2, lambda m, o, t: base_args(m, o, target="unsupported_arch"),
+    ("unsupported-architecture", 2, fixture_as("target", "unsupported_arch"),
      r"--target .*unsupported_arch: unsupported model architecture 'gpt_neox'.*supported: "
      r"llama.*qwen2"),
-    ("different-tokenizers", 2, lambda m, o, t: base_args(m, o, draft="other_tokenizer"),
+    ("different-tokenizers", 2, fixture_as("draft", "other_tokenizer"),
      r"use different tokenizers.*same vocabulary"),
     ("prompt-longer-than-context", 2,
      lambda m, o, t: base_args(m, o, target="short_context", prompt="word " * 40),

@@ -158,23 +158,7 @@ def check_shapes(path: str, m, shapes: dict) -> None:
     if m.num_layers > n_file:
         raise CheckpointError(f"{path}: {where} says {m.num_layers} layers but the weights hold "
                               f"{n_file}; {fix}")
-    H, hd, I, V = m.hidden_size, m.head_dim, m.intermediate_size, m.vocab_size
-    q, kv = m.num_heads * hd, m.num_kv_heads * hd
-    want = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
-    if not m.tie_word_embeddings:
-        want["lm_head.weight"] = (V, H)
-    for i in range(m.num_layers):
-        p = f"model.layers.{i}."
-        want.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-                     p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
-                     p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
-                     p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
-                     p + "mlp.down_proj.weight": (H, I)})
-        if m.attention_bias:
-            want.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                         p + "self_attn.v_proj.bias": (kv,)})
-        if m.o_bias:
-            want[p + "self_attn.o_proj.bias"] = (H,)
+    want = m.hf_shapes()
     for name, shape in want.items():
         got = shapes.get(name)
         if got is None:

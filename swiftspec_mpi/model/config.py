@@ -96,6 +96,27 @@ class ModelConfig:
         """The output projection has a bias (HF Llama with attention_bias=True)."""
         return self.arch == "llama" and self.attention_bias
 
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF tensor name -> full shape, for every tensor a checkpoint of this config holds."""
+        H, hd, I, V = self.hidden_size, self.head_dim, self.intermediate_size, self.vocab_size
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (V, H)
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            shapes.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                           p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                           p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+                           p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+                           p + "mlp.down_proj.weight": (H, I)})
+            if self.attention_bias:
+                shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                               p + "self_attn.v_proj.bias": (kv,)})
+            if self.o_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (H,)
+        return shapes
+
     def param_count(self) -> int:
         """Number of weights (embedding and head counted separately unless tied)."""
         h, hd = self.hidden_size, self.head_dim

@@ -31,25 +31,30 @@ def has_avx2() -> bool:
     return _AVX2
 
 
-class _Rows:
-    """Write target for rows [a, b) of a PackedWeight: what `Transformer.load_weights` fetches
-    into (`shape` = (b - a, K), `copy_(t [b - a, K])`)."""
+class RowRange:
+    """Write target for rows [a, b) of a packed weight `w` (anything with `n_in`): what
+    `Transformer.load_weights` fetches into. `shape` = (b - a, K); slicing gives the sub-range;
+    the subclass says how rows are written."""
 
-    def __init__(self, pw: "PackedWeight", a: int, b: int):
-        self.pw, self.a, self.b = pw, a, b
-        self.shape = torch.Size((b - a, pw.n_in))
+    def __init__(self, w, a: int, b: int):
+        self.w, self.a, self.b = w, a, b
+        self.shape = torch.Size((b - a, w.n_in))
 
-    def __getitem__(self, s: slice) -> "_Rows":
+    def __getitem__(self, s: slice) -> "RowRange":
         start, stop, step = s.indices(self.b - self.a)
         if step != 1:
             raise ValueError("packed rows take contiguous slices only")
-        return _Rows(self.pw, self.a + start, self.a + stop)
+        return type(self)(self.w, self.a + start, self.a + stop)
+
+
+class _Rows(RowRange):
+    """Rows of a PackedWeight: `copy_(t [b - a, K])` writes them into the panels."""
 
     def numel(self) -> int:
-        return (self.b - self.a) * self.pw.n_in
+        return (self.b - self.a) * self.w.n_in
 
     def copy_(self, t: torch.Tensor) -> "_Rows":
-        self.pw.write_rows(self.a, t)
+        self.w.write_rows(self.a, t)
         return self
 
 
@@ -113,20 +118,30 @@ class PackedWeight:
         return self.data.untyped_storage().nbytes()
 
 
-def linear(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None,
-           n_threads: int | None = None) -> torch.Tensor:
-    """x [M, K] float32 (rows contiguous) -> x @ W^T (+ b [N] float32): [M, N] float32."""
+def gemm_operands(x: torch.Tensor, n_in: int, n_out: int, b: torch.Tensor | None,
+                  n_threads: int | None):
+    """The operands every CPU GEMM call takes, checked and laid out for the kernels.
+
+    x [M, K] (any float dtype) -> (x [M, K] float32 with contiguous rows, y [M, n_out] float32
+    to write, b [n_out] float32 contiguous or None, the OpenMP thread count)."""
     if x.dtype != torch.float32:
         x = x.float()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    M, K = x.shape
-    if K != w.n_in:
-        raise ValueError(f"x has {K} columns, the weight wants {w.n_in}")
-    y = torch.empty(M, w.n_out, dtype=torch.float32)
+    if x.shape[1] != n_in:
+        raise ValueError(f"x has {x.shape[1]} columns, the weight wants {n_in}")
+    y = torch.empty(x.shape[0], n_out, dtype=torch.float32)
     if b is not None and (b.dtype != torch.float32 or not b.is_contiguous()):
         b = b.float().contiguous()
     nt = torch.get_num_threads() if n_threads is None else n_threads
+    return x, y, b, nt
+
+
+def linear(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None,
+           n_threads: int | None = None) -> torch.Tensor:
+    """x [M, K] float32 (rows contiguous) -> x @ W^T (+ b [N] float32): [M, N] float32."""
+    x, y, b, nt = gemm_operands(x, w.n_in, w.n_out, b, n_threads)
+    M, K = x.shape
     _cpu_gemm.gemm_packed(w.data.data_ptr(), w.is_bf16, K, w.n_out, x.data_ptr(), x.stride(0), M,
                           y.data_ptr(), y.stride(0), 0 if b is None else b.data_ptr(), nt)
     return y

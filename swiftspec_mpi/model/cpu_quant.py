@@ -154,19 +154,8 @@ class QuantLinear:
         return sum(s.nbytes() for _, _, s in self.segments)
 
 
-class QuantRows:
-    """Write target for rows [a, b) of a QuantLinear (what Transformer.load_weights fetches
-    into): `shape`, slicing, `load(chunks)`."""
-
-    def __init__(self, w: QuantLinear, a: int, b: int):
-        self.w, self.a, self.b = w, a, b
-        self.shape = torch.Size((b - a, w.n_in))
-
-    def __getitem__(self, s: slice) -> "QuantRows":
-        start, stop, step = s.indices(self.b - self.a)
-        if step != 1:
-            raise ValueError("packed rows take contiguous slices only")
-        return QuantRows(self.w, self.a + start, self.a + stop)
+class QuantRows(cpu_linear.RowRange):
+    """Rows [a, b) of a QuantLinear: `load(chunks)` writes them (chunks as QuantLinear.load)."""
 
     def load(self, chunks) -> None:
         self.w.load(self.a, self.b, chunks)
@@ -225,17 +214,8 @@ def linear(x: torch.Tensor, w: QuantLinear, b: torch.Tensor | None = None,
     """x [M, K] float32 -> x @ W^T (+ b [N] float32): [M, N] float32, segment by segment."""
     from swiftspec_mpi.model import _cpu_gemm
 
-    if x.dtype != torch.float32:
-        x = x.float()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x, y, b, nt = cpu_linear.gemm_operands(x, w.n_in, w.n_out, b, n_threads)
     M, K = x.shape
-    if K != w.n_in:
-        raise ValueError(f"x has {K} columns, the weight wants {w.n_in}")
-    y = torch.empty(M, w.n_out, dtype=torch.float32)
-    if b is not None and (b.dtype != torch.float32 or not b.is_contiguous()):
-        b = b.float().contiguous()
-    nt = torch.get_num_threads() if n_threads is None else n_threads
     xp, yp, ldy = x.data_ptr(), y.data_ptr(), y.stride(0)
     for a, e, s in w.segments:
         bp = 0 if b is None else b.data_ptr() + 4 * a

@@ -56,26 +56,6 @@ def shape_config(spec: str) -> ModelConfig:
                         f"({', '.join(SHAPES)}) nor a checkpoint path") from None
 
 
-def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> full shape, for every tensor a checkpoint of this config holds."""
-    H, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, H), "model.norm.weight": (H,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, H)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-                       p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
-                       p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
-                       p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
-                       p + "mlp.down_proj.weight": (H, I)})
-        if cfg.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
-    return shapes
-
-
 class RandomSource:
     """TensorSource of random weights: N(0, 0.02) matrices, ones for norms, small biases.
     Deterministic per (seed, name, slice), generated on `device` in `dtype`."""
@@ -83,7 +63,7 @@ class RandomSource:
     def __init__(self, cfg: ModelConfig, device="cpu", dtype=None, seed: int = 0):
         import torch
         self.config = cfg
-        self.shapes = hf_shapes(cfg)
+        self.shapes = cfg.hf_shapes()
         self.device = torch.device(device)
         self.dtype = dtype or torch.float32
         self.seed = seed

