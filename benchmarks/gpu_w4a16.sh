@@ -4,7 +4,8 @@
 #   run via the device tool:  bash benchmarks/gpu_w4a16.sh     (summaries under $OUT)
 # PARTS picks what runs (default "tests gemv step engine"); "gputests" runs `pytest -m gpu` on
 # every GPU test file. TARGET (default llama-3-70b) and DRAFTS (default "llama-3.2-3b
-# llama-3.2-1b") pick the engine runs' shapes. Full traces go to $RUNS (default /tmp/w4runs).
+# llama-3.2-1b") pick the engine runs' shapes; POLICIES (default "remnant") the --async-policy of
+# the `async` runs, one run each. Full traces go to $RUNS (default /tmp/w4runs).
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 PARTS=${PARTS:-"tests gemv step engine"}
@@ -56,10 +57,13 @@ if part engine; then
     run ar 1 --mode ar
     for d in ${DRAFTS-llama-3.2-3b llama-3.2-1b}; do
       run "sync-$d" 1 --mode sync --draft "$d"
-      MPS=1 mps_start 2 1
-      run "async-mps-$d" 2 --mode async --draft "$d"
-      mps_stop
-      for m in sync async-mps; do
+      for pol in ${POLICIES:-remnant}; do
+        MPS=1 mps_start 2 1
+        run "async-mps-$pol-$d" 2 --mode async --draft "$d" --async-policy "$pol"
+        mps_stop
+      done
+      for m in sync ${POLICIES:-remnant}; do
+        [[ $m == sync ]] || m=async-mps-$m
         echo "   $m-$d vs ar:"; python3 benchmarks/compare_outputs.py "$RUNS/ar.h5" "$RUNS/$m-$d.h5" 2>&1 | tail -3
       done
     done
