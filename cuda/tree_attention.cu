@@ -55,6 +55,14 @@
 
 namespace cg = cooperative_groups;
 
+// The inputs every version's kernel and body take first, in this order (layout: the header above).
+#define TREE_ATTN_INPUTS                                                                                \
+  const __nv_bfloat16* __restrict__ q, long long q_tok_stride,                                          \
+  const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc, long long kv_slot_stride, \
+  const uint8_t* __restrict__ mask, long long mask_stride,                                              \
+  const int* __restrict__ n_valid_ptr, int n_valid
+#define TREE_ATTN_INPUT_ARGS q, q_tok_stride, kc, vc, kv_slot_stride, mask, mask_stride, n_valid_ptr, n_valid
+
 namespace tree_attn {
 
 constexpr int TILE = 64;      // KV slots per pipeline stage
@@ -77,6 +85,40 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok = 0;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+  } while (!ok);
+}
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+
+// Thread 0 initializes the N stage mbarriers at mbar0, mbar0 + 8, ... (arrival count `count`);
+// the block barrier makes them visible before any thread uses them. All threads call it.
+template <int N>
+__device__ __forceinline__ void init_stage_mbarriers(uint32_t mbar0, int count) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < N; ++s) mbar_init(mbar0 + 8 * s, count);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+}
+
+// Split `split` of `splits` over the ceil(L / TILE) KV tiles, balanced: its tiles are
+// [t_begin, t_begin + the returned count).
+__device__ __forceinline__ int split_tiles(int L, int split, int splits, int& t_begin) {
+  const int n_tiles = (L + TILE - 1) / TILE;
+  t_begin = (int)(((long long)n_tiles * split) / splits);
+  const int t_end = (int)(((long long)n_tiles * (split + 1)) / splits);
+  return t_end - t_begin;
+}
+
 __device__ __forceinline__ void ldmatrix_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
@@ -90,6 +132,49 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t& r0, uint32_t& r1, ui
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (low 16 bits)
   return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// cp.async of KV tile t (slots t * TILE .. + TILE - 1 of the head's kh / vh, slot stride
+// kv_slot_stride; zeros past L) into ring stage `stage` of smem: K [TILE][D + 8] then V, bf16.
+// By the THREADS threads of the block (tid = threadIdx.x).
+template <int D, int THREADS>
+__device__ __forceinline__ void copy_kv_tile(__nv_bfloat16* smem, int stage, const __nv_bfloat16* kh,
+                                             const __nv_bfloat16* vh, long long kv_slot_stride, int t, int L,
+                                             int tid) {
+  constexpr int LDS = D + 8, CHUNKS = D / 8;   // 16-byte chunks per K/V row
+  __nv_bfloat16* ks = smem + stage * (2 * TILE * LDS);
+  __nv_bfloat16* vs = ks + TILE * LDS;
+  const int slot0 = t * TILE;
+#pragma unroll
+  for (int i = tid; i < TILE * CHUNKS; i += THREADS) {
+    const int r = i / CHUNKS, c = i % CHUNKS;
+    const int slot = slot0 + r;
+    const bool ok = slot < L;
+    const long long off = (long long)(ok ? slot : 0) * kv_slot_stride + c * 8;
+    cp_async_16(smem_u32(ks + r * LDS + c * 8), kh + off, ok);
+    cp_async_16(smem_u32(vs + r * LDS + c * 8), vh + off, ok);
+  }
+}
+
+// Query rows rowA and rowB = rowA + 8 of this lane (row = token * G + group; a row >= R is
+// invalid: token 0, zero fragments) and their Q A fragments qf[D / 16][4] (k-step s; qd = lane & 3).
+template <int D>
+__device__ __forceinline__ void load_q_frags(const __nv_bfloat16* q, long long q_tok_stride, int h, int G, int R,
+                                             int rowA, int qd, bool& validA, bool& validB, int& tokA, int& tokB,
+                                             uint32_t (&qf)[D / 16][4]) {
+  const int rowB = rowA + 8;
+  validA = rowA < R, validB = rowB < R;
+  tokA = validA ? rowA / G : 0, tokB = validB ? rowB / G : 0;
+  const __nv_bfloat16* qA = q + (long long)tokA * q_tok_stride + (long long)(h * G + rowA % G) * D;
+  const __nv_bfloat16* qB = q + (long long)tokB * q_tok_stride + (long long)(h * G + rowB % G) * D;
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s) {
+    const int c0 = s * 16 + 2 * qd;
+    qf[s][0] = validA ? __ldg(reinterpret_cast<const uint32_t*>(qA + c0)) : 0u;
+    qf[s][1] = validB ? __ldg(reinterpret_cast<const uint32_t*>(qB + c0)) : 0u;
+    qf[s][2] = validA ? __ldg(reinterpret_cast<const uint32_t*>(qA + c0 + 8)) : 0u;
+    qf[s][3] = validB ? __ldg(reinterpret_cast<const uint32_t*>(qB + c0 + 8)) : 0u;
+  }
 }
 
 // One warp's piece of a K/V tile, the building blocks of every version: NT x 8 slots from slot
@@ -223,6 +308,100 @@ __device__ __forceinline__ void store_warp_partial(float* part_o, float* part_m,
   }
 }
 
+// All threads: a block barrier (every warp done with the shared memory the partials reuse), the
+// NW warps' store_warp_partial (part_o [NW][16][D], part_m / part_l [NW][16], fp32), and a block
+// barrier that makes them visible to the whole block.
+template <int D, int NW>
+__device__ __forceinline__ void store_warp_partials(float* part_o, float* part_m, float* part_l,
+                                                    int warp, int lane, const float (&m_run)[2], float (&l_run)[2],
+                                                    const float (&o)[D / 8][4]) {
+  __syncthreads();
+  store_warp_partial<D>(part_o, part_m, part_l, warp, lane, m_run, l_run, o);
+  __syncthreads();
+}
+
+// (m, l) of block row rl merged over its NW / MT warp partials (row tile rl / 16: warps
+// rl / 16 + MT p), in warp order: m = max_p m_p, l = sum_p 2^(m_p - m) l_p (0 if every m_p = -inf).
+// part_m, part_l [NW][16] fp32.
+template <int MT, int NW>
+__device__ __forceinline__ float2 merge_warp_ml(const float* part_m, const float* part_l, int rl) {
+  constexpr int KV_PARTS = NW / MT;           // warps sharing one row tile
+  const int wmt = rl / 16, rr = rl % 16;
+  float mmax = -INFINITY;
+#pragma unroll
+  for (int p = 0; p < KV_PARTS; ++p) mmax = fmaxf(mmax, part_m[(wmt + MT * p) * 16 + rr]);
+  float lsum = 0.f;
+  if (mmax != -INFINITY) {
+#pragma unroll
+    for (int p = 0; p < KV_PARTS; ++p) {
+      const int w = wmt + MT * p;
+      lsum += exp2f(part_m[w * 16 + rr] - mmax) * part_l[w * 16 + rr];
+    }
+  }
+  return make_float2(mmax, lsum);
+}
+
+// Merge of the CS split partials (m, l, O[4 columns]) of one output item, in order 0..CS-1:
+// acc = sum 2^(m_cb - mmax) O_cb, lsum likewise over l (acc = 0, lsum = 0 if every m = -inf).
+// The KV_PARTS warp partials of row rr of row tile wmt (warps wmt + MT_BLK p, p in order)
+// pre-combined at columns 4 d4 .. 4 d4 + 3: sum_p exp2(m_p - mmax) O_p with mmax = max_p m_p
+// (zeros when every m_p is -inf); with WITH_L also lsum = sum_p exp2(m_p - mmax) l_p.
+// part_o [NW][16][D], part_m and part_l [NW][16], fp32 in shared memory.
+template <int D, int MT_BLK, int KV_PARTS, bool WITH_L>
+__device__ __forceinline__ float4 precombine_o(const float* part_o, const float* part_m, const float* part_l,
+                                               int wmt, int rr, int d4, float& mmax, float& lsum) {
+  float mp[KV_PARTS];
+  mmax = -INFINITY;
+#pragma unroll
+  for (int p = 0; p < KV_PARTS; ++p) {
+    mp[p] = part_m[(wmt + MT_BLK * p) * 16 + rr];
+    mmax = fmaxf(mmax, mp[p]);
+  }
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (mmax != -INFINITY) {
+#pragma unroll
+    for (int p = 0; p < KV_PARTS; ++p) {
+      const int w = wmt + MT_BLK * p;
+      const float sc = exp2f(mp[p] - mmax);
+      if (WITH_L) lsum += sc * part_l[w * 16 + rr];
+      const float4 v = *reinterpret_cast<const float4*>(&part_o[(w * 16 + rr) * D + 4 * d4]);
+      acc.x += sc * v.x; acc.y += sc * v.y; acc.z += sc * v.z; acc.w += sc * v.w;
+    }
+  }
+  return acc;
+}
+
+template <int CS>
+__device__ __forceinline__ void merge_split_parts(const float (&mi)[CS], const float (&li)[CS],
+                                                  const float4 (&oi)[CS], float4& acc, float& lsum) {
+  float mmax = -INFINITY;
+#pragma unroll
+  for (int cb = 0; cb < CS; ++cb) mmax = fmaxf(mmax, mi[cb]);
+  acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  lsum = 0.f;
+  if (mmax != -INFINITY) {
+#pragma unroll
+    for (int cb = 0; cb < CS; ++cb) {
+      const float sc = exp2f(mi[cb] - mmax);
+      lsum += sc * li[cb];
+      acc.x += sc * oi[cb].x; acc.y += sc * oi[cb].y; acc.z += sc * oi[cb].z; acc.w += sc * oi[cb].w;
+    }
+  }
+}
+
+// The final output of one item: out[token, query head] columns col .. col + 3 (bf16) = acc / lsum
+// for GEMM row `row` (token row / G, query head h * G + row % G), head dim D.
+__device__ __forceinline__ void store_out4(__nv_bfloat16* out, long long out_tok_stride, int D, int G, int h,
+                                           int row, int col, float4 acc, float lsum) {
+  const float inv = lsum > 0.f ? 1.f / lsum : 0.f;   // a row that sees nothing gives zeros
+  const int tok = row / G, hq = h * G + row % G;
+  __nv_bfloat16* dst = out + (long long)tok * out_tok_stride + (long long)hq * D + col;
+  uint2 pk;
+  pk.x = pack_bf16(acc.x * inv, acc.y * inv);
+  pk.y = pack_bf16(acc.z * inv, acc.w * inv);
+  *reinterpret_cast<uint2*>(dst) = pk;
+}
+
 template <int D>
 struct Smem {
   static constexpr int LDS = D + 8;                    // padded row: ldmatrix without bank conflicts
@@ -231,10 +410,7 @@ struct Smem {
 
 template <int D, int MT_BLK, int CS, int STAGES>
 __device__ __forceinline__ void tree_attention_body(
-    const __nv_bfloat16* __restrict__ q, long long q_tok_stride,
-    const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc, long long kv_slot_stride,
-    const uint8_t* __restrict__ mask, long long mask_stride,
-    const int* __restrict__ n_valid_ptr, int n_valid,
+    TREE_ATTN_INPUTS,
     __nv_bfloat16* __restrict__ out, long long out_tok_stride,
     int N, int H, int Hkv, float scale_log2) {
   constexpr int KV_PARTS = 4 / MT_BLK;        // warps sharing one row tile
@@ -244,7 +420,6 @@ __device__ __forceinline__ void tree_attention_body(
   constexpr int DN = D / 8;                   // O n-tiles
   constexpr int LDS = Smem<D>::LDS;
   constexpr int RB = MT_BLK * 16;             // rows per block
-  constexpr int CHUNKS = D / 8;               // 16-byte chunks per K/V row
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static_assert(NT <= 8, "mask bits");
   static_assert(STAGES * Smem<D>::STAGE_ELEMS * 2 >= (4 * 16 * D + 4 * 16 * 2 + RB * D + 2 * RB) * 4,
@@ -271,28 +446,15 @@ __device__ __forceinline__ void tree_attention_body(
   const int mt = warp % MT_BLK, part = warp / MT_BLK;
   const int L = n_valid_ptr ? __ldg(n_valid_ptr) : n_valid;
 
-  // KV tiles of this block: [t_begin, t_end) out of ceil(L / TILE), balanced over the cluster.
-  const int n_tiles = (L + TILE - 1) / TILE;
-  const int t_begin = (int)(((long long)n_tiles * crank) / CS);
-  const int t_end = (int)(((long long)n_tiles * (crank + 1)) / CS);
-  const int my_tiles = t_end - t_begin;
+  // KV tiles of this block: [t_begin, t_begin + my_tiles), balanced over the cluster.
+  int t_begin;
+  const int my_tiles = split_tiles(L, crank, CS, t_begin);
 
   const __nv_bfloat16* kh = kc + (long long)h * D;
   const __nv_bfloat16* vh = vc + (long long)h * D;
 
   auto load_tile = [&](int t, int stage) {
-    __nv_bfloat16* ks = smem + stage * Smem<D>::STAGE_ELEMS;
-    __nv_bfloat16* vs = ks + TILE * LDS;
-    const int slot0 = t * TILE;
-#pragma unroll
-    for (int i = tid; i < TILE * CHUNKS; i += THREADS) {
-      const int r = i / CHUNKS, c = i % CHUNKS;
-      const int slot = slot0 + r;
-      const bool ok = slot < L;
-      const long long off = (long long)(ok ? slot : 0) * kv_slot_stride + c * 8;
-      cp_async_16(smem_u32(ks + r * LDS + c * 8), kh + off, ok);
-      cp_async_16(smem_u32(vs + r * LDS + c * 8), vh + off, ok);
-    }
+    copy_kv_tile<D, THREADS>(smem, stage, kh, vh, kv_slot_stride, t, L, tid);
   };
 
   // Prologue: start streaming K/V first, then load Q while the copies are in flight.
@@ -303,21 +465,10 @@ __device__ __forceinline__ void tree_attention_body(
   }
 
   // Q fragments (A operand, m16k16 row-major) for rows rowA = g and rowB = g + 8 of this warp's tile.
-  const int row_base = rg * RB + mt * 16;
-  const int rowA = row_base + g, rowB = row_base + g + 8;
-  const bool validA = rowA < R, validB = rowB < R;
-  const int tokA = validA ? rowA / G : 0, tokB = validB ? rowB / G : 0;
-  const __nv_bfloat16* qA = q + (long long)tokA * q_tok_stride + (long long)(h * G + rowA % G) * D;
-  const __nv_bfloat16* qB = q + (long long)tokB * q_tok_stride + (long long)(h * G + rowB % G) * D;
+  bool validA, validB;
+  int tokA, tokB;
   uint32_t qf[DK][4];
-#pragma unroll
-  for (int s = 0; s < DK; ++s) {
-    const int c0 = s * 16 + 2 * qd;
-    qf[s][0] = validA ? __ldg(reinterpret_cast<const uint32_t*>(qA + c0)) : 0u;
-    qf[s][1] = validB ? __ldg(reinterpret_cast<const uint32_t*>(qB + c0)) : 0u;
-    qf[s][2] = validA ? __ldg(reinterpret_cast<const uint32_t*>(qA + c0 + 8)) : 0u;
-    qf[s][3] = validB ? __ldg(reinterpret_cast<const uint32_t*>(qB + c0 + 8)) : 0u;
-  }
+  load_q_frags<D>(q, q_tok_stride, h, G, R, rg * RB + mt * 16 + g, qd, validA, validB, tokA, tokB, qf);
   const uint8_t* mA = mask + (long long)tokA * mask_stride;
   const uint8_t* mB = mask + (long long)tokB * mask_stride;
 
@@ -409,27 +560,9 @@ __device__ __forceinline__ void tree_attention_body(
   float* blk_l = blk_m + RB;                             // [RB]
   for (int item = tid; item < ITEMS; item += THREADS) {
     const int rl = item / D4, d4 = item % D4;
-    const int wmt = rl / 16, rr = rl % 16;
-    float mp[KV_PARTS];
-    float mmax = -INFINITY;
-#pragma unroll
-    for (int p = 0; p < KV_PARTS; ++p) {
-      mp[p] = part_m[(wmt + MT_BLK * p) * 16 + rr];
-      mmax = fmaxf(mmax, mp[p]);
-    }
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    float lsum = 0.f;
-    if (mmax != -INFINITY) {
-#pragma unroll
-      for (int p = 0; p < KV_PARTS; ++p) {
-        const int w = wmt + MT_BLK * p;
-        const float sc = exp2f(mp[p] - mmax);
-        lsum += sc * part_l[w * 16 + rr];
-        const float4 v = *reinterpret_cast<const float4*>(&part_o[(w * 16 + rr) * D + 4 * d4]);
-        acc.x += sc * v.x; acc.y += sc * v.y; acc.z += sc * v.z; acc.w += sc * v.w;
-      }
-    }
-    *reinterpret_cast<float4*>(&blk_o[rl * D + 4 * d4]) = acc;
+    float mmax, lsum = 0.f;
+    *reinterpret_cast<float4*>(&blk_o[rl * D + 4 * d4]) =
+        precombine_o<D, MT_BLK, KV_PARTS, true>(part_o, part_m, part_l, rl / 16, rl % 16, d4, mmax, lsum);
     if (d4 == 0) {
       blk_m[rl] = mmax;
       blk_l[rl] = lsum;
@@ -452,26 +585,10 @@ __device__ __forceinline__ void tree_attention_body(
       li[cb] = *cluster.map_shared_rank(blk_l + rl, cb);
       oi[cb] = *cluster.map_shared_rank(reinterpret_cast<const float4*>(blk_o + rl * D + 4 * d4), cb);
     }
-    float mmax = -INFINITY;
-#pragma unroll
-    for (int cb = 0; cb < CS; ++cb) mmax = fmaxf(mmax, mi[cb]);
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    float lsum = 0.f;
-    if (mmax != -INFINITY) {
-#pragma unroll
-      for (int cb = 0; cb < CS; ++cb) {
-        const float sc = exp2f(mi[cb] - mmax);
-        lsum += sc * li[cb];
-        acc.x += sc * oi[cb].x; acc.y += sc * oi[cb].y; acc.z += sc * oi[cb].z; acc.w += sc * oi[cb].w;
-      }
-    }
-    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;   // a row that sees nothing gives zeros
-    const int tok = row / G, hq = h * G + row % G;
-    __nv_bfloat16* dst = out + (long long)tok * out_tok_stride + (long long)hq * D + 4 * d4;
-    uint2 pk;
-    pk.x = pack_bf16(acc.x * inv, acc.y * inv);
-    pk.y = pack_bf16(acc.z * inv, acc.w * inv);
-    *reinterpret_cast<uint2*>(dst) = pk;
+    float4 acc;
+    float lsum;
+    merge_split_parts<CS>(mi, li, oi, acc, lsum);
+    store_out4(out, out_tok_stride, D, G, h, row, 4 * d4, acc, lsum);
   }
   cluster.sync();  // keep this block's shared memory alive until the whole cluster has read it
 }
@@ -481,29 +598,18 @@ __device__ __forceinline__ void tree_attention_body(
 #define TREE_ATTN_KERNEL(D, MT, CS, ST)                                                               \
   extern "C" __global__ void __cluster_dims__(CS, 1, 1) __launch_bounds__(tree_attn::THREADS)         \
   tree_attention_d##D##_mt##MT##_cs##CS##_st##ST(                                                     \
-      const __nv_bfloat16* __restrict__ q, long long q_tok_stride,                                    \
-      const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v, long long kv_slot_stride, \
-      const uint8_t* __restrict__ mask, long long mask_stride,                                        \
-      const int* __restrict__ n_valid_ptr, int n_valid,                                               \
-      __nv_bfloat16* __restrict__ out, long long out_tok_stride,                                      \
+      TREE_ATTN_INPUTS, __nv_bfloat16* __restrict__ out, long long out_tok_stride,                    \
       int N, int H, int Hkv, float scale_log2) {                                                      \
-    tree_attn::tree_attention_body<D, MT, CS, ST>(q, q_tok_stride, k, v, kv_slot_stride, mask, mask_stride,  \
-                                          n_valid_ptr, n_valid, out, out_tok_stride, N, H, Hkv,       \
-                                          scale_log2);                                                \
+    tree_attn::tree_attention_body<D, MT, CS, ST>(TREE_ATTN_INPUT_ARGS, out, out_tok_stride, N, H, Hkv, \
+                                                  scale_log2);                                        \
   }
 
-TREE_ATTN_KERNEL(128, 1, 8, 4)
-TREE_ATTN_KERNEL(128, 2, 8, 4)
-TREE_ATTN_KERNEL(128, 4, 8, 4)
-TREE_ATTN_KERNEL(64, 1, 8, 4)
-TREE_ATTN_KERNEL(64, 2, 8, 4)
-TREE_ATTN_KERNEL(64, 4, 8, 4)
-TREE_ATTN_KERNEL(128, 1, 16, 2)
-TREE_ATTN_KERNEL(128, 2, 16, 2)
-TREE_ATTN_KERNEL(128, 4, 16, 2)
-TREE_ATTN_KERNEL(64, 1, 16, 2)
-TREE_ATTN_KERNEL(64, 2, 16, 2)
-TREE_ATTN_KERNEL(64, 4, 16, 2)
+// row tiles 1, 2, 4 of one (head dim, cluster, stages)
+#define TREE_ATTN_MT(D, CS, ST) TREE_ATTN_KERNEL(D, 1, CS, ST) TREE_ATTN_KERNEL(D, 2, CS, ST) TREE_ATTN_KERNEL(D, 4, CS, ST)
+TREE_ATTN_MT(128, 8, 4)
+TREE_ATTN_MT(64, 8, 4)
+TREE_ATTN_MT(128, 16, 2)
+TREE_ATTN_MT(64, 16, 2)
 
 // ============================================================================================
 // Version 2: same decomposition and math as version 1 (grid (CS, Hkv, RG),
@@ -532,16 +638,7 @@ TREE_ATTN_KERNEL(64, 4, 16, 2)
 // ============================================================================================
 namespace tree_attn2 {
 
-using tree_attn::TILE;
-using tree_attn::smem_u32;
-using tree_attn::cp_async_16;
-using tree_attn::ldmatrix_x4;
-using tree_attn::ldmatrix_x4_trans;
-using tree_attn::pack_bf16;
-using tree_attn::piece_qk;
-using tree_attn::piece_softmax;
-using tree_attn::piece_pv;
-using tree_attn::store_warp_partial;
+using namespace tree_attn;   // the building blocks of every version
 
 constexpr int MAXT = 16;   // tiles whose mask bits are built per chunk
 
@@ -560,26 +657,12 @@ struct Layout {
   static constexpr int TOTAL = MBAR + STAGES * 8;
 };
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t ok = 0;
-  do {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
-  } while (!ok);
-}
-__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
-}
-
 // Versions 2 and 3 alike: stream the tiles [t_begin, t_begin + my_tiles) of KV head h through
 // the STAGES-deep mbarrier ring (all copies of the first STAGES tiles issued up front), read the
 // mask once per tile as bits (MAXT tiles a chunk), and accumulate this warp's 16 rows (row tile
 // warp % MT_BLK, slice warp / MT_BLK of every tile) into o / m_run / l_run (online softmax, log2
-// units). Rows of the block: tokens [tok_lo, tok_lo + ntok). Leaves the ring in use: the caller
-// syncs before reusing the shared memory.
+// units). Rows of the block: tokens [tok_lo, tok_lo + ntok). Leaves the ring in use:
+// store_warp_partials syncs before the partials reuse the shared memory.
 template <int D, int MT_BLK, int STAGES, int NW, int LDS, int RB>
 __device__ __forceinline__ void accumulate_tiles(
     __nv_bfloat16* smem, unsigned long long* bits, uint32_t mbar0,
@@ -589,12 +672,12 @@ __device__ __forceinline__ void accumulate_tiles(
     int L, int t_begin, int my_tiles, int h, int rg, int G, int R, int tok_lo, int ntok,
     float (&o)[D / 8][4], float (&m_run)[2], float (&l_run)[2]) {
   constexpr int THREADS = NW * 32;
-  constexpr int KV_PARTS = NW / MT_BLK;
-  constexpr int PW = TILE / KV_PARTS;
+  constexpr int KV_PARTS = NW / MT_BLK;       // warps sharing one row tile
+  constexpr int PW = TILE / KV_PARTS;         // slots of a tile per warp
+  static_assert(PW >= 16 && PW % 16 == 0, "P V needs k = 16 slots per warp");
   constexpr int NT = PW / 8;
   constexpr int DK = D / 16;
   constexpr int DN = D / 8;
-  constexpr int CHUNKS = D / 8;
   constexpr int STAGE_ELEMS = 2 * TILE * LDS;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, qd = lane & 3;
@@ -606,18 +689,7 @@ __device__ __forceinline__ void accumulate_tiles(
   // Issue tile t into ring stage `stage` (all threads): 16-byte cp.async, zero-fill past L, then
   // an arrival on the stage's mbarrier once this thread's copies have landed.
   auto issue_tile = [&](int t, int stage) {
-    __nv_bfloat16* ks = smem + stage * STAGE_ELEMS;
-    __nv_bfloat16* vs = ks + TILE * LDS;
-    const int slot0 = t * TILE;
-#pragma unroll
-    for (int i = tid; i < TILE * CHUNKS; i += THREADS) {
-      const int r = i / CHUNKS, c = i % CHUNKS;
-      const int slot = slot0 + r;
-      const bool ok = slot < L;
-      const long long off = (long long)(ok ? slot : 0) * kv_slot_stride + c * 8;
-      cp_async_16(smem_u32(ks + r * LDS + c * 8), kh + off, ok);
-      cp_async_16(smem_u32(vs + r * LDS + c * 8), vh + off, ok);
-    }
+    copy_kv_tile<D, THREADS>(smem, stage, kh, vh, kv_slot_stride, t, L, tid);
     cp_async_mbar_arrive(mbar0 + 8 * stage);
   };
 
@@ -658,21 +730,10 @@ __device__ __forceinline__ void accumulate_tiles(
   };
 
   // Q fragments (A operand) for rows rowA = g and rowB = g + 8 of this warp's tile.
-  const int row_base = rg * RB + mt * 16;
-  const int rowA = row_base + g, rowB = row_base + g + 8;
-  const bool validA = rowA < R, validB = rowB < R;
-  const int tokA = validA ? rowA / G : 0, tokB = validB ? rowB / G : 0;
-  const __nv_bfloat16* qA = q + (long long)tokA * q_tok_stride + (long long)(h * G + rowA % G) * D;
-  const __nv_bfloat16* qB = q + (long long)tokB * q_tok_stride + (long long)(h * G + rowB % G) * D;
+  bool validA, validB;
+  int tokA, tokB;
   uint32_t qf[DK][4];
-#pragma unroll
-  for (int s = 0; s < DK; ++s) {
-    const int c0 = s * 16 + 2 * qd;
-    qf[s][0] = validA ? __ldg(reinterpret_cast<const uint32_t*>(qA + c0)) : 0u;
-    qf[s][1] = validB ? __ldg(reinterpret_cast<const uint32_t*>(qB + c0)) : 0u;
-    qf[s][2] = validA ? __ldg(reinterpret_cast<const uint32_t*>(qA + c0 + 8)) : 0u;
-    qf[s][3] = validB ? __ldg(reinterpret_cast<const uint32_t*>(qB + c0 + 8)) : 0u;
-  }
+  load_q_frags<D>(q, q_tok_stride, h, G, R, rg * RB + mt * 16 + g, qd, validA, validB, tokA, tokB, qf);
   const int lA = validA ? tokA - tok_lo : -1, lB = validB ? tokB - tok_lo : -1;
   const int bit0 = part * PW + 2 * qd;   // this lane's first slot within a tile
 
@@ -711,18 +772,12 @@ __device__ __forceinline__ void accumulate_tiles(
 
 template <int D, int MT_BLK, int CS, int STAGES, int NW>
 __device__ __forceinline__ void body(
-    const __nv_bfloat16* __restrict__ q, long long q_tok_stride,
-    const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc, long long kv_slot_stride,
-    const uint8_t* __restrict__ mask, long long mask_stride,
-    const int* __restrict__ n_valid_ptr, int n_valid,
+    TREE_ATTN_INPUTS,
     __nv_bfloat16* __restrict__ out, long long out_tok_stride,
     int N, int H, int Hkv, float scale_log2) {
   using LY = Layout<D, MT_BLK, CS, STAGES>;
   constexpr int THREADS = NW * 32;
   constexpr int KV_PARTS = NW / MT_BLK;       // warps sharing one row tile
-  constexpr int PW = TILE / KV_PARTS;         // slots of a tile per warp
-  static_assert(PW >= 16 && PW % 16 == 0, "P V needs k = 16 slots per warp");
-  constexpr int DN = D / 8;
   constexpr int LDS = LY::LDS;
   constexpr int RB = LY::RB;
   constexpr int D4 = D / 4;
@@ -742,11 +797,7 @@ __device__ __forceinline__ void body(
   // Cluster barrier phase 0: arrive now, wait just before the first DSMEM store (all blocks of
   // the cluster are then known to run). Relaxed: nothing to publish.
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) mbar_init(mbar0 + 8 * s, THREADS);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  init_stage_mbarriers<STAGES>(mbar0, THREADS);
 
   // PDL: wait for the previous grid before reading any input, then let the next one launch.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -756,14 +807,10 @@ __device__ __forceinline__ void body(
   const int crank = (int)cluster.block_rank();
   const int h = blockIdx.y;
   const int rg = blockIdx.z;
-  const int G = H / Hkv;
-  const int R = N * G;
+  const int G = H / Hkv, R = N * G;
   const int L = n_valid_ptr ? __ldg(n_valid_ptr) : n_valid;
-
-  const int n_tiles = (L + TILE - 1) / TILE;
-  const int t_begin = (int)(((long long)n_tiles * crank) / CS);
-  const int t_end = (int)(((long long)n_tiles * (crank + 1)) / CS);
-  const int my_tiles = t_end - t_begin;
+  int t_begin;
+  const int my_tiles = split_tiles(L, crank, CS, t_begin);
 
   // Tokens of this block's rows: [tok_lo, tok_hi]; ntok <= RB.
   const int row_lo = rg * RB;
@@ -771,61 +818,31 @@ __device__ __forceinline__ void body(
   const int tok_lo = row_lo / G;
   const int ntok = row_hi / G - tok_lo + 1;
 
-  float o[DN][4];
+  float o[D / 8][4];
   float m_run[2], l_run[2];
   accumulate_tiles<D, MT_BLK, STAGES, NW, LDS, RB>(smem, bits, mbar0, q, q_tok_stride, kc, vc, kv_slot_stride,
                                                    mask, mask_stride, scale_log2, L, t_begin, my_tiles, h, rg,
                                                    G, R, tok_lo, ntok, o, m_run, l_run);
-  __syncthreads();  // all warps done with the ring (every issued stage was waited on): reuse it
-
-  float* part_o = reinterpret_cast<float*>(smem_raw);   // [NW][16][D]
+  float* part_o = reinterpret_cast<float*>(smem_raw);   // [NW][16][D], reusing the ring
   float* part_m = part_o + NW * 16 * D;                  // [NW][16]
   float* part_l = part_m + NW * 16;                      // [NW][16]
-  store_warp_partial<D>(part_o, part_m, part_l, warp, lane, m_run, l_run, o);
-  __syncthreads();
+  store_warp_partials<D, NW>(part_o, part_m, part_l, warp, lane, m_run, l_run, o);
   // Every block of the cluster has started (phase 0): its shared memory may be written.
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 
-  // Push: pre-combine this block's KV_PARTS warp partials per (row, 4 columns) and store the
-  // result into the receive slot [crank] of the block that finalizes that item.
+  // Push: pre-combine this block's KV_PARTS warp partials per (row, 4 columns) and per row (m, l),
+  // and store the results into the receive slots [crank] of the blocks that finalize them.
   for (int item = tid; item < ITEMS; item += THREADS) {
     const int rl = item / D4, d4 = item % D4;
-    const int wmt = rl / 16, rr = rl % 16;
-    float mp[KV_PARTS];
-    float mmax = -INFINITY;
-#pragma unroll
-    for (int p = 0; p < KV_PARTS; ++p) {
-      mp[p] = part_m[(wmt + MT_BLK * p) * 16 + rr];
-      mmax = fmaxf(mmax, mp[p]);
-    }
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (mmax != -INFINITY) {
-#pragma unroll
-      for (int p = 0; p < KV_PARTS; ++p) {
-        const int w = wmt + MT_BLK * p;
-        const float sc = exp2f(mp[p] - mmax);
-        const float4 v = *reinterpret_cast<const float4*>(&part_o[(w * 16 + rr) * D + 4 * d4]);
-        acc.x += sc * v.x; acc.y += sc * v.y; acc.z += sc * v.z; acc.w += sc * v.w;
-      }
-    }
+    float mmax, lsum;
+    const float4 acc = precombine_o<D, MT_BLK, KV_PARTS, false>(part_o, part_m, part_l, rl / 16, rl % 16, d4,
+                                                               mmax, lsum);
     const int dst = item / PER;
     *cluster.map_shared_rank(recv_o + crank * PER + (item - dst * PER), dst) = acc;
   }
   for (int i = tid; i < RB * CS; i += THREADS) {
     const int rl = i % RB, dst = i / RB;
-    const int wmt = rl / 16, rr = rl % 16;
-    float mmax = -INFINITY;
-#pragma unroll
-    for (int p = 0; p < KV_PARTS; ++p) mmax = fmaxf(mmax, part_m[(wmt + MT_BLK * p) * 16 + rr]);
-    float lsum = 0.f;
-    if (mmax != -INFINITY) {
-#pragma unroll
-      for (int p = 0; p < KV_PARTS; ++p) {
-        const int w = wmt + MT_BLK * p;
-        lsum += exp2f(part_m[w * 16 + rr] - mmax) * part_l[w * 16 + rr];
-      }
-    }
-    *cluster.map_shared_rank(recv_ml + crank * RB + rl, dst) = make_float2(mmax, lsum);
+    *cluster.map_shared_rank(recv_ml + crank * RB + rl, dst) = merge_warp_ml<MT_BLK, NW>(part_m, part_l, rl);
   }
   // Phase 1: all pushes of the cluster are visible. Nobody touches another block's shared
   // memory after this, so every block may finish and exit on its own.
@@ -838,33 +855,19 @@ __device__ __forceinline__ void body(
     const int rl = item / D4, d4 = item % D4;
     const int row = rg * RB + rl;
     if (row >= R) continue;
-    float2 ml[CS];
     float4 oi[CS];
+    float mi[CS], li[CS];
 #pragma unroll
     for (int cb = 0; cb < CS; ++cb) {
-      ml[cb] = recv_ml[cb * RB + rl];
+      const float2 ml = recv_ml[cb * RB + rl];
+      mi[cb] = ml.x;
+      li[cb] = ml.y;
       oi[cb] = recv_o[cb * PER + idx];
     }
-    float mmax = -INFINITY;
-#pragma unroll
-    for (int cb = 0; cb < CS; ++cb) mmax = fmaxf(mmax, ml[cb].x);
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    float lsum = 0.f;
-    if (mmax != -INFINITY) {
-#pragma unroll
-      for (int cb = 0; cb < CS; ++cb) {
-        const float sc = exp2f(ml[cb].x - mmax);
-        lsum += sc * ml[cb].y;
-        acc.x += sc * oi[cb].x; acc.y += sc * oi[cb].y; acc.z += sc * oi[cb].z; acc.w += sc * oi[cb].w;
-      }
-    }
-    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;   // a row that sees nothing gives zeros
-    const int tok = row / G, hq = h * G + row % G;
-    __nv_bfloat16* dstp = out + (long long)tok * out_tok_stride + (long long)hq * D + 4 * d4;
-    uint2 pk;
-    pk.x = pack_bf16(acc.x * inv, acc.y * inv);
-    pk.y = pack_bf16(acc.z * inv, acc.w * inv);
-    *reinterpret_cast<uint2*>(dstp) = pk;
+    float4 acc;
+    float lsum;
+    merge_split_parts<CS>(mi, li, oi, acc, lsum);
+    store_out4(out, out_tok_stride, D, G, h, row, 4 * d4, acc, lsum);
   }
 }
 
@@ -873,15 +876,9 @@ __device__ __forceinline__ void body(
 #define TREE_ATTN2_KERNEL(D, MT, CS, ST, NW)                                                          \
   extern "C" __global__ void __cluster_dims__(CS, 1, 1) __launch_bounds__(NW * 32)                    \
   tree_attention2_d##D##_mt##MT##_cs##CS##_st##ST##_w##NW(                                            \
-      const __nv_bfloat16* __restrict__ q, long long q_tok_stride,                                    \
-      const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v, long long kv_slot_stride, \
-      const uint8_t* __restrict__ mask, long long mask_stride,                                        \
-      const int* __restrict__ n_valid_ptr, int n_valid,                                               \
-      __nv_bfloat16* __restrict__ out, long long out_tok_stride,                                      \
+      TREE_ATTN_INPUTS, __nv_bfloat16* __restrict__ out, long long out_tok_stride,                    \
       int N, int H, int Hkv, float scale_log2) {                                                      \
-    tree_attn2::body<D, MT, CS, ST, NW>(q, q_tok_stride, k, v, kv_slot_stride, mask, mask_stride,     \
-                                        n_valid_ptr, n_valid, out, out_tok_stride, N, H, Hkv,         \
-                                        scale_log2);                                                  \
+    tree_attn2::body<D, MT, CS, ST, NW>(TREE_ATTN_INPUT_ARGS, out, out_tok_stride, N, H, Hkv, scale_log2); \
   }
 // 4 warps: row tiles 1, 2, 4 (8 warps would take 2 or 4: a warp needs >= 16 slots of a tile).
 #define TREE_ATTN2_W4(D, CS, ST) TREE_ATTN2_KERNEL(D, 1, CS, ST, 4) \
@@ -923,20 +920,8 @@ TREE_ATTN2_W4(64, 8, 4)
 // ============================================================================================
 namespace tree_attn3 {
 
-using tree_attn::TILE;
-using tree_attn::smem_u32;
-using tree_attn::cp_async_16;
-using tree_attn::ldmatrix_x4;
-using tree_attn::ldmatrix_x4_trans;
-using tree_attn::pack_bf16;
-using tree_attn::piece_qk;
-using tree_attn::piece_softmax;
-using tree_attn::piece_pv;
-using tree_attn::store_warp_partial;
+using namespace tree_attn;   // the building blocks of every version
 using tree_attn2::MAXT;
-using tree_attn2::mbar_init;
-using tree_attn2::mbar_wait;
-using tree_attn2::cp_async_mbar_arrive;
 
 // Shared memory layout (bytes), mirrored by tree_attention.AttnConfigV3.smem_bytes.
 template <int D, int MT_BLK, int STAGES>
@@ -980,23 +965,13 @@ __device__ __forceinline__ void combine_items(
         acc.x += sc * v.x; acc.y += sc * v.y; acc.z += sc * v.z; acc.w += sc * v.w;
       }
     }
-    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;   // a row that sees nothing gives zeros
-    const int row = rg * RB + rl;
-    const int tok = row / G, hq = h * G + row % G;
-    __nv_bfloat16* dstp = out + (long long)tok * out_tok_stride + (long long)hq * D + 4 * (item - rl * D4);
-    uint2 pk;
-    pk.x = pack_bf16(acc.x * inv, acc.y * inv);
-    pk.y = pack_bf16(acc.z * inv, acc.w * inv);
-    *reinterpret_cast<uint2*>(dstp) = pk;
+    store_out4(out, out_tok_stride, D, G, h, rg * RB + rl, 4 * (item - rl * D4), acc, lsum);
   }
 }
 
 template <int D, int MT_BLK, int STAGES, int NW>
 __device__ __forceinline__ void body(
-    const __nv_bfloat16* __restrict__ q, long long q_tok_stride,
-    const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc, long long kv_slot_stride,
-    const uint8_t* __restrict__ mask, long long mask_stride,
-    const int* __restrict__ n_valid_ptr, int n_valid,
+    TREE_ATTN_INPUTS,
     __nv_bfloat16* __restrict__ out, long long out_tok_stride,
     int N, int H, int Hkv, float scale_log2,
     float* __restrict__ ws_o, float2* __restrict__ ws_ml, unsigned* __restrict__ counters,
@@ -1004,9 +979,6 @@ __device__ __forceinline__ void body(
   using LY = Layout<D, MT_BLK, STAGES>;
   constexpr int THREADS = NW * 32;
   constexpr int KV_PARTS = NW / MT_BLK;       // warps sharing one row tile
-  constexpr int PW = TILE / KV_PARTS;         // slots of a tile per warp
-  static_assert(PW >= 16 && PW % 16 == 0, "P V needs k = 16 slots per warp");
-  constexpr int DN = D / 8;
   constexpr int LDS = LY::LDS;
   constexpr int RB = LY::RB;
   constexpr int D4 = D / 4;
@@ -1020,11 +992,7 @@ __device__ __forceinline__ void body(
   int* flag = reinterpret_cast<int*>(smem_raw + LY::FLAG);
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) mbar_init(mbar0 + 8 * s, THREADS);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  init_stage_mbarriers<STAGES>(mbar0, THREADS);
 
   // PDL: wait for the previous grid before reading or writing any global memory (the workspace
   // too: the previous call may still be reading it), then let the next grid launch.
@@ -1034,14 +1002,10 @@ __device__ __forceinline__ void body(
   const int S = gridDim.x, split = blockIdx.x;
   const int h = blockIdx.y;
   const int rg = blockIdx.z, RG = gridDim.z;
-  const int G = H / Hkv;
-  const int R = N * G;
+  const int G = H / Hkv, R = N * G;
   const int L = n_valid_ptr ? __ldg(n_valid_ptr) : n_valid;
-
-  const int n_tiles = (L + TILE - 1) / TILE;
-  const int t_begin = (int)(((long long)n_tiles * split) / S);
-  const int t_end = (int)(((long long)n_tiles * (split + 1)) / S);
-  const int my_tiles = t_end - t_begin;
+  int t_begin;
+  const int my_tiles = split_tiles(L, split, S, t_begin);
 
   // Rows of this block: [row_lo, row_lo + rows); tokens [tok_lo, tok_lo + ntok).
   const int row_lo = rg * RB;
@@ -1049,18 +1013,16 @@ __device__ __forceinline__ void body(
   const int tok_lo = row_lo / G;
   const int ntok = (row_lo + rows - 1) / G - tok_lo + 1;
 
-  float o[DN][4];
+  float o[D / 8][4];
   float m_run[2], l_run[2];
-  tree_attn2::accumulate_tiles<D, MT_BLK, STAGES, NW, LDS, RB>(smem, bits, mbar0, q, q_tok_stride, kc, vc, kv_slot_stride,
-                                                   mask, mask_stride, scale_log2, L, t_begin, my_tiles, h, rg,
-                                                   G, R, tok_lo, ntok, o, m_run, l_run);
-  __syncthreads();  // all warps done with the ring (every issued stage was waited on): reuse it
-
-  float* part_o = reinterpret_cast<float*>(smem_raw);   // [NW][16][D]
+  tree_attn2::accumulate_tiles<D, MT_BLK, STAGES, NW, LDS, RB>(smem, bits, mbar0, q, q_tok_stride, kc, vc,
+                                                               kv_slot_stride, mask, mask_stride, scale_log2, L,
+                                                               t_begin, my_tiles, h, rg, G, R, tok_lo, ntok, o,
+                                                               m_run, l_run);
+  float* part_o = reinterpret_cast<float*>(smem_raw);   // [NW][16][D], reusing the ring
   float* part_m = part_o + NW * 16 * D;                  // [NW][16]
   float* part_l = part_m + NW * 16;                      // [NW][16]
-  store_warp_partial<D>(part_o, part_m, part_l, warp, lane, m_run, l_run, o);
-  __syncthreads();
+  store_warp_partials<D, NW>(part_o, part_m, part_l, warp, lane, m_run, l_run, o);
 
   // This split's partial: the KV_PARTS warps of each row tile pre-combined (fixed order), rows
   // [0, rows) of the row group, fp32, to workspace slot p (an empty split stores m = -inf, 0s).
@@ -1069,41 +1031,10 @@ __device__ __forceinline__ void body(
   float2* wml = ws_ml + p * RB;
   for (int item = tid; item < rows * D4; item += THREADS) {
     const int rl = item / D4, d4 = item % D4;
-    const int wmt = rl / 16, rr = rl % 16;
-    float mp[KV_PARTS];
-    float mmax = -INFINITY;
-#pragma unroll
-    for (int pp = 0; pp < KV_PARTS; ++pp) {
-      mp[pp] = part_m[(wmt + MT_BLK * pp) * 16 + rr];
-      mmax = fmaxf(mmax, mp[pp]);
-    }
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (mmax != -INFINITY) {
-#pragma unroll
-      for (int pp = 0; pp < KV_PARTS; ++pp) {
-        const int w = wmt + MT_BLK * pp;
-        const float sc = exp2f(mp[pp] - mmax);
-        const float4 v = *reinterpret_cast<const float4*>(&part_o[(w * 16 + rr) * D + 4 * d4]);
-        acc.x += sc * v.x; acc.y += sc * v.y; acc.z += sc * v.z; acc.w += sc * v.w;
-      }
-    }
-    wo[item] = acc;
+    float mmax, lsum;
+    wo[item] = precombine_o<D, MT_BLK, KV_PARTS, false>(part_o, part_m, part_l, rl / 16, rl % 16, d4, mmax, lsum);
   }
-  for (int rl = tid; rl < rows; rl += THREADS) {
-    const int wmt = rl / 16, rr = rl % 16;
-    float mmax = -INFINITY;
-#pragma unroll
-    for (int pp = 0; pp < KV_PARTS; ++pp) mmax = fmaxf(mmax, part_m[(wmt + MT_BLK * pp) * 16 + rr]);
-    float lsum = 0.f;
-    if (mmax != -INFINITY) {
-#pragma unroll
-      for (int pp = 0; pp < KV_PARTS; ++pp) {
-        const int w = wmt + MT_BLK * pp;
-        lsum += exp2f(part_m[w * 16 + rr] - mmax) * part_l[w * 16 + rr];
-      }
-    }
-    wml[rl] = make_float2(mmax, lsum);
-  }
+  for (int rl = tid; rl < rows; rl += THREADS) wml[rl] = merge_warp_ml<MT_BLK, NW>(part_m, part_l, rl);
   if (!combine_here) return;   // combine 1: tree_attention3_combine reduces the partials
 
   // Combine 0: the last block of (h, rg) to get here reduces all S partials.
@@ -1127,16 +1058,11 @@ __device__ __forceinline__ void body(
 #define TREE_ATTN3_KERNEL(D, MT, ST, MINB)                                                             \
   extern "C" __global__ void __launch_bounds__(128, MINB)                                             \
   tree_attention3_d##D##_mt##MT##_st##ST##_w4(                                                        \
-      const __nv_bfloat16* __restrict__ q, long long q_tok_stride,                                    \
-      const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v, long long kv_slot_stride, \
-      const uint8_t* __restrict__ mask, long long mask_stride,                                        \
-      const int* __restrict__ n_valid_ptr, int n_valid,                                               \
-      __nv_bfloat16* __restrict__ out, long long out_tok_stride,                                      \
+      TREE_ATTN_INPUTS, __nv_bfloat16* __restrict__ out, long long out_tok_stride,                    \
       int N, int H, int Hkv, float scale_log2,                                                        \
       float* __restrict__ ws_o, float2* __restrict__ ws_ml, unsigned* __restrict__ counters,          \
       int combine_here) {                                                                             \
-    tree_attn3::body<D, MT, ST, 4>(q, q_tok_stride, k, v, kv_slot_stride, mask, mask_stride,          \
-                                   n_valid_ptr, n_valid, out, out_tok_stride, N, H, Hkv, scale_log2,  \
+    tree_attn3::body<D, MT, ST, 4>(TREE_ATTN_INPUT_ARGS, out, out_tok_stride, N, H, Hkv, scale_log2,  \
                                    ws_o, ws_ml, counters, combine_here);                             \
   }
 #define TREE_ATTN3_MT(D, ST, MINB) TREE_ATTN3_KERNEL(D, 1, ST, MINB) \
@@ -1201,18 +1127,7 @@ extern "C" __global__ void __launch_bounds__(128) tree_attention3_combine(
 // ============================================================================================
 namespace tree_attn4 {
 
-using tree_attn::TILE;
-using tree_attn::smem_u32;
-using tree_attn::cp_async_16;
-using tree_attn::ldmatrix_x4;
-using tree_attn::ldmatrix_x4_trans;
-using tree_attn::pack_bf16;
-using tree_attn::piece_softmax;
-using tree_attn::piece_pv;
-using tree_attn::quad_row_sums;
-using tree_attn2::mbar_init;
-using tree_attn2::mbar_wait;
-using tree_attn2::cp_async_mbar_arrive;
+using namespace tree_attn;   // the building blocks of every version
 
 // Shared memory layout (bytes), mirrored by tree_attention.AttnConfigV4.smem_bytes.
 template <int D, int MT, int NW, int ST>
@@ -1233,10 +1148,7 @@ struct Layout {
 
 template <int D, int MT, int NW, int PW, int ST>
 __device__ __forceinline__ void body(
-    const __nv_bfloat16* __restrict__ q, long long q_tok_stride,
-    const __nv_bfloat16* __restrict__ kc, const __nv_bfloat16* __restrict__ vc, long long kv_slot_stride,
-    const uint8_t* __restrict__ mask, long long mask_stride,
-    const int* __restrict__ n_valid_ptr, int n_valid,
+    TREE_ATTN_INPUTS,
     int N, int H, int Hkv, float scale_log2, int T,
     float* __restrict__ ws_o, float2* __restrict__ ws_ml) {
   using LY = Layout<D, MT, NW, ST>;
@@ -1273,11 +1185,7 @@ __device__ __forceinline__ void body(
   const __nv_bfloat16* kh = kc + (long long)h * D;
   const __nv_bfloat16* vh = vc + (long long)h * D;
 
-  if (tid == 0) {
-    for (int s = 0; s < ST; ++s) mbar_init(mbar0 + 8 * s, THREADS);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
+  init_stage_mbarriers<ST>(mbar0, THREADS);
 
   // PDL: wait for the previous grid before reading or writing any global memory (the workspace
   // too: the previous call's combine may still read it), then let the next grid launch.
@@ -1476,15 +1384,9 @@ __device__ __forceinline__ void body(
 #define TREE_ATTN4_KERNEL(D, MT, NW, PW, ST, MINB)                                                     \
   extern "C" __global__ void __launch_bounds__(NW * 32, MINB)                                         \
   tree_attention4_d##D##_mt##MT##_w##NW##_pw##PW##_st##ST(                                            \
-      const __nv_bfloat16* __restrict__ q, long long q_tok_stride,                                    \
-      const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v, long long kv_slot_stride, \
-      const uint8_t* __restrict__ mask, long long mask_stride,                                        \
-      const int* __restrict__ n_valid_ptr, int n_valid,                                               \
-      int N, int H, int Hkv, float scale_log2, int T,                                                 \
+      TREE_ATTN_INPUTS, int N, int H, int Hkv, float scale_log2, int T,                               \
       float* __restrict__ ws_o, float2* __restrict__ ws_ml) {                                         \
-    tree_attn4::body<D, MT, NW, PW, ST>(q, q_tok_stride, k, v, kv_slot_stride, mask, mask_stride,     \
-                                        n_valid_ptr, n_valid, N, H, Hkv, scale_log2, T,               \
-                                        ws_o, ws_ml);                                                 \
+    tree_attn4::body<D, MT, NW, PW, ST>(TREE_ATTN_INPUT_ARGS, N, H, Hkv, scale_log2, T, ws_o, ws_ml); \
   }
 // Keep in sync with tree_attention.AttnConfigV4.VARIANTS (stages, row tiles, warps, piece width):
 // the default configs' variants (4 stages, ~150 KB of shared memory: one block per SM).
@@ -1576,14 +1478,7 @@ extern "C" __global__ void __launch_bounds__(128) tree_attention4_combine(
       tot.x += w * aj.x; tot.y += w * aj.y; tot.z += w * aj.z; tot.w += w * aj.w;
     }
   }
-  const float inv = lt > 0.f ? 1.f / lt : 0.f;   // a row that sees nothing gives zeros
-  const int row = rg * RB + rl;
-  const int tok = row / G, hq = h * G + row % G;
-  __nv_bfloat16* dstp = out + (long long)tok * out_tok_stride + (long long)hq * D + 4 * (item - rl * D4);
-  uint2 pk;
-  pk.x = tree_attn::pack_bf16(tot.x * inv, tot.y * inv);
-  pk.y = tree_attn::pack_bf16(tot.z * inv, tot.w * inv);
-  *reinterpret_cast<uint2*>(dstp) = pk;
+  tree_attn::store_out4(out, out_tok_stride, D, G, h, rg * RB + rl, 4 * (item - rl * D4), tot, lt);
 }
 
 // Launch floor (benchmarks/bench_kernels_gpu.py: a graph of these, plain and PDL): does nothing.

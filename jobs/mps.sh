@@ -4,7 +4,7 @@
 # Why: two processes on one GPU take turns on it (time slicing), so an async draft rank and verify
 # rank that share a GPU never run at the same time. The Multi-Process Service runs their kernels
 # concurrently: 8B verify + 1B draft on one H200, async 80 tok/s without MPS, 111 with
-# (docs/benchmarks.md, sixth session; docs/slurm.md, "Ranks that share a GPU").
+# (docs/benchmarks.md, "GPU engine"; docs/slurm.md, "Ranks that share a GPU").
 #
 #   source jobs/mps.sh
 #   mps_start "$NRANKS" "$NGPUS"     # MPS=auto (default): start one when NRANKS > NGPUS > 0

@@ -463,8 +463,8 @@ def test_gemm_allreduce_multi_gpu():
 def _instantiated_tree_attention_kernels() -> set[str]:
     """The kernel names cuda/tree_attention.cu instantiates, its macros expanded by hand."""
     src = (Path(__file__).resolve().parent.parent / "cuda" / "tree_attention.cu").read_text()
-    names = {f"tree_attention_d{d}_mt{mt}_cs{cs}_st{st}" for d, mt, cs, st in
-             re.findall(r"^TREE_ATTN_KERNEL\((\d+), (\d+), (\d+), (\d+)\)", src, re.M)}
+    names = {f"tree_attention_d{d}_mt{mt}_cs{cs}_st{st}" for d, cs, st in
+             re.findall(r"^TREE_ATTN_MT\((\d+), (\d+), (\d+)\)", src, re.M) for mt in (1, 2, 4)}
     names |= {f"tree_attention2_d{d}_mt{mt}_cs{cs}_st{st}_w4" for d, cs, st in
               re.findall(r"^TREE_ATTN2_W4\((\d+), (\d+), (\d+)\)", src, re.M) for mt in (1, 2, 4)}
     names |= {f"tree_attention3_d{d}_mt{mt}_st{st}_w4" for d, st in

@@ -639,5 +639,8 @@ def test_gpu_serve_logprobs_through_the_graphs(tmp_path):
         rc = job.finish(timeout=120)
     finally:
         job.kill()
-    assert rc == 4, job.report()
+    # the ranks exit 4 (EXIT_INTERRUPTED), which MPICH's mpiexec and srun pass on; Open MPI's
+    # mpirun, signalled itself, reports 1: the trace says how the run ended
+    assert rc != 0, job.report()
     assert "Traceback" not in job.stderr, job.stderr
+    assert read_root(out)["exit_status"] == "interrupted" and len(read_requests(out)) == 4, job.report()
