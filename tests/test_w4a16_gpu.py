@@ -217,21 +217,90 @@ def test_int4_model_graphed_step_matches_eager():
         assert rel_err(graphed, eager) < 3e-2, n
 
 
-def test_quant_flag_checks(monkeypatch):
-    """--quant: unknown values refused up front; int4 on the GPU needs bf16 and dummy weights
-    (on the CPU it runs packed weights of any dtype: cpu_quant)."""
+def test_quant_flag_checks(monkeypatch, tmp_path):
+    """--quant: unknown values refused up front; int4 on the GPU needs bf16 and weights it can run
+    packed there (random ones, or an AWQ/GPTQ folder: model.load.gpu_packed), not a GGUF file or a
+    dense checkpoint; on the CPU int4 runs packed weights of any dtype (cpu_quant)."""
     from swiftspec_mpi.cli import validate as job
     from swiftspec_mpi.core.config import RunConfig, validate_basic
     from swiftspec_mpi.core.errors import UserError
+    from swiftspec_mpi.model import load, tiny
     with pytest.raises(UserError, match="--quant"):
         validate_basic(RunConfig(quant="int8"), 1)
     monkeypatch.setattr(job, "_gpu_visible", lambda: True)
     ok = dict(quant="int4", dtype="bfloat16", load_format="dummy", device="cuda")
     job.check_quant(RunConfig(**ok))
     job.check_quant(RunConfig(quant="none"))
-    for change, msg in (({"dtype": "float32"}, "bfloat16"), ({"load_format": "auto"}, "dummy")):
-        with pytest.raises(UserError, match=msg):
-            job.check_quant(RunConfig(**{**ok, **change}))
+    with pytest.raises(UserError, match="bfloat16"):
+        job.check_quant(RunConfig(**{**ok, "dtype": "float32"}))
     job.check_quant(RunConfig(**{**ok, "device": "cpu", "dtype": "float32"}))
     monkeypatch.setattr(job, "_gpu_visible", lambda: False)
     job.check_quant(RunConfig(**{**ok, "device": "auto", "load_format": "auto"}))
+    # which checkpoints run packed on the GPU (config.json / GGUF header only)
+    awq, _ = tiny.write_tiny_pair(str(tmp_path / "awq"), hidden=128, intermediate=256, quantize="awq",
+                                  group=128)
+    dense, _ = tiny.write_tiny_pair(str(tmp_path / "dense"))
+    assert load.gpu_packed(awq, "auto") and load.gpu_packed(awq, "int4")
+    assert not load.gpu_packed(awq, "none") and not load.gpu_packed(dense, "auto")
+    assert load.gpu_packed("llama-3-8b", "int4", "dummy") and not load.gpu_packed("llama-3-8b", "auto", "dummy")
+    small, _ = tiny.write_tiny_pair(str(tmp_path / "small"), intermediate=192, quantize="gptq")  # hidden 64
+    assert not load.gpu_packed(small, "auto")
+    with pytest.raises(UserError, match="not multiples of 128.*--quant none"):
+        load.gpu_packed(small, "int4")
+    with pytest.raises(UserError, match="dense weights"):
+        load.gpu_packed(dense, "int4")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(UserError, match="GGUF file.*--device cpu"):
+        load.gpu_packed(str(gguf), "int4")
+    assert not load.gpu_packed(str(gguf), "auto")
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@needs_gpu
+@pytest.mark.parametrize("layout", ["awq", "gptq"])
+def test_real_4bit_checkpoint_runs_packed_on_the_gpu(tmp_path, layout):
+    """An AWQ / GPTQ folder (the tiny pair, groups of 128) on the GPU: --quant auto keeps its
+    projections packed (W4A16, recorded in the trace's config), target and draft; its logits equal
+    the CPU's packed model to bf16 accuracy; greedy sync and async equal ar; the GPU's greedy
+    tokens equal the CPU's, or first differ where the CPU's top-2 logits are within bf16 error."""
+    import h5py
+    import json
+
+    from engine_helpers import read_outputs, run_swiftspec
+    from swiftspec_mpi.model import tiny
+    from swiftspec_mpi.model.load import load_model
+    from swiftspec_mpi.model.transformer import chain_mask
+    target, draft = tiny.write_tiny_pair(str(tmp_path / layout), hidden=256, heads=4, kv_heads=2,
+                                         intermediate=512, quantize=layout, group=128)
+    gpu, tok = load_model(target, max_slots=256, dtype=torch.bfloat16, device="cuda", quant="auto")
+    cpu, _ = load_model(target, max_slots=256, device="cpu", quant="auto")
+    assert gpu.quant4 and isinstance(gpu.layers[0].wqkv, w4a16.W4A16Weight) and cpu.quant_cpu
+    prompt = "def fibonacci(n):"
+    ids = tok.encode(prompt)
+
+    def logits(model, seq, device):
+        n = len(seq)
+        return model(torch.tensor(seq, device=device), torch.arange(n, device=device), 0,
+                     chain_mask(0, n).to(device))[-1].float().cpu()
+
+    assert rel_err(logits(gpu, ids, "cuda"), logits(cpu, ids, "cpu")) < 3e-2
+    outs = {}
+    for name, n, extra in (("ar", 1, ["--mode", "ar"]), ("sync", 1, ["--mode", "sync"]),
+                           ("async", 2, ["--mode", "async"]),
+                           ("cpu", 1, ["--mode", "ar", "--device", "cpu"])):
+        out = tmp_path / f"{name}.h5"
+        device = [] if name == "cpu" else ["--device", "cuda", "--dtype", "bfloat16"]
+        run_swiftspec(n, ["--target", target, "--draft", draft, *extra, *device, "--prompt", prompt,
+                          "--max-new-tokens", "32", "--ignore-eos", "--out", str(out), "--quiet"],
+                      timeout=400)
+        with h5py.File(out, "r") as f:
+            assert json.loads(f.attrs["config_json"])["quant"] == "int4", name
+        outs[name] = read_outputs(out)[0]
+    assert outs["ar"] == outs["sync"] == outs["async"], outs
+    first = next((i for i, (a, b) in enumerate(zip(outs["ar"], outs["cpu"])) if a != b), None)
+    if first is not None:    # bf16 activations: the CPU's choice there must be a near tie
+        top2 = logits(cpu, ids + outs["cpu"][:first], "cpu").topk(2).values
+        margin = (top2[0] - top2[1]).item()
+        assert margin < 3e-2 * top2[0].abs().item(), (first, margin, outs)

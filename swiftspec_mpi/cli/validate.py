@@ -255,36 +255,40 @@ def _on_cpu(cfg: C.RunConfig) -> bool:
 
 
 def check_quant(cfg: C.RunConfig) -> None:
-    """--quant int4 on the GPU runs packed 4-bit weights through the W4A16 kernels: it needs
-    --dtype bfloat16 and random packed weights (--load-format dummy). (On the CPU, int4 keeps a
-    quantized checkpoint's weights packed, or makes random packed ones: resolve_quant.)"""
+    """--quant int4 on the GPU runs packed 4-bit projections through the W4A16 kernels: it needs
+    --dtype bfloat16 (AWQ/GPTQ checkpoints or random packed weights: model.load.gpu_packed, which
+    refuses GGUF files there). On the CPU, resolve_quant."""
     if cfg.quant != "int4" or _on_cpu(cfg):
         return
     if cfg.dtype != "bfloat16":
         raise UserError("--quant int4 runs bf16 activations on the GPU; add --dtype bfloat16")
-    if cfg.load_format != "dummy":
-        raise UserError("--quant int4 on the GPU takes random 4-bit weights (--load-format dummy); "
-                        "drop --quant int4 to run this checkpoint dequantized, or run it packed "
-                        "on the CPU with --device cpu")
 
 
 def resolve_quant(cfg: C.RunConfig) -> None:
-    """--quant on the CPU: resolve auto to what runs ("int4" when every model keeps packed
-    weights, "none" when none does; auto stays for a mix), so the trace's config says which was
-    used. Quantized checkpoints (GGUF Q4/Q5/Q6/Q8 kinds, AWQ, GPTQ) run packed on CPUs with AVX2
-    + FMA (model.cpu_quant); int4 on a dense checkpoint is refused (model.load.packed_group).
-    On the GPU --quant is left as given (check_quant; quantized checkpoints run dequantized)."""
-    if cfg.quant == "none" or not _on_cpu(cfg):
+    """Resolve --quant auto to what runs ("int4" when every model keeps packed weights, "none"
+    when none does; auto stays for a mix), so the trace's config says which was used. On the CPU
+    quantized checkpoints (GGUF Q4/Q5/Q6/Q8 kinds, AWQ, GPTQ) run packed on CPUs with AVX2 + FMA
+    (model.cpu_quant); on the GPU AWQ/GPTQ checkpoints run packed with --dtype bfloat16
+    (model.load.gpu_packed), other checkpoints dequantized. int4 on a dense checkpoint is
+    refused (model.load.packed_group)."""
+    if cfg.quant == "none":
         return
-    from swiftspec_mpi.model import cpu_linear          # imports torch: after the cheap checks
-    if not cpu_linear.has_avx2():
-        if cfg.quant == "int4":
-            raise UserError("--quant int4: packed weights run on CPUs with AVX2 + FMA, which this "
-                            "one lacks; use --quant none (dequantized to --dtype)")
-        cfg.quant = "none"
-        return
-    packed = {checkpoint.packed_group(p, cfg.quant, cfg.load_format) is not None
-              for p in (cfg.target, cfg.draft) if p is not None}
+    models = [p for p in (cfg.target, cfg.draft) if p is not None]
+    if not _on_cpu(cfg):
+        packed = {cfg.dtype == "bfloat16" and checkpoint.gpu_packed(p, cfg.quant, cfg.load_format)
+                  for p in models}
+        if cfg.quant == "int4" and packed != {True}:
+            raise UserError("--quant int4: a model has no 4-bit weights the GPU can run packed; "
+                            "use --quant auto")
+    else:
+        from swiftspec_mpi.model import cpu_linear          # imports torch: after the cheap checks
+        if not cpu_linear.has_avx2():
+            if cfg.quant == "int4":
+                raise UserError("--quant int4: packed weights run on CPUs with AVX2 + FMA, which "
+                                "this one lacks; use --quant none (dequantized to --dtype)")
+            cfg.quant = "none"
+            return
+        packed = {checkpoint.packed_group(p, cfg.quant, cfg.load_format) is not None for p in models}
     if cfg.quant == "auto" and len(packed) == 1:
         cfg.quant = "int4" if packed.pop() else "none"
 

@@ -112,18 +112,52 @@ def open_source(path):
     return SafetensorsSource(path)
 
 
+def gpu_packed(path, quant: str, load_format: str = "auto") -> bool:
+    """Whether checkpoint `path` (or --load-format dummy shape) runs its projections packed 4-bit
+    through the W4A16 kernels on the GPU under `--quant quant` (bf16 activations): random int4
+    weights, and AWQ/GPTQ folders (group 32, 64 or 128) unless --quant none. GGUF files run
+    dequantized there (their Q4_K_M mixes 4- and 6-bit projections); UserError for --quant int4
+    on one, and for the cases packed_group refuses."""
+    if quant == "none":
+        return False
+    if load_format == "dummy":
+        return quant == "int4"
+    if _kind(path) == "gguf":
+        if quant == "int4":
+            raise UserError(f"--quant int4: {os.fspath(path)} is a GGUF file, whose 4-bit blocks run "
+                            "packed on the CPU (--device cpu); on the GPU use --quant auto or none "
+                            "(dequantized to --dtype), or an AWQ/GPTQ checkpoint")
+        return False
+    group = packed_group(path, quant, load_format)
+    if group is None:
+        return False
+    m = read_model_config(path)
+    inputs = (m.hidden_size, m.num_heads * m.head_dim, m.intermediate_size)     # K of each kind
+    rows = (m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size, m.hidden_size)
+    why = (f"4-bit groups of {group} inputs (the GPU kernels take 32, 64 or 128)"
+           if group not in (32, 64, 128) else
+           "projection inputs that are not multiples of 128" if any(k % 128 for k in inputs) else
+           "projection outputs that are not multiples of 16" if any(n % 16 for n in rows) else None)
+    if why is not None:
+        if quant == "int4":
+            raise UserError(f"--quant int4: {os.fspath(path)} has {why}; use --quant none "
+                            "(dequantized to --dtype) or --device cpu")
+        return False
+    return True
+
+
 def _runs_packed(path, quant: str, on_cpu: bool) -> bool:
-    """Whether checkpoint `path` keeps its packed weights (cpu_quant) under `--quant quant`."""
+    """Whether checkpoint `path` keeps its packed weights under `--quant quant`: on the CPU in
+    cpu_quant's records (needs AVX2 + FMA), on the GPU as W4A16 weights (gpu_packed)."""
     from swiftspec_mpi.model import cpu_linear
+    if not on_cpu:
+        return gpu_packed(path, quant)
     if packed_group(path, quant) is None:
         return False
-    if quant == "int4" and not on_cpu:
-        raise UserError(f"--quant int4: {os.fspath(path)} runs packed on the CPU (--device cpu); "
-                        "on the GPU use --quant auto or none (dequantized to --dtype)")
     if quant == "int4" and not cpu_linear.has_avx2():
         raise UserError("--quant int4: packed weights run on CPUs with AVX2 + FMA, which this "
                         "one lacks; use --quant none (dequantized to --dtype)")
-    return on_cpu and cpu_linear.has_avx2()
+    return cpu_linear.has_avx2()
 
 
 def load_model(path, comm=None, max_slots: int = 4096, dtype=None, device="cpu",
@@ -132,7 +166,8 @@ def load_model(path, comm=None, max_slots: int = 4096, dtype=None, device="cpu",
     tokenizer. `num_layers` truncates the model (self-speculation drafts). dtype defaults to
     torch.float32. `quant` ("auto" | "int4" | "none"): see the module doc (packed CPU runs keep
     activations, norms and KV in float32 whatever `dtype`). UserError for int4 where packed
-    weights cannot run: a dense checkpoint, the GPU, a CPU without AVX2 + FMA."""
+    weights cannot run: a dense checkpoint, a GGUF file on the GPU, a CPU without AVX2 + FMA.
+    On the GPU, packed AWQ/GPTQ weights need dtype bfloat16 (else they run dequantized)."""
     import torch
 
     from swiftspec_mpi.model.transformer import Transformer
@@ -150,7 +185,8 @@ def load_model(path, comm=None, max_slots: int = 4096, dtype=None, device="cpu",
             raise CheckpointError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens but "
                                   f"the model only {cfg.vocab_size} embeddings; the tokenizer "
                                   "does not belong to this model")
-        packed = _runs_packed(path, quant, torch.device(device).type == "cpu")
+        on_cpu = torch.device(device).type == "cpu"
+        packed = _runs_packed(path, quant, on_cpu) and (on_cpu or dtype == torch.bfloat16)
         model = Transformer(cfg, comm=comm, max_slots=max_slots, dtype=dtype, device=device,
                             quant="int4" if packed else "none")
         model.load_weights(source)
