@@ -300,7 +300,9 @@ def test_real_4bit_checkpoint_runs_packed_on_the_gpu(tmp_path, layout):
         outs[name] = read_outputs(out)[0]
     assert outs["ar"] == outs["sync"] == outs["async"], outs
     first = next((i for i, (a, b) in enumerate(zip(outs["ar"], outs["cpu"])) if a != b), None)
+    print(f"{layout}: GPU and CPU greedy tokens first differ at", first)
     if first is not None:    # bf16 activations: the CPU's choice there must be a near tie
         top2 = logits(cpu, ids + outs["cpu"][:first], "cpu").topk(2).values
         margin = (top2[0] - top2[1]).item()
+        print(f"{layout}: the CPU's top-2 logits there", top2.tolist())
         assert margin < 3e-2 * top2[0].abs().item(), (first, margin, outs)
