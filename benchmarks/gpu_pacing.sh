@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Draft pacing on one shared GPU (MPS), on the H200 machine: bash benchmarks/gpu_pacing.sh
 # bf16 Llama-3-8B target with a draft of its first 4 layers, and the 4-bit 70B target with the 1B
-# draft: sync, async remnant, async fresh (d from the profile), async fresh with d = 2; one prompt,
-# 128 tokens, --ignore-eos, random weights. Summaries in $OUT/pacing.txt, traces in /tmp/p.
+# draft: sync; async remnant and fresh as they run by default on a shared GPU (the draft paced to
+# the profile's d); remnant with --expansions 1000 (no pause in practice); remnant and fresh with
+# d = 2. One prompt, 128 tokens, --ignore-eos, random weights. Summaries in $OUT/pacing.txt.
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/../jobs/mps.sh"
 T0=$SECONDS
@@ -13,6 +14,7 @@ run() {  # name, ranks, args
     --max-new-tokens 128 --ignore-eos --out /tmp/p/$name.h5 --overwrite --quiet "$@" > /tmp/p/$name.log 2>&1 || tail -3 /tmp/p/$name.log
   $SW analyze /tmp/p/$name.h5 > /tmp/p/$name.txt 2>&1
   echo "-- $name ($((SECONDS - T0)) s)"; grep -E "^tokens/s  |verify: verify|draft: expand|idle" /tmp/p/$name.txt | head -6
+  python3 -c "import h5py, json, sys; print('draft_pace', json.loads(h5py.File(sys.argv[1])['/'].attrs['env_json']).get('draft_pace'))" /tmp/p/$name.h5
 }
 mkdir -p /tmp/p
 for cfg in "8b:--target llama-3-8b --draft-layers 4" "70b:--target llama-3-70b --quant int4 --draft llama-3.2-1b"; do
@@ -21,6 +23,8 @@ for cfg in "8b:--target llama-3-8b --draft-layers 4" "70b:--target llama-3-70b -
   MPS=1 mps_start 2 1
   run $tag-remnant 2 --mode async --async-policy remnant $args
   run $tag-fresh 2 --mode async --async-policy fresh $args
+  run $tag-remnant-unpaced 2 --mode async --async-policy remnant --expansions 1000 $args
+  run $tag-remnant-d2 2 --mode async --async-policy remnant --expansions 2 $args
   run $tag-fresh-d2 2 --mode async --async-policy fresh --expansions 2 $args
   mps_stop
 done 2>&1 | tee $OUT/pacing.txt

@@ -2,12 +2,13 @@
 
 Greedy `async` and `sync` must equal `ar` token for token, for the layouts 1+1, 1 draft + 2
 verify (TP=2 target), 2+2, and sync on 2 ranks (TP=2 for both models), and `async` under every
---async-policy (1+1 and 2+2); the `fresh` policy paces the draft; speculation must really
+--async-policy (1+1 and 2+2); --expansions paces the async draft; speculation must really
 be exercised (accepted draft tokens > 0); stop conditions (max tokens, EOS-like stop token, stop
 string) must end requests identically in every mode.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -92,16 +93,20 @@ def test_greedy_equals_ar(pair, prompts_file, tmp_path, ar_reference, mode, n, e
             assert np.all(steps["tree_source"] == 0) and np.all(steps["fresh_wait_s"] == 0)
         elif "fresh" in extra:   # waits for the tree built on the latest result, every step
             assert np.all(steps["tree_source"] == 0)
+    if mode == "async":      # CPU ranks share no GPU: the draft never pauses unless asked
+        assert json.loads(root["env_json"])["draft_pace"] == 0
 
 
-def test_fresh_policy_paces_the_draft(pair, prompts_file, tmp_path, ar_reference):
-    """--async-policy fresh: the draft expands d times a step and then waits for the result; the
-    verify group checks the tree re-rooted on its latest result, holding those d expansions."""
+def test_expansions_pace_the_async_draft(pair, prompts_file, tmp_path, ar_reference):
+    """--expansions d in async: the draft expands d times a step and then waits for the result;
+    with --async-policy fresh the verify group checks the tree re-rooted on its latest result,
+    holding those d expansions. (Without it, on CPUs, the draft never pauses: draft_pace 0.)"""
     d = 2
     out = _run(pair, prompts_file, tmp_path, "async", 2,
                ["--async-policy", "fresh", "--expansions", str(d)], name="paced")
     assert read_outputs(out) == ar_reference
     root = read_root(out)
+    assert json.loads(root["env_json"])["draft_pace"] == d
     ev = root["events"]
     kinds = ["prefill", "expand", "verify", "reroot", "send", "wait", "decode"]
     draft = ev[ev["role"] == 1]

@@ -155,7 +155,11 @@ class Job:
                                  tokenizer)
         profiled = profile_expansions(self.ctx)      # also fixes bs and w when they are auto
         self.ctx.expansions = cfg.expansions or profiled
+        if cfg.mode == "async":      # paced when asked, or when a draft rank shares a verify rank's GPU
+            shares = any(min(g) < topo.verify_size <= max(g) for g in gpu_sharing["shared_gpu_ranks"])
+            self.ctx.draft_pace = cfg.expansions or (profiled if shares else 0)
         self.env = environment(cfg, topo, self.device, self.threads, self.ctx.expansions)
+        self.env["draft_pace"] = self.ctx.draft_pace
         self.env["profile"] = self.ctx.scratch.get("profile", {})
         self.env["graphs"] = self.ctx.scratch.get("graphs", {})
         self.env["gpu_sharing"] = gpu_sharing

@@ -42,9 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                           "stream: the newest the draft sent (it sends after every "
                                           "expansion), else the rest of the last one; remnant: the same, "
                                           "the draft sending only after each result; fresh: wait for the "
-                                          "tree the draft re-rooted on the latest result, the draft "
-                                          "expanding d times a step (the paper's; for a draft sharing a "
-                                          "GPU). Default: " + DEFAULT_ASYNC_POLICY)
+                                          "tree the draft re-rooted on the latest result (the paper's). "
+                                          "Default: " + DEFAULT_ASYNC_POLICY)
     g.add_argument("--threads", type=int, help="torch threads per rank (default: the node's cores / "
                                                "ranks on the node; ranks are pinned to disjoint cores)")
     g.add_argument("--device", help="auto | cpu | cuda (GPU local_rank %% ngpus)")
@@ -84,9 +83,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                    f"{', '.join(map(str, TREE_SIZES[:-1]))} or {TREE_SIZES[-1]}, "
                                                    "the most expected tokens per second of target time; "
                                                    "the trace's env_json keeps the choice)")
-    t.add_argument("--expansions", type=int, help="d: draft expansions per verify step in sync mode and "
-                                                  "async's fresh policy "
-                                                  "(default: floor(t_target / t_draft) from a startup profile)")
+    t.add_argument("--expansions", type=int, help="d: draft expansions per verify step in sync mode "
+                                                  "(default: floor(t_target / t_draft) from a startup "
+                                                  "profile); in async mode the draft's pace: d expansions "
+                                                  "after each result, then it waits (default: no pause, "
+                                                  "or the profile's d when a draft rank shares a verify "
+                                                  "rank's GPU)")
     t.add_argument("--max-depth", type=int, help="deepest tree level (default 16)")
     t.add_argument("--tree-capacity", type=int, help="tree nodes (default 1024)")
     t.add_argument("--max-context", type=int, help="KV slots per model (default: longest prompt + "

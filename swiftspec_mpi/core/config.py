@@ -17,8 +17,8 @@ from swiftspec_mpi.core.errors import UserError
 
 MODES = ("async", "sync", "ar")
 # how the async verify group picks its next tree (engine/async_loop.py): fresh = wait for the tree
-# the draft re-rooted on the latest result, the draft paced to d expansions a step (the paper's);
-# remnant = continue on the rest of the last tree; stream = the draft sends after every expansion
+# the draft re-rooted on the latest result (the paper's); remnant = continue on the rest of the
+# last tree; stream = the draft sends after every expansion
 ASYNC_POLICIES = ("stream", "remnant", "fresh")
 DEFAULT_ASYNC_POLICY = "remnant"
 INTERACTIVE_CONTEXT = 4096    # default KV slots with --interactive / --serve (prompts unknown ahead)
@@ -81,7 +81,7 @@ class RunConfig:
     tree_width: int | None = None      # w: leaves expanded per draft forward (None: = bs)
     tree_topk: int = 8                 # children added per expanded leaf
     verify_size: int | None = None     # bs: nodes (incl. root) per target pass (None: from profile)
-    expansions: int | None = None      # d: draft expansions per verify step (sync, async fresh); None = from profile
+    expansions: int | None = None      # d: draft expansions per verify step (sync; async: paces the draft); None = from profile
     max_depth: int = 16
     tree_capacity: int = 1024
     max_context: int | None = None     # KV slots per model; default prompt + new tokens + tree margin

@@ -6,7 +6,7 @@ draft paces itself is the async policy (--async-policy):
     draft leader                              verify leader
     ------------                              -------------
     expand w best leaves      (repeat;        forward(best bs nodes) on committed KV
-      fresh: d times a step, then wait)
+      paced: d times a step, then wait)
       stream: SEND best 8*bs after each  -->  accept path (+ bonus), commit KV, stream text
     on RESULT: re-root, move KV        <--    SEND result
     then SEND best 4*bs nodes          -->    next tree:
@@ -19,13 +19,16 @@ draft paces itself is the async policy (--async-policy):
                                                          the bonus token; wait only when
                                                          neither has a drafted node (deadline)
 
-`fresh` is the paper's: the verify group waits for the draft's re-root round trip, and the draft
-expands d times a step (d from the startup profile, or --expansions) and then waits for the
-result, so it never competes with the verify group for a shared device (one GPU under MPS).
-`remnant` never waits for the round trip when the bonus token was drafted, but its tree holds
-none of the expansions of the step just verified (they come with the re-rooted tree, a step
-late). `stream` also never waits, and the draft sends its best subtree after every expansion, so
+`fresh` is the paper's: the verify group waits for the draft's re-root round trip, so every
+tree it checks holds all the draft made up to the result. `remnant` never waits for the round trip
+when the bonus token was drafted, but its tree holds none of the expansions of the step just
+verified (they come with the re-rooted tree, a step late). `stream` also never waits, and the draft sends its best subtree after every expansion, so
 the verify group starts each step on everything drafted up to the moment its result arrived.
+
+The draft expands without pause, unless it is paced (EngineContext.draft_pace = d > 0: d
+expansions after each result, then it waits for the next): with --expansions D, or when a draft
+rank shares a GPU with a verify rank (d from the startup profile), so that it takes less of the
+shared device from the verify group (one GPU under MPS).
 
 Group members (tensor parallel ranks) mirror their leader: every decision is broadcast in a
 preallocated buffer, so the tree and KV of every rank of a group stay identical.
@@ -224,8 +227,8 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
 
 
 def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
-    """Expand the best leaves (`fresh`: d = ctx.expansions times after each result, then wait for
-    the next; else without pause; `stream`: sending the best `send_size` nodes after each
+    """Expand the best leaves (paced, ctx.draft_pace = d > 0: d times after each result, then wait
+    for the next; else without pause; `stream`: sending the best `send_size` nodes after each
     expansion); after every verify result re-root and send the best `send_size` nodes at once
     (one tree per batch of results); at the end of the request send the acknowledgement (an
     empty tree)."""
@@ -246,8 +249,8 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     result_req = topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT) if leader else None
     seq = 0
     n_expand = 0
-    paced, stream = cfg.async_policy == "fresh", cfg.async_policy == "stream"
-    d = max(1, int(ctx.expansions))
+    stream, d = cfg.async_policy == "stream", int(ctx.draft_pace)
+    paced = d > 0
     results, exp_at_result, exp_at_previous = 0, 0, 0   # see protocol.TreeMeta
 
     def send_tree(tokens, parents):

@@ -16,7 +16,8 @@ class EngineContext:
     """What a decode loop needs from its job: the run's config, this rank's topology, the clock
     and event recorder, the stop flag and abort watch, the models of this rank's group (target,
     draft; None where the group has none) and the target's tokenizer; `scratch` keeps buffers
-    between requests, `expansions` is d (draft forwards per verify in `sync`)."""
+    between requests, `expansions` is d (draft forwards per verify in `sync`), `draft_pace` the
+    async draft's expansions a step before it waits for the next result (0: no pause)."""
     cfg: RunConfig
     topo: Topology
     clock: Clock
@@ -27,6 +28,7 @@ class EngineContext:
     draft: object = None          # Transformer (draft group / single group in sync)
     tokenizer: object = None      # the target's TextTokenizer (verify leader streams with it)
     expansions: int = 1           # d: draft expansions per verify step (sync)
+    draft_pace: int = 0           # async: expansions a step, then wait for the result (0: no pause)
     on_progress: object = None    # callable() the verify leader calls after each step (checkpoints)
     scratch: dict = field(default_factory=dict)
 
