@@ -10,8 +10,8 @@ ranks, one job per system and chunk, the system order rotated from chunk to chun
 in the machine's load falls on all systems alike. Pass --run-args "--expansions D" to fix the
 draft expansions per step of `sync` (else each job's startup profile picks floor(t_target /
 t_draft), which moves with the machine's load); in `async` it also paces the draft to D
-expansions a step (without it the draft never pauses on CPUs). Greedy, chat template, the real Qwen2.5-Coder 0.5B -> 1.5B pair (embedded
-default). Per system, over every finished chunk:
+expansions a step (without it the draft never pauses on CPUs). Greedy, chat template, the real
+Qwen2.5-Coder 0.5B -> 1.5B pair (embedded default). Per system, over every finished chunk:
   tokens/s            sum of new tokens / sum of request seconds (prefill start to last token)
   accepted length     tokens committed per verify step (mean), and its ratio to sync's
   >= 3 drafted        share of verify steps that accepted 3 or more draft tokens
