@@ -48,6 +48,9 @@ QUANTS = ("auto", "int4", "none")
 
 @dataclass
 class RunConfig:
+    """Everything `swiftspec run` was asked (the CLI flags, defaults filled by validate_basic);
+    the trace keeps it as config_json."""
+
     # models
     target: str | None = None          # HF folder, .gguf file or a registry name; None = embedded default
     draft: str | None = None

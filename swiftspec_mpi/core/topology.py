@@ -21,6 +21,9 @@ INTERCOMM_TAG = 7117
 
 @dataclass
 class Topology:
+    """This rank's place: its group (verify or draft) and the communicators of the run.
+    World ranks [0, verify_size) are the verify group, the rest the draft group."""
+
     world: MPI.Intracomm
     group: MPI.Intracomm          # my group (tensor parallelism inside it)
     inter: MPI.Intercomm | None   # verify <-> draft (async only)
@@ -57,6 +60,8 @@ class Topology:
 
 
 def build_topology(world: MPI.Intracomm, mode: str, draft_ranks: int) -> Topology:
+    """Split `world` into the verify and draft groups of `mode` (collective): async gets
+    `draft_ranks` draft ranks and an inter-communicator between the groups; sync and ar one group."""
     n = world.Get_size()
     rank = world.Get_rank()
     node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)

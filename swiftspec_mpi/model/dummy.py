@@ -143,6 +143,8 @@ def dummy_model(spec: str, comm, max_slots: int, dtype, device, num_layers=None,
 
 
 def dummy_tokenizer(spec: str):
+    """The tokenizer for --load-format dummy runs of `spec`: the checkpoint's own when `spec` is a
+    checkpoint path, else the small tokenizer shipped in swiftspec_mpi/data (tiny_tokenizer.json)."""
     if spec not in SHAPES:
         from swiftspec_mpi.model import load as checkpoint
         try:

@@ -47,6 +47,7 @@ _CHUNK_BYTES = 8 << 20       # packed_chunks: bytes of packed (or float32) rows 
 
 
 def read_config_json(folder: str) -> dict:
+    """config.json of an HF folder as a dict; CheckpointError naming the fix when missing or bad."""
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing; a Hugging Face model folder needs config.json "

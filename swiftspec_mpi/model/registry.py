@@ -49,6 +49,8 @@ _BLOCK = 16 << 20            # streaming copy / hash block, bytes
 
 @dataclass(frozen=True)
 class RegistryModel:
+    """One embedded model: the pinned wheels whose chunks, joined, are its GGUF file."""
+
     name: str                 # registry name, e.g. "qwen2.5-coder-1.5b"
     short: str                # folder under <cache>/dl/
     role: str                 # "target" | "draft" | "ci"
@@ -101,6 +103,7 @@ def _quiet(msg: str) -> None:
 # ---------------------------------------------------------------------------------------- paths
 
 def cache_root() -> Path:
+    """The cache folder of the embedded models (see the module doc for how it is chosen)."""
     env = switches.path("SWIFTSPEC_CACHE")
     if env:
         return Path(env)
@@ -111,6 +114,7 @@ def cache_root() -> Path:
 
 
 def get_model(name: str) -> RegistryModel:
+    """The RegistryModel called `name`; UserError naming the known ones otherwise."""
     if name not in MODELS:
         raise UserError(f"unknown model {name!r}; known: {', '.join(MODELS)} "
                         f"(see `swiftspec models list`)")
@@ -118,18 +122,22 @@ def get_model(name: str) -> RegistryModel:
 
 
 def gguf_path(name: str) -> Path:
+    """Where the joined GGUF file of `name` lives in the cache."""
     return cache_root() / "gguf" / get_model(name).gguf_name
 
 
 def prepared_path(name: str, dtype: str = "bfloat16") -> Path:
+    """The prepared HF folder of `name` in `dtype` (config.json + model.safetensors)."""
     return cache_root() / "prepared" / f"{get_model(name).name}-{_DTYPES[dtype][1]}"
 
 
 def download_dir(name: str) -> Path:
+    """Where the wheels of `name` are downloaded."""
     return cache_root() / "dl" / get_model(name).short
 
 
 def is_prepared(name: str, dtype: str = "bfloat16") -> bool:
+    """Whether a complete prepared folder of `name` in `dtype`, of the current format, exists."""
     meta = prepared_path(name, dtype) / "prepared.json"
     try:
         info = json.loads(meta.read_text())
@@ -158,6 +166,7 @@ def _wheel_glob(pkg: str, version: str) -> str:
 
 
 def find_wheel(folder: Path, pkg: str, version: str) -> Path | None:
+    """The downloaded wheel of pkg==version in `folder`, None when absent."""
     hits = sorted(folder.glob(_wheel_glob(pkg, version)))
     return hits[0] if hits else None
 

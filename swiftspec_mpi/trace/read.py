@@ -57,6 +57,8 @@ class Steps:
 
 @dataclass
 class Request:
+    """One request of a trace: its prompt, output, timings and per-step rows (`steps`)."""
+
     index: int
     name: str                      # the HDF5 group name (e.g. "000003")
     category: str = ""
@@ -102,6 +104,8 @@ class Events:
 
 @dataclass
 class RankInfo:
+    """The trace's ranks table, one entry per world rank."""
+
     rank: np.ndarray
     role: np.ndarray
     group_rank: np.ndarray
@@ -117,6 +121,8 @@ class RankInfo:
 
 @dataclass
 class Trace:
+    """A whole trace file as read_trace returns it: run config, environment, requests, events."""
+
     path: str
     format_version: int | None = None
     mode: str = "?"
