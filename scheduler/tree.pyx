@@ -216,6 +216,7 @@ cdef class TokenTree:
 
     cdef object _a_token, _a_parent, _a_depth, _a_logprob, _a_score, _a_kv_slot
     cdef object _a_state, _a_expanded, _a_first_child, _a_num_children
+    cdef object _node_arrays      # name -> the node array the read-only view properties slice
     cdef object _a_work, _a_index, _a_mark
 
     cdef int64_t* _token
@@ -252,6 +253,11 @@ cdef class TokenTree:
         self._a_work = np.zeros(capacity, np.int32)
         self._a_index = np.zeros(capacity, np.int32)
         self._a_mark = np.zeros(capacity, np.int32)
+        self._node_arrays = {"_a_token": self._a_token, "_a_parent": self._a_parent,
+                             "_a_depth": self._a_depth, "_a_logprob": self._a_logprob,
+                             "_a_score": self._a_score, "_a_kv_slot": self._a_kv_slot,
+                             "_a_state": self._a_state,
+                             "_a_expanded": self._a_expanded.view(np.bool_)}
         self._token = _i64_ptr(self._a_token)
         self._parent = _i32_ptr(self._a_parent)
         self._depth = _i32_ptr(self._a_depth)
@@ -309,12 +315,7 @@ cdef class TokenTree:
 
     def _node_array(self, str name):
         """The node array `name` (one of the `_a_*` fields), its first `size` entries, read-only."""
-        cdef object arr = {"_a_token": self._a_token, "_a_parent": self._a_parent,
-                           "_a_depth": self._a_depth, "_a_logprob": self._a_logprob,
-                           "_a_score": self._a_score, "_a_kv_slot": self._a_kv_slot,
-                           "_a_state": self._a_state, "_a_expanded": self._a_expanded}[name]
-        view = arr[:self._size]
-        return _readonly(view.view(np.bool_) if name == "_a_expanded" else view)
+        return _readonly(self._node_arrays[name][:self._size])
 
     def __repr__(self):
         return (f"TokenTree(size={self._size}, capacity={self.capacity}, "
