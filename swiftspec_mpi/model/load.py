@@ -131,13 +131,14 @@ def gpu_packed(path, quant: str, load_format: str = "auto") -> bool:
     group = packed_group(path, quant, load_format)
     if group is None:
         return False
+    from swiftspec_mpi.gpu.w4a16 import CHUNK, TILE, supported   # the kernels' shape rule
     m = read_model_config(path)
     inputs = (m.hidden_size, m.num_heads * m.head_dim, m.intermediate_size)     # K of each kind
     rows = (m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim, m.intermediate_size, m.hidden_size)
-    why = (f"4-bit groups of {group} inputs (the GPU kernels take 32, 64 or 128)"
-           if group not in (32, 64, 128) else
-           "projection inputs that are not multiples of 128" if any(k % 128 for k in inputs) else
-           "projection outputs that are not multiples of 16" if any(n % 16 for n in rows) else None)
+    why = (f"4-bit groups of {group} inputs, which the GPU kernels do not take"
+           if not supported(TILE, CHUNK, group) else
+           f"projection inputs that are not multiples of {CHUNK}" if any(k % CHUNK for k in inputs) else
+           f"projection outputs that are not multiples of {TILE}" if any(n % TILE for n in rows) else None)
     if why is not None:
         if quant == "int4":
             raise UserError(f"--quant int4: {os.fspath(path)} has {why}; use --quant none "
