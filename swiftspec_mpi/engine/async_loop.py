@@ -22,8 +22,9 @@ draft paces itself is the async policy (--async-policy):
 `fresh` is the paper's: the verify group waits for the draft's re-root round trip, so every
 tree it checks holds all the draft made up to the result. `remnant` never waits for the round trip
 when the bonus token was drafted, but its tree holds none of the expansions of the step just
-verified (they come with the re-rooted tree, a step late). `stream` also never waits, and the draft sends its best subtree after every expansion, so
-the verify group starts each step on everything drafted up to the moment its result arrived.
+verified (they come with the re-rooted tree, a step late). `stream` also never waits, and the
+draft sends its best subtree after every expansion, so the verify group starts each step on
+everything drafted up to the moment its result arrived.
 
 The draft expands without pause, unless it is paced (EngineContext.draft_pace = d > 0: d
 expansions after each result, then it waits for the next): with --expansions D, or when a draft
