@@ -10,7 +10,7 @@ extensions = cythonize(
      Extension("swiftspec_mpi.model._cpu_gemm", ["swiftspec_mpi/model/_cpu_gemm.pyx"],
                include_dirs=["swiftspec_mpi/model/csrc"],
                depends=["swiftspec_mpi/model/csrc/gemm_avx2.h",
-                        "swiftspec_mpi/model/csrc/gemm_q_avx2.h"], extra_compile_args=["-O3", "-fopenmp"],
+                        "swiftspec_mpi/model/csrc/gemm_q.h"], extra_compile_args=["-O3", "-fopenmp"],
                extra_link_args=["-fopenmp"])],
     compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False,
                          "cdivision": True, "initializedcheck": False},

@@ -1,17 +1,17 @@
 /* The two CPU decode GEMMs on one Qwen2.5-Coder-1.5B decoder layer (qkv 2048x1536, o 1536x1536,
  * gate|up 17920x1536, down 1536x8960) plus its LM head (151936x1536): packed 4-bit records
- * (gemm_q_avx2.h, group 32 as GGUF Q4_K; head 8-bit group 16 as Q6_K) against bf16 panels
+ * (gemm_q.h, group 32 as GGUF Q4_K; head 8-bit group 16 as Q6_K) against bf16 panels
  * (gemm_avx2.h), random weights, M = 1, 2, 4, 8, 16 rows, the kernels alternated, best of 9.
  * Needs no Python, no model files: for a quiet machine where the real benchmark cannot run.
  *
  *   gcc -O3 -fopenmp -I swiftspec_mpi/model/csrc benchmarks/bench_q4_kernel.c -o /tmp/bq -lm
- *   taskset -c 0,1 /tmp/bq 2        # threads
+ *   taskset -c 0,1 /tmp/bq 2 [isa]  # threads; isa 1 AVX2, 2 AVX-512 VNNI (default: the best)
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 #include "gemm_avx2.h"
-#include "gemm_q_avx2.h"
+#include "gemm_q.h"
 
 static double now(void) {
     struct timespec t;
@@ -44,7 +44,10 @@ int main(int argc, char **argv) {
     Mat head = make(151936, 1536, 8, 16, 0);
     float *x = malloc(sizeof(float) * 16 * 8960), *y = malloc(sizeof(float) * 16 * 151936);
     for (int i = 0; i < 16 * 8960; i++) x[i] = (float)rand() / RAND_MAX - 0.5f;
-    printf("threads %d; ms per call, best of 9\n", nt);
+    int isa = argc > 2 ? atoi(argv[2]) : 0;        /* 1 AVX2, 2 AVX-512 VNNI, 0 the CPU's best */
+    if (ssq_set_isa(isa) != 0) { printf("this CPU cannot run isa %d\n", isa); return 1; }
+    printf("threads %d, packed GEMM on %s; ms per call, best of 9\n", nt,
+           ssq_isa() == SSQ_ISA_AVX512 ? "AVX-512 VNNI" : "AVX2");
     printf("| M | layer 4-bit | layer bf16 | bf16/4-bit | head 8-bit | head bf16 | bf16/8-bit |\n");
     printf("|---|---|---|---|---|---|---|\n");
     for (int M = 1; M <= 16; M *= 2) {

@@ -124,10 +124,34 @@ def _rand_packed(kind: str, n: int, k: int, gen) -> object:
 KINDS = ["int4/g32/o", "int4/g64/o", "int4/g128/o", "int8/g16/-", "int8/g32/-", "int8/g32/o"]
 
 
+def _isas() -> list[str]:
+    """The packed GEMM's instruction sets this CPU runs (AVX2 always; AVX-512 VNNI where present)."""
+    from swiftspec_mpi.model import _cpu_gemm
+    try:
+        _cpu_gemm.set_quant_isa("avx512vnni")
+        return ["avx2", "avx512vnni"]
+    except ValueError:
+        return ["avx2"]
+    finally:
+        _cpu_gemm.set_quant_isa(None)
+
+
+@pytest.fixture
+def quant_isa(request):
+    """Run the packed GEMM with the instruction set request.param, the CPU's best after."""
+    from swiftspec_mpi.model import _cpu_gemm
+    if request.param not in _isas():
+        pytest.skip(f"this CPU has no {request.param}")
+    _cpu_gemm.set_quant_isa(request.param)
+    yield request.param
+    _cpu_gemm.set_quant_isa(None)
+
+
+@pytest.mark.parametrize("quant_isa", ["avx2", "avx512vnni"], indirect=True)
 @pytest.mark.parametrize("kind,n,k", [(kind, n, k) for kind in KINDS
                                       for n, k in ((37, 256), (16, 128), (203, 384))
                                       if k % int(kind.split("/")[1][1:]) == 0])
-def test_packed_gemm_matches_float64_every_m(kind, n, k):
+def test_packed_gemm_matches_float64_every_m(kind, n, k, quant_isa):
     gen = torch.Generator().manual_seed(n * 1000 + k)
     w = _rand_packed(kind, n, k, gen)
     lin = cpu_quant.QuantLinear(n, k)
@@ -143,6 +167,31 @@ def test_packed_gemm_matches_float64_every_m(kind, n, k):
             y = cpu_quant.linear(x, lin, b, n_threads=nt)
             err = ((y.double() - ref).abs() / scale).max().item()
             assert err <= KERNEL_RTOL, (m, nt, err)
+
+
+def test_packed_gemm_bits_equal_across_instruction_sets():
+    """AVX2 and AVX-512 VNNI give the same bits (exact integer sums, the same float32 steps per
+    output), so a rank's results do not depend on which one its CPU runs."""
+    from swiftspec_mpi.model import _cpu_gemm
+    if len(_isas()) < 2:
+        pytest.skip("this CPU has no AVX-512 VNNI: one instruction set only")
+    gen = torch.Generator().manual_seed(11)
+    for kind in KINDS:
+        n, k = 203, 384
+        lin = cpu_quant.QuantLinear(n, k)
+        lin.load(0, n, [(0, _rand_packed(kind, n, k, gen))])
+        b = torch.randn(n, generator=gen)
+        for m in (1, 2, 3, 5, 8, 16, 19):
+            x = torch.randn(m, k, generator=gen)
+            x[:, 7] *= 500.0
+            got = {}
+            for isa in ("avx2", "avx512vnni"):
+                _cpu_gemm.set_quant_isa(isa)
+                got[isa] = cpu_quant.linear(x, lin, b, n_threads=2)
+            _cpu_gemm.set_quant_isa(None)
+            assert torch.equal(got["avx2"], got["avx512vnni"]), (kind, m)
+    with pytest.raises(ValueError, match="cannot run"):
+        _cpu_gemm.set_quant_isa("sse2")
 
 
 def test_packed_gemm_rows_do_not_depend_on_batch_or_threads():

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""Thin Cython binding of csrc/gemm_avx2.h (float32/bf16 panels) and csrc/gemm_q_avx2.h (packed
+"""Thin Cython binding of csrc/gemm_avx2.h (float32/bf16 panels) and csrc/gemm_q.h (packed
 4-/8-bit records), the CPU decode GEMMs; see model/cpu_linear.py and model/cpu_quant.py for the
 tensor-level API, shapes and layouts."""
 
@@ -22,10 +22,27 @@ def gemm_packed(size_t w, bint is_bf16, int K, int N, size_t x, long ldx, int M,
                         <float *>y, ldy, <const float *>b, n_threads)
 
 
-cdef extern from "gemm_q_avx2.h":
+cdef extern from "gemm_q.h":
     int ssq_gemm(const unsigned char *W, int bits, int has_off, int G, int K, int N,
                  const float *x, long ldx, int M, float *y, long ldy, const float *b,
                  int n_threads) nogil
+    int ssq_isa()
+    int ssq_set_isa(int isa)
+
+
+_QUANT_ISAS = {"avx2": 1, "avx512vnni": 2}
+
+
+def quant_isa() -> str:
+    """The instruction set the packed GEMM runs: 'avx512vnni' where this CPU has it, else 'avx2'."""
+    return {v: k for k, v in _QUANT_ISAS.items()}[ssq_isa()]
+
+
+def set_quant_isa(name: str | None) -> None:
+    """Run the packed GEMM with `name` ('avx2', 'avx512vnni'; None: the best this CPU has).
+    Results are bit-identical across them; this exists to check that and to time each."""
+    if ssq_set_isa(0 if name is None else _QUANT_ISAS.get(name, -1)) != 0:
+        raise ValueError(f"this CPU cannot run the packed GEMM with {name!r}")
 
 
 def gemm_quant(size_t w, int bits, bint has_offset, int group, int K, int N, size_t x, long ldx,

@@ -1,8 +1,8 @@
-"""Packed 4-/8-bit linear layers on the CPU: kernel records (csrc/gemm_q_avx2.h), layers made of
+"""Packed 4-/8-bit linear layers on the CPU: kernel records (csrc/gemm_q.h), layers made of
 row segments, and the quantized embedding table.
 
     QuantPanels(n_out, n_in, bits, group, has_offset)   one weight in the kernel's records:
-        blob uint8 [P = ceil(N / 16), K / group, S]     (layout in csrc/gemm_q_avx2.h)
+        blob uint8 [P = ceil(N / 16), K / group, S]     (layout in csrc/gemm_q.h)
         write_rows(a, w)                                w: PackedInt4 | PackedInt8 rows [a, a+n)
     QuantLinear(n_out, n_in)        a linear layer's W [N, K] as row segments [a, b), each a
                                     QuantPanels or a float32 cpu_linear.PackedWeight (tensors of
@@ -38,7 +38,7 @@ class QuantPanels:
     """One weight [N, K] in the kernel's per-(panel, group) records; see the module doc."""
 
     def __init__(self, n_out: int, n_in: int, bits: int, group: int, has_offset: bool):
-        if bits not in (4, 8) or n_in % group or group % 4 or group > (128 if bits == 4 else 32):
+        if bits not in (4, 8) or n_in % group or group % 8 or group > (128 if bits == 4 else 32):
             raise ValueError(f"no {bits}-bit records with group {group} for K = {n_in}")
         self.n_out, self.n_in = int(n_out), int(n_in)
         self.bits, self.group, self.has_offset = bits, group, bool(has_offset)
@@ -66,13 +66,13 @@ class QuantPanels:
             codes = torch.cat((codes, codes.new_zeros(pad, k)))
             scale = torch.cat((scale, scale.new_zeros(pad, kg)))
             offset = None if offset is None else torch.cat((offset, offset.new_zeros(pad, kg)))
-        if self.bits == 4:      # [panel, half, output, group, step, pair, t] (lanes: the header)
-            c = codes.view(q, 2, 8, kg, g // 4, 2, 2)
-            lo = c[:, 0, :, :, :, 0] | (c[:, 1, :, :, :, 0] << 4)      # k0 + t: A | B << 4
-            hi = c[:, 0, :, :, :, 1] | (c[:, 1, :, :, :, 1] << 4)      # k0 + 2 + t: C | D << 4
-            c = torch.stack((lo, hi), dim=-1).permute(0, 2, 3, 1, 4, 5)  # [q, kg, s, c, t, byte]
-        else:                   # [panel, half, output, group, step, t] -> low / high byte
-            c = codes.view(q, 2, 8, kg, g // 2, 2).permute(0, 3, 4, 2, 5, 1)
+        if self.bits == 4:      # [panel, output, group, step, j, t]: nibble j of lane (o, t)
+            c = codes.view(q, NB, kg, g // 8, 4, 2)
+            lo = c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)    # low byte: k + t, k + 2 + t
+            hi = c[:, :, :, :, 2] | (c[:, :, :, :, 3] << 4)    # high byte: k + 4 + t, k + 6 + t
+            c = torch.stack((lo, hi), dim=-1).permute(0, 2, 3, 1, 4, 5)  # [q, kg, s, o, t, byte]
+        else:                   # [panel, output, group, step, byte j, t] -> [.., o, t, j]
+            c = codes.view(q, NB, kg, g // 4, 2, 2).permute(0, 2, 3, 1, 5, 4)
         p0 = a // NB
         dst = self.blob[p0:p0 + q]
         dst[:, :, :self.code_bytes].copy_(c.reshape(q, kg, -1))

@@ -92,7 +92,7 @@ class Transformer(torch.nn.Module):
         if quant not in ("none", "int4"):
             raise ValueError(f"quant must be 'none' or 'int4', not {quant!r}")
         self.quant4 = quant == "int4" and not cpu         # W4A16 GPU kernels
-        self.quant_cpu = quant == "int4" and cpu          # packed records, csrc/gemm_q_avx2.h
+        self.quant_cpu = quant == "int4" and cpu          # packed records, csrc/gemm_q.h
         if self.quant_cpu and weight_layout != "packed":
             raise ValueError("packed 4-bit weights run on the CPU with AVX2 + FMA (layout 'packed')")
         self.weight_layout = weight_layout

@@ -1,0 +1,423 @@
+/* Decode GEMM on packed 4-bit / 8-bit weights for the CPU path: y[M, N] = x[M, K] @ W + b with
+ * W = q * scale (+ offset) per group of G inputs; x, y, b float32. One record layout, two
+ * instruction sets: AVX-512 VNNI (vpdpwssd: 32 code x input products a µop, one register holds a
+ * panel's 16 outputs) where the CPU has it, else AVX2 (vpmaddwd on each half of a record step).
+ *
+ *   W blob   uint8 [P = ceil(N / 16), K / G, S]  one record per (panel of 16 outputs, group):
+ *            codes   G * 8 bytes (4-bit) or G * 16 bytes (8-bit): steps of 64 bytes, each 32
+ *                    int16 lanes; lane L holds output o = L / 2 of the panel, t = L % 2:
+ *                      4-bit, step of 8 k:  q[o][k+t] | q[o][k+2+t] << 4 | q[o][k+4+t] << 8
+ *                                           | q[o][k+6+t] << 12            (codes 0..15)
+ *                      8-bit, step of 4 k:  int8 q[o][k+t] low byte, q[o][k+2+t] high byte
+ *            scale   float32 [16]
+ *            offset  float32 [16]   (only when has_offset)
+ *            S = codes + 64 (1 + has_offset); outputs past N are zero records
+ *   x [M, K] row stride ldx; y [M, N] row stride ldy (columns < N written); b [N] or NULL
+ *
+ * So nibble (or byte) j of every lane, masked out, pairs with one broadcast input pair
+ * (x[k + 2j], x[k + 2j + 1]): four (two) multiply-adds a step, no shuffles.
+ *
+ * Activations: each row's group of G inputs is split into two int16 parts, x ~ xs1 xq1 + xs2 xq2
+ * (xq1 = round(x / xs1), xs1 = max|x| / 32767; xq2 the same of the remainder), so the code x
+ * input products of a group sum exactly in int32 (below 2^31: G <= 128 4-bit or G <= 32 8-bit
+ * codes). The split leaves at most max|x| / 2^31 per input (float32 rounding level; one int16
+ * part alone left max|x| / 65534, which outlier channels of real models turned into 1e-3 logit
+ * errors). Per record and row:
+ *     acc[j] += float(sum_k xq1 q) * (xs1 scale[j]) + float(sum_k xq2 q) * (xs2 scale[j])
+ *               + xsum * offset[j]
+ * with xsum the group's float32 sum of x (the offset term). The integer sums are exact whatever
+ * their order, and both instruction sets run the same float32 operations per output in the same
+ * order: a result is bit-identical across them, the thread count, M and the other rows.
+ *
+ * Every record is read once per 16 rows of x and reused from L1 for rows in blocks of 4
+ * (AVX-512) or 2 (AVX2). Threads: panels split into contiguous ranges, one per OpenMP thread.
+ */
+#ifndef SWIFTSPEC_GEMM_Q_H
+#define SWIFTSPEC_GEMM_Q_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define SSQ_NB 16      /* outputs per panel */
+#define SSQ_MB 16      /* rows of x per pass over a panel */
+#define SSQ_AVX2 __attribute__((target("avx2,fma")))
+#define SSQ_AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vnni")))
+/* xq holds row m's part 1 at m * 2K and its part 2 at m * 2K + K: row stride ldq = 2K */
+#define SSQ_PART(ldq) ((ldq) >> 1)
+
+enum { SSQ_ISA_AVX2 = 1, SSQ_ISA_AVX512 = 2 };
+
+static inline int32_t ssq_pair(const int16_t *xq) {      /* the input pair (xq[0], xq[1]) */
+    int32_t v;
+    memcpy(&v, xq, 4);
+    return v;
+}
+
+/* Records are read in order: fetch the one SSQ_PREFETCH bytes ahead of this one (S bytes) into
+ * L1. Without it one core streamed 9-13 GB/s, with it 20-22 (Xeon, 1.5B gate|up-sized matrix);
+ * 4-16 KiB ahead measured alike. Past the blob's end it is a no-op (prefetches do not fault). */
+#define SSQ_PREFETCH 4096
+static inline __attribute__((always_inline)) void ssq_prefetch(const uint8_t *rec, long S) {
+    for (long o = 0; o < S; o += 64) _mm_prefetch((const char *)rec + SSQ_PREFETCH + o, _MM_HINT_T0);
+}
+
+/* ------------------------------------------------------------------------------------------
+ * AVX-512 VNNI. Integer sums of one record for R (1..4) rows x 2 parts, NCH independent
+ * accumulator chains each (vpdpwssd's latency), folded at the end: s[2 r + e] = row r, part e. */
+static inline __attribute__((always_inline)) SSQ_AVX512
+void ssq_dot4_512(const uint8_t *c, int G, const int16_t *xq, long ldq, int R, int NCH,
+                  __m512i *s) {
+    const __m512i m4 = _mm512_set1_epi16(0x0F);
+    __m512i acc[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * R * NCH; i++) acc[i] = _mm512_setzero_si512();
+    for (int k = 0; k < G; k += 8, c += 64) {
+        __m512i v = _mm512_loadu_si512((const void *)c);
+        __m512i q[4] = {_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
+                        _mm512_and_si512(_mm512_srli_epi16(v, 8), m4), _mm512_srli_epi16(v, 12)};
+#pragma GCC unroll 8
+        for (int i = 0; i < 2 * R; i++) {
+            const int16_t *xr = xq + (i >> 1) * ldq + (i & 1) * SSQ_PART(ldq) + k;
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                __m512i *a = &acc[i * NCH + j % NCH];
+                *a = _mm512_dpwssd_epi32(*a, q[j], _mm512_set1_epi32(ssq_pair(xr + 2 * j)));
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < 2 * R; i++) {
+        __m512i t = acc[i * NCH];
+#pragma GCC unroll 4
+        for (int h = 1; h < NCH; h++) t = _mm512_add_epi32(t, acc[i * NCH + h]);
+        s[i] = t;
+    }
+}
+
+static inline __attribute__((always_inline)) SSQ_AVX512
+void ssq_dot8_512(const uint8_t *c, int G, const int16_t *xq, long ldq, int R, int NCH,
+                  __m512i *s) {
+    __m512i acc[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 2 * R * NCH; i++) acc[i] = _mm512_setzero_si512();
+    for (int k = 0; k < G; k += 4, c += 64) {
+        __m512i v = _mm512_loadu_si512((const void *)c);
+        __m512i q[2] = {_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8), _mm512_srai_epi16(v, 8)};
+#pragma GCC unroll 8
+        for (int i = 0; i < 2 * R; i++) {
+            const int16_t *xr = xq + (i >> 1) * ldq + (i & 1) * SSQ_PART(ldq) + k;
+#pragma GCC unroll 2
+            for (int j = 0; j < 2; j++) {
+                __m512i *a = &acc[i * NCH + j % NCH];
+                *a = _mm512_dpwssd_epi32(*a, q[j], _mm512_set1_epi32(ssq_pair(xr + 2 * j)));
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < 2 * R; i++) {
+        __m512i t = acc[i * NCH];
+#pragma GCC unroll 4
+        for (int h = 1; h < NCH; h++) t = _mm512_add_epi32(t, acc[i * NCH + h]);
+        s[i] = t;
+    }
+}
+
+/* acc (16 outputs of row gi's accumulator) += the record's group sums s1, s2 (see the header) */
+static inline __attribute__((always_inline)) SSQ_AVX512
+__m512 ssq_scale_512(__m512 acc, __m512i s1, __m512i s2, __m512 sc, const float *scp,
+                     const float *xs, const float *xsum, long gi, int has_off) {
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(_mm512_set1_ps(xs[2 * gi]), sc),
+                          acc);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2),
+                          _mm512_mul_ps(_mm512_set1_ps(xs[2 * gi + 1]), sc), acc);
+    if (has_off)
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(xsum[gi]), _mm512_loadu_ps(scp + 16), acc);
+    return acc;
+}
+
+#define SSQ_BLOCK_512(DOT, R, NCH)                                                             \
+    do {                                                                                       \
+        __m512i s[8];                                                                          \
+        DOT(rec, G, xq + (long)(m0 + m) * 2 * K + (long)g * G, 2L * K, R, NCH, s);             \
+        for (int r = 0; r < R; r++) {                                                          \
+            long gi = (long)(m0 + m + r) * KG + g;                                             \
+            acc[m + r] = ssq_scale_512(acc[m + r], s[2 * r], s[2 * r + 1], sc, scp, xs, xsum,  \
+                                       gi, has_off);                                           \
+        }                                                                                      \
+        m += R;                                                                                \
+    } while (0)
+
+/* Panels [p0, p1) for rows [0, M) (passes of SSQ_MB rows). xq int16 [M, 2, K] (the two parts);
+ * xs float [M, K/G, 2] (their scales); xsum [M, K/G]. */
+#define SSQ_DEFINE_PANELS_512(NAME, DOT, CB)                                                   \
+static SSQ_AVX512 void NAME(const uint8_t *W, int has_off, int G, int K, int N, int p0,       \
+                            int p1, const int16_t *xq, const float *xs, const float *xsum,     \
+                            int M, float *y, long ldy, const float *b) {                       \
+    int KG = K / G;                                                                            \
+    long S = (long)G * CB + 64 * (1 + has_off);                                                \
+    __m512 acc[SSQ_MB];                                                                        \
+    for (int p = p0; p < p1; p++) {                                                            \
+        int n0 = p * SSQ_NB;                                                                   \
+        int ncols = N - n0 < SSQ_NB ? N - n0 : SSQ_NB;                                         \
+        for (int m0 = 0; m0 < M; m0 += SSQ_MB) {                                               \
+            int mb = M - m0 < SSQ_MB ? M - m0 : SSQ_MB;                                        \
+            for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();                         \
+            const uint8_t *rec = W + (long)p * KG * S;                                         \
+            for (int g = 0; g < KG; g++, rec += S) {                                           \
+                const float *scp = (const float *)(rec + (long)G * CB);                        \
+                __m512 sc = _mm512_loadu_ps(scp);                                              \
+                ssq_prefetch(rec, S);                                                          \
+                int m = 0;                                                                     \
+                while (mb - m >= 4) SSQ_BLOCK_512(DOT, 4, 1);                                  \
+                if (mb - m >= 2) SSQ_BLOCK_512(DOT, 2, 2);                                     \
+                if (mb - m == 1) SSQ_BLOCK_512(DOT, 1, 4);                                     \
+            }                                                                                  \
+            for (int r = 0; r < mb; r++) {                                                     \
+                float *yr = y + (long)(m0 + r) * ldy + n0;                                     \
+                float t[SSQ_NB];                                                               \
+                _mm512_storeu_ps(t, acc[r]);                                                   \
+                for (int j = 0; j < ncols; j++) yr[j] = (b ? b[n0 + j] : 0.0f) + t[j];         \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+}
+
+SSQ_DEFINE_PANELS_512(ssq_panels4_512, ssq_dot4_512, 8)
+SSQ_DEFINE_PANELS_512(ssq_panels8_512, ssq_dot8_512, 16)
+
+/* ------------------------------------------------------------------------------------------
+ * AVX2: a record step's two 32-byte halves are outputs 0..7 (lo) and 8..15 (hi). Integer sums
+ * for R (1..2) rows x 2 parts: lo[2 r + e], hi[2 r + e]. */
+static inline __attribute__((always_inline)) SSQ_AVX2
+void ssq_dot4_256(const uint8_t *c, int G, const int16_t *xq, long ldq, int R, __m256i *lo,
+                  __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi16(0x0F);
+    for (int r = 0; r < 2 * R; r++) { lo[r] = _mm256_setzero_si256(); hi[r] = lo[r]; }
+    for (int k = 0; k < G; k += 8, c += 64) {
+        __m256i v0 = _mm256_loadu_si256((const __m256i *)c);
+        __m256i v1 = _mm256_loadu_si256((const __m256i *)(c + 32));
+        __m256i a0 = _mm256_and_si256(v0, m4), a1 = _mm256_and_si256(v1, m4);
+        __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+        __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+        __m256i c0 = _mm256_and_si256(_mm256_srli_epi16(v0, 8), m4);
+        __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(v1, 8), m4);
+        __m256i d0 = _mm256_srli_epi16(v0, 12), d1 = _mm256_srli_epi16(v1, 12);
+        for (int r = 0; r < 2 * R; r++) {    /* r = 2 row + part */
+            const int16_t *xr = xq + (r >> 1) * ldq + (r & 1) * SSQ_PART(ldq) + k;
+            __m256i x0 = _mm256_set1_epi32(ssq_pair(xr)), x1 = _mm256_set1_epi32(ssq_pair(xr + 2));
+            __m256i x2 = _mm256_set1_epi32(ssq_pair(xr + 4)), x3 = _mm256_set1_epi32(ssq_pair(xr + 6));
+            lo[r] = _mm256_add_epi32(lo[r], _mm256_add_epi32(
+                _mm256_add_epi32(_mm256_madd_epi16(a0, x0), _mm256_madd_epi16(b0, x1)),
+                _mm256_add_epi32(_mm256_madd_epi16(c0, x2), _mm256_madd_epi16(d0, x3))));
+            hi[r] = _mm256_add_epi32(hi[r], _mm256_add_epi32(
+                _mm256_add_epi32(_mm256_madd_epi16(a1, x0), _mm256_madd_epi16(b1, x1)),
+                _mm256_add_epi32(_mm256_madd_epi16(c1, x2), _mm256_madd_epi16(d1, x3))));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) SSQ_AVX2
+void ssq_dot8_256(const uint8_t *c, int G, const int16_t *xq, long ldq, int R, __m256i *lo,
+                  __m256i *hi) {
+    for (int r = 0; r < 2 * R; r++) { lo[r] = _mm256_setzero_si256(); hi[r] = lo[r]; }
+    for (int k = 0; k < G; k += 4, c += 64) {
+        __m256i v0 = _mm256_loadu_si256((const __m256i *)c);
+        __m256i v1 = _mm256_loadu_si256((const __m256i *)(c + 32));
+        __m256i a0 = _mm256_srai_epi16(_mm256_slli_epi16(v0, 8), 8), b0 = _mm256_srai_epi16(v0, 8);
+        __m256i a1 = _mm256_srai_epi16(_mm256_slli_epi16(v1, 8), 8), b1 = _mm256_srai_epi16(v1, 8);
+        for (int r = 0; r < 2 * R; r++) {
+            const int16_t *xr = xq + (r >> 1) * ldq + (r & 1) * SSQ_PART(ldq) + k;
+            __m256i x0 = _mm256_set1_epi32(ssq_pair(xr)), x1 = _mm256_set1_epi32(ssq_pair(xr + 2));
+            lo[r] = _mm256_add_epi32(lo[r], _mm256_add_epi32(_mm256_madd_epi16(a0, x0),
+                                                             _mm256_madd_epi16(b0, x1)));
+            hi[r] = _mm256_add_epi32(hi[r], _mm256_add_epi32(_mm256_madd_epi16(a1, x0),
+                                                             _mm256_madd_epi16(b1, x1)));
+        }
+    }
+}
+
+#define SSQ_DEFINE_PANELS_256(NAME, DOT, CB)                                                   \
+static SSQ_AVX2 void NAME(const uint8_t *W, int has_off, int G, int K, int N, int p0,         \
+                          int p1, const int16_t *xq, const float *xs, const float *xsum,       \
+                          int M, float *y, long ldy, const float *b) {                         \
+    int KG = K / G;                                                                            \
+    long S = (long)G * CB + 64 * (1 + has_off);                                                \
+    __m256 acc0[SSQ_MB], acc1[SSQ_MB];                                                         \
+    __m256i lo[4], hi[4];      /* [2 row + part] */                                            \
+    for (int p = p0; p < p1; p++) {                                                            \
+        int n0 = p * SSQ_NB;                                                                   \
+        int ncols = N - n0 < SSQ_NB ? N - n0 : SSQ_NB;                                         \
+        for (int m0 = 0; m0 < M; m0 += SSQ_MB) {                                               \
+            int mb = M - m0 < SSQ_MB ? M - m0 : SSQ_MB;                                        \
+            for (int r = 0; r < mb; r++) { acc0[r] = _mm256_setzero_ps(); acc1[r] = acc0[r]; } \
+            const uint8_t *rec = W + (long)p * KG * S;                                         \
+            for (int g = 0; g < KG; g++, rec += S) {                                           \
+                const float *sc = (const float *)(rec + (long)G * CB);                         \
+                __m256 sc0 = _mm256_loadu_ps(sc), sc1 = _mm256_loadu_ps(sc + 8);               \
+                ssq_prefetch(rec, S);                                                          \
+                for (int m = 0; m < mb; m += 2) {                                              \
+                    int R = mb - m < 2 ? mb - m : 2;                                           \
+                    const int16_t *xg = xq + (long)(m0 + m) * 2 * K + (long)g * G;             \
+                    if (R == 2) DOT(rec, G, xg, 2L * K, 2, lo, hi);                            \
+                    else DOT(rec, G, xg, 2L * K, 1, lo, hi);                                   \
+                    for (int r = 0; r < R; r++) {                                              \
+                        int i = m + r;                                                         \
+                        long gi = (long)(m0 + i) * KG + g;                                     \
+                        __m256 s1 = _mm256_broadcast_ss(xs + 2 * gi);                          \
+                        __m256 s2 = _mm256_broadcast_ss(xs + 2 * gi + 1);                      \
+                        acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[2 * r]),               \
+                                                  _mm256_mul_ps(s1, sc0), acc0[i]);            \
+                        acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[2 * r]),               \
+                                                  _mm256_mul_ps(s1, sc1), acc1[i]);            \
+                        acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[2 * r + 1]),           \
+                                                  _mm256_mul_ps(s2, sc0), acc0[i]);            \
+                        acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[2 * r + 1]),           \
+                                                  _mm256_mul_ps(s2, sc1), acc1[i]);            \
+                        if (has_off) {                                                         \
+                            __m256 xt = _mm256_broadcast_ss(xsum + gi);                        \
+                            acc0[i] = _mm256_fmadd_ps(xt, _mm256_loadu_ps(sc + 16), acc0[i]);  \
+                            acc1[i] = _mm256_fmadd_ps(xt, _mm256_loadu_ps(sc + 24), acc1[i]);  \
+                        }                                                                      \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+            for (int r = 0; r < mb; r++) {                                                     \
+                float *yr = y + (long)(m0 + r) * ldy + n0;                                     \
+                float t[SSQ_NB];                                                               \
+                _mm256_storeu_ps(t, acc0[r]);                                                  \
+                _mm256_storeu_ps(t + 8, acc1[r]);                                              \
+                for (int j = 0; j < ncols; j++) yr[j] = (b ? b[n0 + j] : 0.0f) + t[j];         \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+}
+
+SSQ_DEFINE_PANELS_256(ssq_panels4_256, ssq_dot4_256, 8)
+SSQ_DEFINE_PANELS_256(ssq_panels8_256, ssq_dot8_256, 16)
+
+/* ------------------------------------------------------------------------------------------ */
+
+/* The instruction set ssq_gemm runs: the best this CPU has unless ssq_set_isa chose one. */
+static int ssq_isa_now = 0;
+
+static int ssq_cpu_isa(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vnni"))
+        return SSQ_ISA_AVX512;
+    return SSQ_ISA_AVX2;
+}
+
+static int ssq_isa(void) {
+    if (!ssq_isa_now) ssq_isa_now = ssq_cpu_isa();
+    return ssq_isa_now;
+}
+
+/* Run `isa` (SSQ_ISA_*; 0: the best this CPU has) from now on; -1 when this CPU lacks it. */
+static int ssq_set_isa(int isa) {
+    int best = ssq_cpu_isa();
+    if (isa == 0) isa = best;
+    if (isa < SSQ_ISA_AVX2 || isa > best) return -1;
+    ssq_isa_now = isa;
+    return 0;
+}
+
+/* v[0..G) -> int16 codes q = round(v / d) (nearest even, as lrintf), d = max|v| / 32767 (0 for
+ * an all-zero v); -> d. G % 8 == 0. AVX2 for every instruction set: the same bits on all. */
+static SSQ_AVX2 float ssq_int16(const float *v, int G, int16_t *q) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 mx = _mm256_setzero_ps();
+    for (int k = 0; k < G; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(v + k), absmask));
+    float t[8], amax = 0.0f;
+    _mm256_storeu_ps(t, mx);
+    for (int j = 0; j < 8; j++) amax = t[j] > amax ? t[j] : amax;
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
+    for (int k = 0; k < G; k += 16) {      /* |v inv| <= 32767 (+ rounding): packs saturate */
+        __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + k), inv));
+        __m256i b = k + 8 < G ? _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + k + 8), inv))
+                              : _mm256_setzero_si256();
+        __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+        p = _mm256_max_epi16(p, _mm256_set1_epi16(-32767));
+        if (k + 8 < G) _mm256_storeu_si256((__m256i *)(q + k), p);
+        else _mm_storeu_si128((__m128i *)(q + k), _mm256_castsi256_si128(p));
+    }
+    return amax / 32767.0f;
+}
+
+/* Row m's group g of x -> two int16 parts and their scales, and the float32 sum (in 8 lanes
+ * over k mod 8, then lanes 0..7 in order). */
+static SSQ_AVX2 void ssq_quantize_x(const float *x, long ldx, int M, int K, int G, int16_t *xq,
+                                    float *xs, float *xsum) {
+    int KG = K / G;
+    float rest[128];
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < KG; g++) {
+            const float *xg = x + (long)m * ldx + (long)g * G;
+            int16_t *q1 = xq + (long)m * 2 * K + (long)g * G, *q2 = q1 + K;
+            __m256 acc = _mm256_setzero_ps();
+            for (int k = 0; k < G; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(xg + k));
+            float t[8], s = 0.0f;
+            _mm256_storeu_ps(t, acc);
+            for (int j = 0; j < 8; j++) s += t[j];
+            float d1 = ssq_int16(xg, G, q1);
+            const __m256 vd1 = _mm256_set1_ps(d1);
+            for (int k = 0; k < G; k += 8) {      /* x - d1 q1, exact in float32 but for huge q */
+                __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(q1 + k))));
+                _mm256_storeu_ps(rest + k, _mm256_sub_ps(_mm256_loadu_ps(xg + k), _mm256_mul_ps(vd1, q)));
+            }
+            float d2 = ssq_int16(rest, G, q2);
+            xs[2 * ((long)m * KG + g)] = d1;
+            xs[2 * ((long)m * KG + g) + 1] = d2;
+            xsum[(long)m * KG + g] = s;
+        }
+}
+
+static void ssq_run(int isa, const uint8_t *W, int bits, int has_off, int G, int K, int N,
+                    int p0, int p1, const int16_t *xq, const float *xs, const float *xsum, int M,
+                    float *y, long ldy, const float *b) {
+    if (isa == SSQ_ISA_AVX512) {
+        if (bits == 4) ssq_panels4_512(W, has_off, G, K, N, p0, p1, xq, xs, xsum, M, y, ldy, b);
+        else ssq_panels8_512(W, has_off, G, K, N, p0, p1, xq, xs, xsum, M, y, ldy, b);
+    } else {
+        if (bits == 4) ssq_panels4_256(W, has_off, G, K, N, p0, p1, xq, xs, xsum, M, y, ldy, b);
+        else ssq_panels8_256(W, has_off, G, K, N, p0, p1, xq, xs, xsum, M, y, ldy, b);
+    }
+}
+
+/* y[M, N] = x[M, K] @ W (+ b); W a blob as above (G % 8 == 0; bits 4: G <= 128; bits 8:
+ * G <= 32). Returns 0, or -1 when the int16 activations cannot be allocated. */
+static int ssq_gemm(const uint8_t *W, int bits, int has_off, int G, int K, int N, const float *x,
+                    long ldx, int M, float *y, long ldy, const float *b, int n_threads) {
+    int P = (N + SSQ_NB - 1) / SSQ_NB, KG = K / G, isa = ssq_isa();
+    if (G > 128) return -1;
+    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * 2 * (size_t)M * (size_t)K + 64);
+    float *xs = (float *)malloc(sizeof(float) * 3 * (size_t)M * (size_t)KG + 64);
+    if (!xq || !xs) { free(xq); free(xs); return -1; }
+    float *xsum = xs + 2 * (size_t)M * KG;
+    ssq_quantize_x(x, ldx, M, K, G, xq, xs, xsum);
+    if (n_threads <= 1 || P < 2 * n_threads) {
+        ssq_run(isa, W, bits, has_off, G, K, N, 0, P, xq, xs, xsum, M, y, ldy, b);
+    } else {
+#ifdef _OPENMP
+        #pragma omp parallel num_threads(n_threads)
+        {
+            int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            int q0 = (int)((long)P * t / nt), q1 = (int)((long)P * (t + 1) / nt);
+            ssq_run(isa, W, bits, has_off, G, K, N, q0, q1, xq, xs, xsum, M, y, ldy, b);
+        }
+#else
+        ssq_run(isa, W, bits, has_off, G, K, N, 0, P, xq, xs, xsum, M, y, ldy, b);
+#endif
+    }
+    free(xq);
+    free(xs);
+    return 0;
+}
+
+#endif
