@@ -55,14 +55,14 @@ int main(int argc, char **argv) {
         for (int rep = 0; rep < 9; rep++) {
             double t = now();
             for (int i = 0; i < 4; i++)
-                ssq_gemm(layer[i].q, 4, 1, 32, layer[i].k, layer[i].n, x, layer[i].k, M, y,
+                ssq_gemm(layer[i].q, SSQ_Q4, 1, 32, layer[i].k, layer[i].n, x, layer[i].k, M, y,
                          layer[i].n, NULL, nt);
             double t1 = now();
             for (int i = 0; i < 4; i++)
                 ssm_gemm_packed(layer[i].b, 1, layer[i].k, layer[i].n, x, layer[i].k, M, y,
                                 layer[i].n, NULL, nt);
             double t2 = now();
-            ssq_gemm(head.q, 8, 0, 16, head.k, head.n, x, head.k, M, y, head.n, NULL, nt);
+            ssq_gemm(head.q, SSQ_Q8, 0, 16, head.k, head.n, x, head.k, M, y, head.n, NULL, nt);
             double t3 = now();
             ssm_gemm_packed(head.b, 1, head.k, head.n, x, head.k, M, y, head.n, NULL, nt);
             double t4 = now();

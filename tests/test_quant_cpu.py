@@ -97,6 +97,39 @@ def test_gguf_blocks_pack_bit_exactly(typed_gguf, qtype):
     assert np.array_equal(ours.view(np.uint32)[nz], ref.view(np.uint32)[nz])
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_k_quant_levels_are_the_float32_scales(typed_gguf, qtype):
+    """The two levels to_packed keeps for Q4_K / Q6_K multiply out to the very float32 scale
+    and offset, so the kernel's two-level records (4.75 / 6.625 bits a weight) hold the same
+    weights: Q4_K's give bit-identical GEMM results to the one-level records, Q6_K's (codes
+    q + 32 with offset -32 scale) match a float64 product within the kernel's bound."""
+    _, raws = typed_gguf
+    packed = gguf_quant.to_packed(raws[qtype.name], qtype.name, 512)
+    sup = packed.sup
+    rep = 256 // packed.group
+    assert torch.equal(sup.d.repeat_interleave(rep, 1) * sup.sc.float(), packed.scale)
+    if qtype == Q.Q4_K:
+        assert torch.equal(-(sup.dmin.repeat_interleave(rep, 1) * sup.m.float()), packed.offset)
+    else:
+        assert sup.dmin is None and packed.offset is None
+    two, one = cpu_quant.QuantLinear(48, 512), cpu_quant.QuantLinear(48, 512)
+    two.load(0, 48, [(0, packed)])
+    flat = type(packed)(packed.qweight, packed.scale, packed.offset, packed.group)   # no levels
+    one.load(0, 48, [(0, flat)])
+    assert two.kinds()[0].endswith("/sb256") and not one.kinds()[0].endswith("/sb256")
+    assert two.nbytes() < 0.8 * one.nbytes()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 512, generator=gen)
+    if qtype == Q.Q4_K:
+        assert torch.equal(cpu_quant.linear(x, two), cpu_quant.linear(x, one))
+    wd = _deq(packed).double()
+    ref, scale = x.double() @ wd.t(), x.double().abs() @ wd.abs().t()
+    assert ((cpu_quant.linear(x, two).double() - ref).abs() / scale).max() <= KERNEL_RTOL
+    cut = gguf_quant.take_columns(packed, 0, 256)        # a whole super-block keeps the levels
+    assert cut.sup is not None and cut.sup.d.shape == (48, 1)
+    assert gguf_quant.take_columns(packed, 0, 128).sup is None
+
+
 def test_column_slices_on_group_boundaries(typed_gguf):
     path, raws = typed_gguf
     p = gguf_quant.to_packed(raws["Q4_K"], "Q4_K", 512)
@@ -108,9 +141,31 @@ def test_column_slices_on_group_boundaries(typed_gguf):
 
 # ------------------------------------------------------------------------------ kernel
 
+def _fp16(t: torch.Tensor) -> torch.Tensor:
+    return t.half().float()
+
+
 def _rand_packed(kind: str, n: int, k: int, gen) -> object:
+    """Random packed weights of `kind`: 'int4/g32/o' (scale, offset), 'int8/g16/-' (no offset),
+    'int4/g32/k' and 'int6/g16/k' (GGUF Q4_K / Q6_K: two-level scales, products as gguf forms
+    them; K a multiple of 256)."""
     bits, group, off = kind.split("/")
     g = int(group[1:])
+    if off == "k":
+        d = _fp16(torch.rand(n, k // 256, generator=gen) * 1e-3 + 1e-5)
+        if bits == "int4":
+            sc = torch.randint(0, 64, (n, k // g), dtype=torch.int8, generator=gen)
+            m = torch.randint(0, 64, (n, k // g), dtype=torch.int8, generator=gen)
+            dmin = _fp16(torch.rand(n, k // 256, generator=gen) * 1e-3)
+            rep = 256 // g
+            return quant.PackedInt4(
+                torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
+                d.repeat_interleave(rep, 1) * sc.float(), -(dmin.repeat_interleave(rep, 1) * m.float()),
+                g, quant.SuperScales(d, sc, dmin, m))
+        sc = torch.randint(-128, 128, (n, k // g), dtype=torch.int8, generator=gen)
+        return quant_int8.PackedInt8(
+            torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=gen),
+            d.repeat_interleave(256 // g, 1) * sc.float(), None, g, quant.SuperScales(d, sc))
     if bits == "int4":
         return quant.PackedInt4(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
                                 torch.rand(n, k // g, generator=gen) * 0.02 + 1e-3,
@@ -121,7 +176,8 @@ def _rand_packed(kind: str, n: int, k: int, gen) -> object:
                                  g)
 
 
-KINDS = ["int4/g32/o", "int4/g64/o", "int4/g128/o", "int8/g16/-", "int8/g32/-", "int8/g32/o"]
+KINDS = ["int4/g32/o", "int4/g64/o", "int4/g128/o", "int8/g16/-", "int8/g32/-", "int8/g32/o",
+         "int4/g32/k", "int6/g16/k"]
 
 
 def _isas() -> list[str]:
@@ -149,13 +205,15 @@ def quant_isa(request):
 
 @pytest.mark.parametrize("quant_isa", ["avx2", "avx512vnni"], indirect=True)
 @pytest.mark.parametrize("kind,n,k", [(kind, n, k) for kind in KINDS
-                                      for n, k in ((37, 256), (16, 128), (203, 384))
-                                      if k % int(kind.split("/")[1][1:]) == 0])
+                                      for n, k in ((37, 256), (16, 128), (203, 384), (40, 512))
+                                      if k % int(kind.split("/")[1][1:]) == 0
+                                      and kind.endswith("k") == (k == 512)])
 def test_packed_gemm_matches_float64_every_m(kind, n, k, quant_isa):
     gen = torch.Generator().manual_seed(n * 1000 + k)
     w = _rand_packed(kind, n, k, gen)
     lin = cpu_quant.QuantLinear(n, k)
     lin.load(0, n, [(0, w)])
+    assert lin.kinds()[0].endswith("/sb256") == kind.endswith("k"), lin.kinds()
     wd = _deq(w).double()
     b = torch.randn(n, generator=gen)
     for m in range(1, 17):
@@ -177,7 +235,7 @@ def test_packed_gemm_bits_equal_across_instruction_sets():
         pytest.skip("this CPU has no AVX-512 VNNI: one instruction set only")
     gen = torch.Generator().manual_seed(11)
     for kind in KINDS:
-        n, k = 203, 384
+        n, k = 203, 512
         lin = cpu_quant.QuantLinear(n, k)
         lin.load(0, n, [(0, _rand_packed(kind, n, k, gen))])
         b = torch.randn(n, generator=gen)

@@ -23,7 +23,7 @@ def gemm_packed(size_t w, bint is_bf16, int K, int N, size_t x, long ldx, int M,
 
 
 cdef extern from "gemm_q.h":
-    int ssq_gemm(const unsigned char *W, int bits, int has_off, int G, int K, int N,
+    int ssq_gemm(const unsigned char *W, int kind, int has_off, int G, int K, int N,
                  const float *x, long ldx, int M, float *y, long ldy, const float *b,
                  int n_threads) nogil
     int ssq_isa()
@@ -45,12 +45,15 @@ def set_quant_isa(name: str | None) -> None:
         raise ValueError(f"this CPU cannot run the packed GEMM with {name!r}")
 
 
-def gemm_quant(size_t w, int bits, bint has_offset, int group, int K, int N, size_t x, long ldx,
+def gemm_quant(size_t w, int kind, bint has_offset, int group, int K, int N, size_t x, long ldx,
                int M, size_t y, long ldy, size_t b, int n_threads):
-    """y[M, N] = x[M, K] @ W (+ b), W a packed 4-/8-bit blob (see cpu_quant.QuantPanels)."""
+    """y[M, N] = x[M, K] @ W (+ b), W a blob of packed records of `kind` (SSQ_Q4 0, SSQ_Q8 1,
+    SSQ_K4 2, SSQ_K6 3; see cpu_quant.QuantPanels)."""
     cdef int rc
     with nogil:
-        rc = ssq_gemm(<const unsigned char *>w, bits, has_offset, group, K, N,
+        rc = ssq_gemm(<const unsigned char *>w, kind, has_offset, group, K, N,
                       <const float *>x, ldx, M, <float *>y, ldy, <const float *>b, n_threads)
+    if rc == -2:
+        raise ValueError(f"packed GEMM: no records of kind {kind} with group {group} for K = {K}")
     if rc != 0:
         raise MemoryError("packed GEMM: cannot allocate the group sums of x")

@@ -1,8 +1,10 @@
-"""Packed 4-/8-bit linear layers on the CPU: kernel records (csrc/gemm_q.h), layers made of
+"""Packed 4-/6-/8-bit linear layers on the CPU: kernel records (csrc/gemm_q.h), layers made of
 row segments, and the quantized embedding table.
 
-    QuantPanels(n_out, n_in, bits, group, has_offset)   one weight in the kernel's records:
-        blob uint8 [P = ceil(N / 16), K / group, S]     (layout in csrc/gemm_q.h)
+    QuantPanels(n_out, n_in, kind, group, has_offset)   one weight in the kernel's records:
+        kind 'q4' | 'q8' (a record per (panel, group)), 'k4' | 'k6' (GGUF Q4_K / Q6_K in their
+        two levels, a record per (panel, 256 inputs))
+        blob uint8 [P = ceil(N / 16), records along K, S]   (layouts in csrc/gemm_q.h)
         write_rows(a, w)                                w: PackedInt4 | PackedInt8 rows [a, a+n)
     QuantLinear(n_out, n_in)        a linear layer's W [N, K] as row segments [a, b), each a
                                     QuantPanels or a float32 cpu_linear.PackedWeight (tensors of
@@ -11,9 +13,11 @@ row segments, and the quantized embedding table.
                                     gather_rows(idx [T]) -> float32 [T, n_cols]
     linear(x [M, K] float32, w: QuantLinear, b [N] | None) -> y [M, N] float32
 
+A packed chunk with its K-quant levels (`sup`) gets the two-level records: Q4_K 4.75 bits a
+weight instead of 6, Q6_K 6.625 instead of 10, the same sums (every scale the same float32).
 Loading fills these chunk by chunk (`load(chunks)` with chunks = iterator of (row offset,
 PackedInt4 | PackedInt8 | float32 tensor)), so no [N, K] float temporary ever exists. The
-kernel scales each group of activations to int16 (error <= max|x| / 65534 per input) and sums
+kernel scales each group of activations to int16 (error <= max|x| / 2^31 per input) and sums
 code x input products exactly in int32; see the header for the sum order and the bounds.
 """
 from __future__ import annotations
@@ -21,68 +25,118 @@ from __future__ import annotations
 import torch
 
 from swiftspec_mpi.model import cpu_linear
-from swiftspec_mpi.model.quant import PackedInt4, dequantize as dequantize4, unpack_codes
+from swiftspec_mpi.model.quant import (SUPER_BLOCK, PackedInt4, dequantize as dequantize4,
+                                       unpack_codes)
 from swiftspec_mpi.model.quant_int8 import PackedInt8, dequantize as dequantize8
 
 NB = 16   # outputs per panel (SSQ_NB)
+KIND_CODE = {"q4": 0, "q8": 1, "k4": 2, "k6": 3}     # SSQ_Q4, SSQ_Q8, SSQ_K4, SSQ_K6
+MAX_GROUP = {"q4": 128, "q8": 32, "k4": 128, "k6": 32}
 
 
-def _kind(w) -> tuple[int, int, bool]:
-    """(bits, group, has_offset) of a packed chunk."""
+def _kind(w, n_in: int) -> tuple[str, int, bool]:
+    """(record kind, group, has_offset) a packed chunk of n_in inputs is held in."""
+    two_level = w.sup is not None and n_in % SUPER_BLOCK == 0 and SUPER_BLOCK % w.group == 0
     if isinstance(w, PackedInt4):
-        return 4, w.group, True
-    return 8, w.group, w.offset is not None
+        return ("k4" if two_level and w.sup.dmin is not None else "q4"), w.group, True
+    if two_level and w.offset is None and w.sup.dmin is None:
+        return "k6", w.group, False
+    return "q8", w.group, w.offset is not None
+
+
+def _step_lanes(codes: torch.Tensor, q: int, n_rec: int, width: int) -> torch.Tensor:
+    """uint8 codes [q * 16, n_rec * width] (0..15) -> the 4-bit steps of the kernel:
+    uint8 [q, n_rec, width / 8 steps, 64] (lane (o, t) int16, nibble j = code of k + 2j + t)."""
+    c = codes.view(q, NB, n_rec, width // 8, 4, 2)             # [panel, o, rec, step, j, t]
+    lo = c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)            # low byte: k + t, k + 2 + t
+    hi = c[:, :, :, :, 2] | (c[:, :, :, :, 3] << 4)            # high byte: k + 4 + t, k + 6 + t
+    return torch.stack((lo, hi), dim=-1).permute(0, 2, 3, 1, 4, 5).reshape(q, n_rec, width // 8, 64)
+
+
+def _per_panel(t: torch.Tensor, q: int, n_rec: int, per_rec: int) -> torch.Tensor:
+    """[q * 16, n_rec * per_rec] -> bytes [q, n_rec, per_rec * 16 * itemsize] ([per_rec][16])."""
+    t = t.reshape(q, NB, n_rec, per_rec).permute(0, 2, 3, 1).contiguous()
+    return t.view(torch.uint8).reshape(q, n_rec, -1)
 
 
 class QuantPanels:
-    """One weight [N, K] in the kernel's per-(panel, group) records; see the module doc."""
+    """One weight [N, K] in the kernel's records; see the module doc."""
 
-    def __init__(self, n_out: int, n_in: int, bits: int, group: int, has_offset: bool):
-        if bits not in (4, 8) or n_in % group or group % 8 or group > (128 if bits == 4 else 32):
-            raise ValueError(f"no {bits}-bit records with group {group} for K = {n_in}")
+    def __init__(self, n_out: int, n_in: int, kind: str, group: int, has_offset: bool):
+        two_level = kind in ("k4", "k6")
+        if (kind not in KIND_CODE or n_in % group or group % 8 or group > MAX_GROUP[kind]
+                or two_level and (n_in % SUPER_BLOCK or SUPER_BLOCK % group)):
+            raise ValueError(f"no {kind} records with group {group} for K = {n_in}")
         self.n_out, self.n_in = int(n_out), int(n_in)
-        self.bits, self.group, self.has_offset = bits, group, bool(has_offset)
-        self.code_bytes = group * (8 if bits == 4 else 16)
-        rec = self.code_bytes + 64 * (1 + self.has_offset)
-        self.blob = torch.zeros((self.n_out + NB - 1) // NB, n_in // group, rec, dtype=torch.uint8)
+        self.kind, self.group, self.has_offset = kind, group, bool(has_offset)
+        self.bits = {"q4": 4, "k4": 4, "k6": 6, "q8": 8}[kind]
+        self.code_bytes = group * {"q4": 8, "k4": 8, "k6": 12, "q8": 16}[kind]
+        if two_level:
+            sbg = SUPER_BLOCK // group
+            n_rec = n_in // SUPER_BLOCK
+            rec = sbg * (self.code_bytes + 16 * (1 + self.has_offset)) + 64 * (1 + self.has_offset)
+        else:
+            n_rec = n_in // group
+            rec = self.code_bytes + 64 * (1 + self.has_offset)
+        self.blob = torch.zeros((self.n_out + NB - 1) // NB, n_rec, rec, dtype=torch.uint8)
 
-    def kind(self) -> tuple[int, int, bool]:
-        return self.bits, self.group, self.has_offset
+    def kind_of(self) -> tuple[str, int, bool]:
+        return self.kind, self.group, self.has_offset
+
+    def label(self) -> str:
+        """'int4/g32', 'int8/g16', 'int4/g32/sb256' (Q4_K in two levels), 'int6/g16/sb256'."""
+        return f"int{self.bits}/g{self.group}" + ("/sb256" if self.kind in ("k4", "k6") else "")
 
     def write_rows(self, a: int, w: PackedInt4 | PackedInt8) -> None:
         """W[a : a + n] = w (n rows; a a multiple of 16; n too unless the rows end at N)."""
         n, k = w.shape
-        if _kind(w) != self.kind() or k != self.n_in:
-            raise ValueError(f"{_kind(w)} rows of {k} inputs do not fit {self.kind()} records "
-                             f"of {self.n_in}")
+        if _kind(w, k) != self.kind_of() or k != self.n_in:
+            raise ValueError(f"{_kind(w, k)} rows of {k} inputs do not fit {self.kind_of()} "
+                             f"records of {self.n_in}")
         if a % NB or a + n > self.n_out or (n % NB and a + n != self.n_out):
             raise ValueError(f"rows [{a}, {a + n}) are not whole panels of a {self.n_out}-row "
                              "weight")
         q, g, kg = -(-n // NB), self.group, self.n_in // self.group
         codes = unpack_codes(w.qweight) if self.bits == 4 else w.qweight.view(torch.uint8)
-        scale, offset = w.scale, w.offset
+        if self.kind == "k6":
+            codes = w.qweight.to(torch.int16) + 32                         # Q6_K's q, 0..63
+            if codes.min() < 0 or codes.max() > 63:
+                raise ValueError("6-bit records need codes in [-32, 31] (Q6_K's)")
+            codes = codes.to(torch.uint8)
+        parts = {"scale": w.scale, "offset": w.offset}
+        if w.sup is not None:
+            parts.update(d=w.sup.d, sc=w.sup.sc, dmin=w.sup.dmin, m=w.sup.m)
         if n % NB:                                    # zero rows up to a whole panel
             pad = q * NB - n
             codes = torch.cat((codes, codes.new_zeros(pad, k)))
-            scale = torch.cat((scale, scale.new_zeros(pad, kg)))
-            offset = None if offset is None else torch.cat((offset, offset.new_zeros(pad, kg)))
-        if self.bits == 4:      # [panel, output, group, step, j, t]: nibble j of lane (o, t)
-            c = codes.view(q, NB, kg, g // 8, 4, 2)
-            lo = c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)    # low byte: k + t, k + 2 + t
-            hi = c[:, :, :, :, 2] | (c[:, :, :, :, 3] << 4)    # high byte: k + 4 + t, k + 6 + t
-            c = torch.stack((lo, hi), dim=-1).permute(0, 2, 3, 1, 4, 5)  # [q, kg, s, o, t, byte]
-        else:                   # [panel, output, group, step, byte j, t] -> [.., o, t, j]
-            c = codes.view(q, NB, kg, g // 4, 2, 2).permute(0, 2, 3, 1, 5, 4)
+            parts = {name: None if t is None else torch.cat((t, t.new_zeros(pad, t.shape[1])))
+                     for name, t in parts.items()}
         p0 = a // NB
         dst = self.blob[p0:p0 + q]
-        dst[:, :, :self.code_bytes].copy_(c.reshape(q, kg, -1))
-        cb = self.code_bytes
-        dst[:, :, cb:cb + 64].copy_(
-            scale.view(q, NB, kg).transpose(1, 2).contiguous().view(torch.uint8).view(q, kg, 64))
-        if self.has_offset:
-            dst[:, :, cb + 64:].copy_(
-                offset.view(q, NB, kg).transpose(1, 2).contiguous().view(torch.uint8)
-                .view(q, kg, 64))
+        if self.kind == "q4":
+            rec = [_step_lanes(codes, q, kg, g).reshape(q, kg, -1), _per_panel(parts["scale"], q, kg, 1)]
+            if self.has_offset:
+                rec.append(_per_panel(parts["offset"], q, kg, 1))
+        elif self.kind == "q8":           # [panel, output, group, step, byte j, t] -> [.., o, t, j]
+            c = codes.view(q, NB, kg, g // 4, 2, 2).permute(0, 2, 3, 1, 5, 4).reshape(q, kg, -1)
+            rec = [c, _per_panel(parts["scale"], q, kg, 1)]
+            if self.has_offset:
+                rec.append(_per_panel(parts["offset"], q, kg, 1))
+        else:
+            nsb, sbg = self.n_in // SUPER_BLOCK, SUPER_BLOCK // g
+            lanes = _step_lanes(codes & 0x0F, q, nsb, SUPER_BLOCK)       # [q, nsb, 32, 64]
+            if self.kind == "k6":          # + a byte a lane: bits 2j, 2j+1 = the code's bits 4, 5
+                h = (codes >> 4).view(q, NB, nsb, SUPER_BLOCK // 8, 4, 2)
+                hb = h[:, :, :, :, 0] | (h[:, :, :, :, 1] << 2) | (h[:, :, :, :, 2] << 4) | \
+                    (h[:, :, :, :, 3] << 6)                               # [q, o, nsb, step, t]
+                lanes = torch.cat((lanes, hb.permute(0, 2, 3, 1, 4).reshape(q, nsb, -1, 32)), -1)
+            rec = [lanes.reshape(q, nsb, -1), _per_panel(parts["sc"], q, nsb, sbg)]
+            if self.kind == "k4":
+                rec.append(_per_panel(parts["m"], q, nsb, sbg))
+            rec.append(_per_panel(parts["d"], q, nsb, 1))
+            if self.kind == "k4":
+                rec.append(_per_panel(parts["dmin"], q, nsb, 1))
+        dst.copy_(torch.cat(rec, dim=-1))
 
     def nbytes(self) -> int:
         return self.blob.numel()
@@ -127,7 +181,7 @@ class QuantLinear:
                 if isinstance(w, torch.Tensor):
                     seg = cpu_linear.PackedWeight(b - a, self.n_in, torch.float32)
                 else:
-                    seg = QuantPanels(b - a, self.n_in, *_kind(w))
+                    seg = QuantPanels(b - a, self.n_in, *_kind(w, self.n_in))
             if isinstance(seg, cpu_linear.PackedWeight) != isinstance(w, torch.Tensor):
                 raise ValueError("one tensor's chunks mix packed and dense rows")
             seg.write_rows(off, w)
@@ -146,9 +200,8 @@ class QuantLinear:
         return edge == self.n_out
 
     def kinds(self) -> list[str]:
-        """One label per segment: 'int4/g32', 'int8/g16', 'float32'."""
-        return [f"int{s.bits}/g{s.group}" if isinstance(s, QuantPanels) else "float32"
-                for _, _, s in self.segments]
+        """One label per segment: 'int4/g32', 'int8/g16', 'int4/g32/sb256', 'float32'."""
+        return [s.label() if isinstance(s, QuantPanels) else "float32" for _, _, s in self.segments]
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for _, _, s in self.segments)
@@ -220,7 +273,7 @@ def linear(x: torch.Tensor, w: QuantLinear, b: torch.Tensor | None = None,
     for a, e, s in w.segments:
         bp = 0 if b is None else b.data_ptr() + 4 * a
         if isinstance(s, QuantPanels):
-            _cpu_gemm.gemm_quant(s.blob.data_ptr(), s.bits, s.has_offset, s.group, K, e - a, xp,
+            _cpu_gemm.gemm_quant(s.blob.data_ptr(), KIND_CODE[s.kind], s.has_offset, s.group, K, e - a, xp,
                                  x.stride(0), M, yp + 4 * a, ldy, bp, nt)
         else:
             _cpu_gemm.gemm_packed(s.data.data_ptr(), s.is_bf16, K, e - a, xp, x.stride(0), M,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from swiftspec_mpi.model.quant import PackedInt4, pack_codes
+from swiftspec_mpi.model.quant import PackedInt4, SuperScales, pack_codes
 from swiftspec_mpi.model.quant_int8 import PackedInt8
 
 # (block weights, block bytes, packed kind) of the types held exactly
@@ -65,7 +65,9 @@ def _q4k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _decode(blocks: np.ndarray, qtype: str):
     """uint8 [nb, block bytes] -> (codes [nb, block weights], scale [nb, g], offset [nb, g] or
-    None) with g groups per block; codes uint8 0..15 (int4 kinds) or int8."""
+    None[, (d [nb, 1], sc int8 [nb, g], dmin [nb, 1] or None, m int8 [nb, g] or None)]) with g
+    groups per block; codes uint8 0..15 (int4 kinds) or int8; the last item (K-quants only)
+    holds the two levels the scale and offset are products of."""
     nb = blocks.shape[0]
     if qtype == "Q4_0":
         d = _f16(blocks[:, 0:2])
@@ -77,7 +79,8 @@ def _decode(blocks: np.ndarray, qtype: str):
         d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
         sc, mn = _q4k_scale_min(blocks[:, 4:16])
         codes = _nibbles(blocks[:, 16:144].reshape(nb, 4, 32), 64)
-        return codes, d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+        return (codes, d * sc.astype(np.float32), -(dmin * mn.astype(np.float32)),
+                (d, sc.view(np.int8), dmin, mn.view(np.int8)))
     if qtype == "Q8_0":
         return blocks[:, 2:34].view(np.int8), _f16(blocks[:, 0:2]), None
     if qtype in ("Q5_0", "Q5_1"):
@@ -93,9 +96,9 @@ def _decode(blocks: np.ndarray, qtype: str):
         qh = blocks[:, 128:192].reshape(nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
         qh = (qh & np.uint8(0x03)).reshape(nb, 8, 32)
         q = (ql | (qh << np.uint8(4))).astype(np.int8) - np.int8(32)
-        sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
+        sc8 = blocks[:, 192:208].view(np.int8)
         d = _f16(blocks[:, 208:210])
-        return q.reshape(nb, 256), d * sc, None
+        return q.reshape(nb, 256), d * sc8.astype(np.float32), None, (d, sc8, None, None)
     raise ValueError(f"no packed form for ggml type {qtype}")
 
 
@@ -111,15 +114,20 @@ def to_packed(raw: np.ndarray, qtype: str, k: int) -> PackedInt4 | PackedInt8 | 
     r = raw.shape[0]
     if k % bw or raw.shape[1] != k // bw * bb:
         raise ValueError(f"{qtype} rows of {raw.shape[1]} bytes do not hold {k} weights")
-    codes, scale, offset = _decode(np.ascontiguousarray(raw).reshape(-1, bb), qtype)
+    codes, scale, offset, *levels = _decode(np.ascontiguousarray(raw).reshape(-1, bb), qtype)
     g = bw // scale.shape[1]
-    scale = torch.from_numpy(np.ascontiguousarray(scale, np.float32).reshape(r, k // g))
-    if offset is not None:
-        offset = torch.from_numpy(np.ascontiguousarray(offset, np.float32).reshape(r, k // g))
+
+    def rows(a, width):
+        return None if a is None else torch.from_numpy(np.ascontiguousarray(a).reshape(r, width))
+    scale, offset = rows(scale, k // g), rows(offset, k // g)
+    sup = None
+    if levels:                   # K-quants: one super-block a block
+        d, sc, dmin, m = levels[0]
+        sup = SuperScales(rows(d, k // bw), rows(sc, k // g), rows(dmin, k // bw), rows(m, k // g))
     codes = torch.from_numpy(np.ascontiguousarray(codes).reshape(r, k))
     if qtype in INT4_TYPES:
-        return PackedInt4(pack_codes(codes), scale, offset, g)
-    return PackedInt8(codes.view(torch.int8), scale, offset, g)
+        return PackedInt4(pack_codes(codes), scale, offset, g, sup)
+    return PackedInt8(codes.view(torch.int8), scale, offset, g, sup)
 
 
 def take_columns(w: PackedInt4 | PackedInt8, start: int, stop: int):
@@ -129,7 +137,9 @@ def take_columns(w: PackedInt4 | PackedInt8, start: int, stop: int):
         raise ValueError(f"columns [{start}, {stop}) split groups of {g}")
     sl = slice(start // g, stop // g)
     off = None if w.offset is None else w.offset[:, sl].contiguous()
+    sup = None if w.sup is None else w.sup.cols(start, stop, g)
     if isinstance(w, PackedInt4):
         return PackedInt4(w.qweight[:, start // 2:stop // 2].contiguous(),
-                          w.scale[:, sl].contiguous(), off, g)
-    return PackedInt8(w.qweight[:, start:stop].contiguous(), w.scale[:, sl].contiguous(), off, g)
+                          w.scale[:, sl].contiguous(), off, g, sup)
+    return PackedInt8(w.qweight[:, start:stop].contiguous(), w.scale[:, sl].contiguous(), off, g,
+                      sup)

@@ -33,6 +33,45 @@ if TYPE_CHECKING:
     import torch
 
 GROUP_SIZES = (32, 64, 128)
+SUPER_BLOCK = 256            # inputs per K-quant super-block
+
+
+@dataclass
+class SuperScales:
+    """A K-quant's scales in its own two levels (GGUF Q4_K, Q6_K), kept beside the float32 ones
+    so a kernel can hold them in fewer bytes (csrc/gemm_q.h's K4 / K6 records):
+
+        d    float32 [N, K // 256]   sc int8 [N, K // group]     scale  = d[n, s] * sc[n, g]
+        dmin float32 [N, K // 256]   m  int8 [N, K // group]     offset = -(dmin[n, s] * m[n, g])
+                                                                  (Q4_K; None for Q6_K)
+    with s = g // (256 // group) the group's super-block: the very float32 products held in
+    `scale` / `offset`, which stay the reference."""
+    d: torch.Tensor
+    sc: torch.Tensor
+    dmin: torch.Tensor | None = None
+    m: torch.Tensor | None = None
+
+    def rows(self, start: int, stop: int) -> "SuperScales":
+        return SuperScales(*(None if t is None else t[start:stop] for t in
+                             (self.d, self.sc, self.dmin, self.m)))
+
+    def cols(self, start: int, stop: int, group: int) -> "SuperScales | None":
+        """Inputs [start, stop), or None when they cut a super-block."""
+        if start % SUPER_BLOCK or stop % SUPER_BLOCK:
+            return None
+        sb, g = slice(start // SUPER_BLOCK, stop // SUPER_BLOCK), slice(start // group, stop // group)
+        return SuperScales(self.d[:, sb].contiguous(), self.sc[:, g].contiguous(),
+                           None if self.dmin is None else self.dmin[:, sb].contiguous(),
+                           None if self.m is None else self.m[:, g].contiguous())
+
+    @staticmethod
+    def cat(parts: list["SuperScales | None"]) -> "SuperScales | None":
+        import torch
+        if any(p is None for p in parts):
+            return None
+        return SuperScales(*(None if getattr(parts[0], f) is None else
+                             torch.cat([getattr(p, f) for p in parts])
+                             for f in ("d", "sc", "dmin", "m")))
 
 
 @dataclass
@@ -42,6 +81,7 @@ class PackedInt4:
     scale: torch.Tensor       # float32 [N, K // group]
     offset: torch.Tensor      # float32 [N, K // group]
     group: int
+    sup: SuperScales | None = None   # Q4_K's two levels (scale = d sc, offset = -(dmin m))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -94,7 +134,8 @@ def dequantize(w: PackedInt4) -> torch.Tensor:
 # ------------------------------------------------------------------------------ sharding
 def take_rows(w: PackedInt4, start: int, stop: int) -> PackedInt4:
     """Outputs [start, stop) of w (a column-parallel shard: any rows), as views."""
-    return PackedInt4(w.qweight[start:stop], w.scale[start:stop], w.offset[start:stop], w.group)
+    return PackedInt4(w.qweight[start:stop], w.scale[start:stop], w.offset[start:stop], w.group,
+                      None if w.sup is None else w.sup.rows(start, stop))
 
 
 def take_cols(w: PackedInt4, start: int, stop: int) -> PackedInt4:
@@ -105,7 +146,8 @@ def take_cols(w: PackedInt4, start: int, stop: int) -> PackedInt4:
         raise ValueError(f"inputs [{start}:{stop}) of a 4-bit weight with {w.shape[1]} inputs "
                          f"do not fall on its group boundaries (groups of {g})")
     return PackedInt4(w.qweight[:, start // 2:stop // 2], w.scale[:, start // g:stop // g],
-                      w.offset[:, start // g:stop // g], g)
+                      w.offset[:, start // g:stop // g], g,
+                      None if w.sup is None else w.sup.cols(start, stop, g))
 
 
 def cat_rows(parts: list[PackedInt4]) -> PackedInt4:
@@ -114,7 +156,8 @@ def cat_rows(parts: list[PackedInt4]) -> PackedInt4:
     if len({(p.shape[1], p.group) for p in parts}) != 1:
         raise ValueError("cat_rows: parts differ in input size or group")
     return PackedInt4(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]),
-                      torch.cat([p.offset for p in parts]), parts[0].group)
+                      torch.cat([p.offset for p in parts]), parts[0].group,
+                      SuperScales.cat([p.sup for p in parts]))
 
 
 def row_parallel_splits(cfg, tp: int) -> dict[str, list[int]]:

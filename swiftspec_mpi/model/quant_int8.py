@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from swiftspec_mpi.model.quant import SuperScales
+
 GROUP_SIZES = (16, 32)
 
 
@@ -35,6 +37,7 @@ class PackedInt8:
     scale: torch.Tensor              # float32 [N, K // group]
     offset: torch.Tensor | None      # float32 [N, K // group] or None
     group: int
+    sup: SuperScales | None = None   # Q6_K's two levels (scale = d sc; codes in [-32, 31])
 
     @property
     def shape(self) -> tuple[int, int]:

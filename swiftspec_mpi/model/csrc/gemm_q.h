@@ -1,17 +1,26 @@
-/* Decode GEMM on packed 4-bit / 8-bit weights for the CPU path: y[M, N] = x[M, K] @ W + b with
- * W = q * scale (+ offset) per group of G inputs; x, y, b float32. One record layout, two
+/* Decode GEMM on packed 4-/6-/8-bit weights for the CPU path: y[M, N] = x[M, K] @ W + b with
+ * W = q * scale (+ offset) per group of G inputs; x, y, b float32. One set of record layouts, two
  * instruction sets: AVX-512 VNNI (vpdpwssd: 32 code x input products a µop, one register holds a
  * panel's 16 outputs) where the CPU has it, else AVX2 (vpmaddwd on each half of a record step).
  *
- *   W blob   uint8 [P = ceil(N / 16), K / G, S]  one record per (panel of 16 outputs, group):
- *            codes   G * 8 bytes (4-bit) or G * 16 bytes (8-bit): steps of 64 bytes, each 32
- *                    int16 lanes; lane L holds output o = L / 2 of the panel, t = L % 2:
- *                      4-bit, step of 8 k:  q[o][k+t] | q[o][k+2+t] << 4 | q[o][k+4+t] << 8
- *                                           | q[o][k+6+t] << 12            (codes 0..15)
- *                      8-bit, step of 4 k:  int8 q[o][k+t] low byte, q[o][k+2+t] high byte
- *            scale   float32 [16]
- *            offset  float32 [16]   (only when has_offset)
- *            S = codes + 64 (1 + has_offset); outputs past N are zero records
+ * W blob: records of panels of 16 outputs, panel-major, then along K (outputs past N: zeros).
+ * Codes come in steps of 64 bytes = 32 int16 lanes; lane L holds output o = L / 2, t = L % 2:
+ *     4-bit, step of 8 k:  q[o][k+t] | q[o][k+2+t] << 4 | q[o][k+4+t] << 8 | q[o][k+6+t] << 12
+ *     8-bit, step of 4 k:  int8 q[o][k+t] low byte, q[o][k+2+t] high byte
+ *     6-bit, step of 8 k:  the 4-bit step of the low 4 bits (64 bytes), then 32 bytes, one a
+ *                          lane: bits 2j, 2j+1 = bits 4, 5 of q[o][k+2j+t] (codes 0..63)
+ * Record kinds (kind argument):
+ *   SSQ_Q4 / SSQ_Q8   one record per (panel, group): codes G * 8 (4-bit) or G * 16 (8-bit)
+ *                     bytes, scale float32 [16], offset float32 [16] (only when has_offset)
+ *   SSQ_K4            GGUF Q4_K kept in its two levels, one record per (panel, 256 inputs):
+ *                     the 256 / G groups' 4-bit codes, sub-scales int8 [256 / G][16], sub-offsets
+ *                     int8 [256 / G][16], d float32 [16], dmin float32 [16]; a group's scale =
+ *                     d sc, offset = -(dmin m): 4.75 bits a weight (G = 32) instead of 6
+ *   SSQ_K6            GGUF Q6_K the same way: 6-bit codes (q + 32), sub-scales int8
+ *                     [256 / G][16], d float32 [16]; scale = d sc, offset = -32 d sc:
+ *                     6.625 bits a weight (G = 16) instead of 10 as 8-bit records
+ * (every scale and offset is the float32 product the packed kinds hold, exact: so all kinds of
+ * one weight give the same sums.)
  *   x [M, K] row stride ldx; y [M, N] row stride ldy (columns < N written); b [N] or NULL
  *
  * So nibble (or byte) j of every lane, masked out, pairs with one broadcast input pair
@@ -20,7 +29,7 @@
  * Activations: each row's group of G inputs is split into two int16 parts, x ~ xs1 xq1 + xs2 xq2
  * (xq1 = round(x / xs1), xs1 = max|x| / 32767; xq2 the same of the remainder), so the code x
  * input products of a group sum exactly in int32 (below 2^31: G <= 128 4-bit or G <= 32 8-bit
- * codes). The split leaves at most max|x| / 2^31 per input (float32 rounding level; one int16
+ * codes; G <= 32 6-bit). The split leaves at most max|x| / 2^31 per input (float32 rounding level; one int16
  * part alone left max|x| / 65534, which outlier channels of real models turned into 1e-3 logit
  * errors). Per record and row:
  *     acc[j] += float(sum_k xq1 q) * (xs1 scale[j]) + float(sum_k xq2 q) * (xs2 scale[j])
@@ -52,6 +61,8 @@
 #define SSQ_PART(ldq) ((ldq) >> 1)
 
 enum { SSQ_ISA_AVX2 = 1, SSQ_ISA_AVX512 = 2 };
+enum { SSQ_Q4 = 0, SSQ_Q8 = 1, SSQ_K4 = 2, SSQ_K6 = 3 };   /* record kinds (the header) */
+#define SSQ_SB 256     /* inputs per super-block (K4, K6) */
 
 static inline int32_t ssq_pair(const int16_t *xq) {      /* the input pair (xq[0], xq[1]) */
     int32_t v;
@@ -59,33 +70,96 @@ static inline int32_t ssq_pair(const int16_t *xq) {      /* the input pair (xq[0
     return v;
 }
 
-/* Records are read in order: fetch the one SSQ_PREFETCH bytes ahead of this one (S bytes) into
- * L1. Without it one core streamed 9-13 GB/s, with it 20-22 (Xeon, 1.5B gate|up-sized matrix);
- * 4-16 KiB ahead measured alike. Past the blob's end it is a no-op (prefetches do not fault). */
+/* Records are read in order: fetch SSQ_PREFETCH bytes ahead of the bytes [p, p + n) about to be
+ * read into L1. Without it one core streamed 9-13 GB/s, with it 20-22 (Xeon, 1.5B gate|up-sized
+ * matrix); 4-16 KiB ahead measured alike. Past the blob's end it is a no-op (no faults). */
 #define SSQ_PREFETCH 4096
-static inline __attribute__((always_inline)) void ssq_prefetch(const uint8_t *rec, long S) {
-    for (long o = 0; o < S; o += 64) _mm_prefetch((const char *)rec + SSQ_PREFETCH + o, _MM_HINT_T0);
+static inline __attribute__((always_inline)) void ssq_prefetch(const uint8_t *p, long n) {
+    for (long o = 0; o < n; o += 64) _mm_prefetch((const char *)p + SSQ_PREFETCH + o, _MM_HINT_T0);
 }
+
+/* Where a group's codes and scales lie: see the header's record layouts. */
+typedef struct {
+    int kind, G, KG;        /* kind SSQ_Q4 / Q8 / K4 / K6; group; groups along K */
+    int has_off;            /* Q4, Q8: offsets stored; K4: always; K6: never (offset -32 scale) */
+    long code_bytes;        /* one group's codes */
+    long S;                 /* bytes of a record (Q4, Q8: one group; K4, K6: one super-block) */
+    int sbg;                /* groups a record holds (1, or 256 / G) */
+} SsqGeo;
+
+static SsqGeo ssq_geo(int kind, int has_off, int G, int K) {
+    SsqGeo q;
+    q.kind = kind, q.G = G, q.KG = K / G;
+    q.has_off = kind == SSQ_K4 ? 1 : kind == SSQ_K6 ? 0 : has_off;
+    q.code_bytes = (long)G * (kind == SSQ_Q8 ? 16 : kind == SSQ_K6 ? 12 : 8);
+    if (kind == SSQ_Q4 || kind == SSQ_Q8) {
+        q.sbg = 1;
+        q.S = q.code_bytes + 64 * (1 + q.has_off);
+    } else {
+        q.sbg = SSQ_SB / G;
+        q.S = q.sbg * (q.code_bytes + 16L * (1 + q.has_off)) + 64 * (1 + q.has_off);
+    }
+    return q;
+}
+
+/* Group gg of a record: prefetch its bytes ahead (the record's tail with its first group). */
+static inline __attribute__((always_inline))
+void ssq_prefetch_group(const SsqGeo *q, int sbg, const uint8_t *codes, const uint8_t *tail, int gg) {
+    if (sbg == 1) ssq_prefetch(codes, q->S);
+    else {
+        ssq_prefetch(codes, q->code_bytes);
+        if (gg == 0) ssq_prefetch(tail, q->S - sbg * q->code_bytes);
+    }
+}
+
+/* Q4 / K4: 8 k a 64-byte step, nibble j of each lane the code of k + 2j + t. K6: 8 k a 96-byte
+ * step, the 64 bytes of a 4-bit step (low 4 bits) then one byte a lane (o, t) whose bits
+ * 2j, 2j + 1 are bits 4, 5 of the code of k + 2j + t (codes 0..63 = Q6_K's q + 32). Q8: 4 k a
+ * 64-byte step, int8 low byte k + t, high byte k + 2 + t. */
+#define SSQ_STEP_K(kind) ((kind) == SSQ_Q8 ? 4 : 8)
+#define SSQ_STEP_BYTES(kind) ((kind) == SSQ_K6 ? 96 : 64)
+#define SSQ_NJ(kind) ((kind) == SSQ_Q8 ? 2 : 4)
 
 /* ------------------------------------------------------------------------------------------
- * AVX-512 VNNI. Integer sums of one record for R (1..4) rows x 2 parts, NCH independent
- * accumulator chains each (vpdpwssd's latency), folded at the end: s[2 r + e] = row r, part e. */
+ * AVX-512 VNNI. A step's codes as int16 lanes, one register per input pair j. */
 static inline __attribute__((always_inline)) SSQ_AVX512
-void ssq_dot4_512(const uint8_t *c, int G, const int16_t *xq, long ldq, int R, int NCH,
-                  __m512i *s) {
+void ssq_codes_512(int kind, const uint8_t *c, __m512i *q) {
     const __m512i m4 = _mm512_set1_epi16(0x0F);
+    __m512i v = _mm512_loadu_si512((const void *)c);
+    if (kind == SSQ_Q8) {
+        q[0] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
+        q[1] = _mm512_srai_epi16(v, 8);
+        return;
+    }
+    q[0] = _mm512_and_si512(v, m4);
+    q[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    q[2] = _mm512_and_si512(_mm512_srli_epi16(v, 8), m4);
+    q[3] = _mm512_srli_epi16(v, 12);
+    if (kind == SSQ_K6) {
+        const __m512i m2 = _mm512_set1_epi16(0x30);
+        __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(c + 64)));
+        q[0] = _mm512_or_si512(q[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), m2));
+        q[1] = _mm512_or_si512(q[1], _mm512_and_si512(_mm512_slli_epi16(h, 2), m2));
+        q[2] = _mm512_or_si512(q[2], _mm512_and_si512(h, m2));
+        q[3] = _mm512_or_si512(q[3], _mm512_and_si512(_mm512_srli_epi16(h, 2), m2));
+    }
+}
+
+/* Integer sums of one group's codes for R (1..4) rows x 2 parts, NCH independent accumulator
+ * chains each (vpdpwssd's latency), folded at the end: s[2 r + e] = row r, part e. */
+static inline __attribute__((always_inline)) SSQ_AVX512
+void ssq_dot_512(int kind, const uint8_t *c, int G, const int16_t *xq, long ldq, int R, int NCH,
+                 __m512i *s) {
     __m512i acc[16];
 #pragma GCC unroll 16
     for (int i = 0; i < 2 * R * NCH; i++) acc[i] = _mm512_setzero_si512();
-    for (int k = 0; k < G; k += 8, c += 64) {
-        __m512i v = _mm512_loadu_si512((const void *)c);
-        __m512i q[4] = {_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
-                        _mm512_and_si512(_mm512_srli_epi16(v, 8), m4), _mm512_srli_epi16(v, 12)};
+    for (int k = 0; k < G; k += SSQ_STEP_K(kind), c += SSQ_STEP_BYTES(kind)) {
+        __m512i q[4];
+        ssq_codes_512(kind, c, q);
 #pragma GCC unroll 8
         for (int i = 0; i < 2 * R; i++) {
             const int16_t *xr = xq + (i >> 1) * ldq + (i & 1) * SSQ_PART(ldq) + k;
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) {
+            for (int j = 0; j < SSQ_NJ(kind); j++) {
                 __m512i *a = &acc[i * NCH + j % NCH];
                 *a = _mm512_dpwssd_epi32(*a, q[j], _mm512_set1_epi32(ssq_pair(xr + 2 * j)));
             }
@@ -100,54 +174,50 @@ void ssq_dot4_512(const uint8_t *c, int G, const int16_t *xq, long ldq, int R, i
     }
 }
 
+/* Group g's scale and offset for the panel's 16 outputs (offset 0 when there is none). K4:
+ * d sc, -(dmin m); K6: d sc, -32 d sc; every product exact in float32, as in the packed kinds. */
 static inline __attribute__((always_inline)) SSQ_AVX512
-void ssq_dot8_512(const uint8_t *c, int G, const int16_t *xq, long ldq, int R, int NCH,
-                  __m512i *s) {
-    __m512i acc[16];
-#pragma GCC unroll 16
-    for (int i = 0; i < 2 * R * NCH; i++) acc[i] = _mm512_setzero_si512();
-    for (int k = 0; k < G; k += 4, c += 64) {
-        __m512i v = _mm512_loadu_si512((const void *)c);
-        __m512i q[2] = {_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8), _mm512_srai_epi16(v, 8)};
-#pragma GCC unroll 8
-        for (int i = 0; i < 2 * R; i++) {
-            const int16_t *xr = xq + (i >> 1) * ldq + (i & 1) * SSQ_PART(ldq) + k;
-#pragma GCC unroll 2
-            for (int j = 0; j < 2; j++) {
-                __m512i *a = &acc[i * NCH + j % NCH];
-                *a = _mm512_dpwssd_epi32(*a, q[j], _mm512_set1_epi32(ssq_pair(xr + 2 * j)));
-            }
-        }
+void ssq_scales_512(const SsqGeo *q, int sbg, const uint8_t *tail, int gg, __m512 *sc,
+                    __m512 *off) {
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    if (sbg == 1) {
+        *sc = _mm512_loadu_ps((const float *)tail);
+        *off = q->has_off ? _mm512_loadu_ps((const float *)tail + 16) : _mm512_setzero_ps();
+        return;
     }
-#pragma GCC unroll 8
-    for (int i = 0; i < 2 * R; i++) {
-        __m512i t = acc[i * NCH];
-#pragma GCC unroll 4
-        for (int h = 1; h < NCH; h++) t = _mm512_add_epi32(t, acc[i * NCH + h]);
-        s[i] = t;
+    const float *d = (const float *)(tail + 16L * sbg * (1 + q->has_off));
+    __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(tail + 16 * gg))));
+    *sc = _mm512_mul_ps(_mm512_loadu_ps(d), sub);
+    if (q->kind == SSQ_K4) {
+        __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)(tail + 16L * sbg + 16 * gg))));
+        *off = _mm512_castsi512_ps(_mm512_xor_si512(
+            _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(d + 16), m)), sign));
+    } else {
+        *off = _mm512_mul_ps(*sc, _mm512_set1_ps(-32.0f));
     }
 }
 
-/* acc (16 outputs of row gi's accumulator) += the record's group sums s1, s2 (see the header) */
+/* acc (16 outputs of row gi's accumulator) += the group sums s1, s2 (see the header) */
 static inline __attribute__((always_inline)) SSQ_AVX512
-__m512 ssq_scale_512(__m512 acc, __m512i s1, __m512i s2, __m512 sc, const float *scp,
-                     const float *xs, const float *xsum, long gi, int has_off) {
+__m512 ssq_scale_512(__m512 acc, __m512i s1, __m512i s2, __m512 sc, __m512 off, const float *xs,
+                     const float *xsum, long gi, int has_off) {
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(_mm512_set1_ps(xs[2 * gi]), sc),
                           acc);
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2),
                           _mm512_mul_ps(_mm512_set1_ps(xs[2 * gi + 1]), sc), acc);
-    if (has_off)
-        acc = _mm512_fmadd_ps(_mm512_set1_ps(xsum[gi]), _mm512_loadu_ps(scp + 16), acc);
+    if (has_off) acc = _mm512_fmadd_ps(_mm512_set1_ps(xsum[gi]), off, acc);
     return acc;
 }
 
-#define SSQ_BLOCK_512(DOT, R, NCH)                                                             \
+#define SSQ_BLOCK_512(R, NCH)                                                                  \
     do {                                                                                       \
         __m512i s[8];                                                                          \
-        DOT(rec, G, xq + (long)(m0 + m) * 2 * K + (long)g * G, 2L * K, R, NCH, s);             \
+        ssq_dot_512(kind, codes, G, xq + (long)(m0 + m) * 2 * K + (long)g * G, 2L * K, R, NCH, \
+                    s);                                                                        \
         for (int r = 0; r < R; r++) {                                                          \
             long gi = (long)(m0 + m + r) * KG + g;                                             \
-            acc[m + r] = ssq_scale_512(acc[m + r], s[2 * r], s[2 * r + 1], sc, scp, xs, xsum,  \
+            acc[m + r] = ssq_scale_512(acc[m + r], s[2 * r], s[2 * r + 1], sc, off, xs, xsum,  \
                                        gi, has_off);                                           \
         }                                                                                      \
         m += R;                                                                                \
@@ -155,151 +225,190 @@ __m512 ssq_scale_512(__m512 acc, __m512i s1, __m512i s2, __m512 sc, const float 
 
 /* Panels [p0, p1) for rows [0, M) (passes of SSQ_MB rows). xq int16 [M, 2, K] (the two parts);
  * xs float [M, K/G, 2] (their scales); xsum [M, K/G]. */
-#define SSQ_DEFINE_PANELS_512(NAME, DOT, CB)                                                   \
-static SSQ_AVX512 void NAME(const uint8_t *W, int has_off, int G, int K, int N, int p0,       \
-                            int p1, const int16_t *xq, const float *xs, const float *xsum,     \
-                            int M, float *y, long ldy, const float *b) {                       \
-    int KG = K / G;                                                                            \
-    long S = (long)G * CB + 64 * (1 + has_off);                                                \
-    __m512 acc[SSQ_MB];                                                                        \
-    for (int p = p0; p < p1; p++) {                                                            \
-        int n0 = p * SSQ_NB;                                                                   \
-        int ncols = N - n0 < SSQ_NB ? N - n0 : SSQ_NB;                                         \
-        for (int m0 = 0; m0 < M; m0 += SSQ_MB) {                                               \
-            int mb = M - m0 < SSQ_MB ? M - m0 : SSQ_MB;                                        \
-            for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();                         \
-            const uint8_t *rec = W + (long)p * KG * S;                                         \
-            for (int g = 0; g < KG; g++, rec += S) {                                           \
-                const float *scp = (const float *)(rec + (long)G * CB);                        \
-                __m512 sc = _mm512_loadu_ps(scp);                                              \
-                ssq_prefetch(rec, S);                                                          \
-                int m = 0;                                                                     \
-                while (mb - m >= 4) SSQ_BLOCK_512(DOT, 4, 1);                                  \
-                if (mb - m >= 2) SSQ_BLOCK_512(DOT, 2, 2);                                     \
-                if (mb - m == 1) SSQ_BLOCK_512(DOT, 1, 4);                                     \
-            }                                                                                  \
-            for (int r = 0; r < mb; r++) {                                                     \
-                float *yr = y + (long)(m0 + r) * ldy + n0;                                     \
-                float t[SSQ_NB];                                                               \
-                _mm512_storeu_ps(t, acc[r]);                                                   \
-                for (int j = 0; j < ncols; j++) yr[j] = (b ? b[n0 + j] : 0.0f) + t[j];         \
-            }                                                                                  \
-        }                                                                                      \
-    }                                                                                          \
+static inline __attribute__((always_inline)) SSQ_AVX512
+void ssq_panels_512(const int kind, const SsqGeo *q, const uint8_t *W, int K, int N, int p0,
+                    int p1, const int16_t *xq, const float *xs, const float *xsum, int M,
+                    float *y, long ldy, const float *b) {
+    const int G = q->G, KG = q->KG, has_off = kind == SSQ_K6 ? 1 : q->has_off;
+    const int sbg = (kind == SSQ_Q4 || kind == SSQ_Q8) ? 1 : q->sbg;
+    __m512 acc[SSQ_MB];
+    for (int p = p0; p < p1; p++) {
+        int n0 = p * SSQ_NB;
+        int ncols = N - n0 < SSQ_NB ? N - n0 : SSQ_NB;
+        for (int m0 = 0; m0 < M; m0 += SSQ_MB) {
+            int mb = M - m0 < SSQ_MB ? M - m0 : SSQ_MB;
+            for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
+            const uint8_t *rec = W + (long)p * (KG / sbg) * q->S;
+            for (int g = 0; g < KG; rec += q->S) {
+                const uint8_t *tail = rec + sbg * q->code_bytes;
+                for (int gg = 0; gg < sbg; gg++, g++) {
+                    const uint8_t *codes = rec + gg * q->code_bytes;
+                    __m512 sc, off;
+                    ssq_scales_512(q, sbg, tail, gg, &sc, &off);
+                    ssq_prefetch_group(q, sbg, codes, tail, gg);
+                    int m = 0;
+                    while (mb - m >= 4) SSQ_BLOCK_512(4, 1);
+                    if (mb - m >= 2) SSQ_BLOCK_512(2, 2);
+                    if (mb - m == 1) SSQ_BLOCK_512(1, 4);
+                }
+            }
+            for (int r = 0; r < mb; r++) {
+                float *yr = y + (long)(m0 + r) * ldy + n0;
+                float t[SSQ_NB];
+                _mm512_storeu_ps(t, acc[r]);
+                for (int j = 0; j < ncols; j++) yr[j] = (b ? b[n0 + j] : 0.0f) + t[j];
+            }
+        }
+    }
 }
 
-SSQ_DEFINE_PANELS_512(ssq_panels4_512, ssq_dot4_512, 8)
-SSQ_DEFINE_PANELS_512(ssq_panels8_512, ssq_dot8_512, 16)
+#define SSQ_ARGS const SsqGeo *q, const uint8_t *W, int K, int N, int p0, int p1,                \
+                 const int16_t *xq, const float *xs, const float *xsum, int M, float *y, long ldy, \
+                 const float *b
+#define SSQ_PASS q, W, K, N, p0, p1, xq, xs, xsum, M, y, ldy, b
+static SSQ_AVX512 void ssq_q4_512(SSQ_ARGS) { ssq_panels_512(SSQ_Q4, SSQ_PASS); }
+static SSQ_AVX512 void ssq_q8_512(SSQ_ARGS) { ssq_panels_512(SSQ_Q8, SSQ_PASS); }
+static SSQ_AVX512 void ssq_k4_512(SSQ_ARGS) { ssq_panels_512(SSQ_K4, SSQ_PASS); }
+static SSQ_AVX512 void ssq_k6_512(SSQ_ARGS) { ssq_panels_512(SSQ_K6, SSQ_PASS); }
 
 /* ------------------------------------------------------------------------------------------
- * AVX2: a record step's two 32-byte halves are outputs 0..7 (lo) and 8..15 (hi). Integer sums
- * for R (1..2) rows x 2 parts: lo[2 r + e], hi[2 r + e]. */
+ * AVX2: a step's two halves are outputs 0..7 (lo) and 8..15 (hi); the same codes as above. */
 static inline __attribute__((always_inline)) SSQ_AVX2
-void ssq_dot4_256(const uint8_t *c, int G, const int16_t *xq, long ldq, int R, __m256i *lo,
-                  __m256i *hi) {
+void ssq_codes_256(int kind, const uint8_t *c, int h, __m256i *q) {
     const __m256i m4 = _mm256_set1_epi16(0x0F);
+    __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * h));
+    if (kind == SSQ_Q8) {
+        q[0] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+        q[1] = _mm256_srai_epi16(v, 8);
+        return;
+    }
+    q[0] = _mm256_and_si256(v, m4);
+    q[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    q[2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), m4);
+    q[3] = _mm256_srli_epi16(v, 12);
+    if (kind == SSQ_K6) {
+        const __m256i m2 = _mm256_set1_epi16(0x30);
+        __m256i hb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + 64 + 16 * h)));
+        q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2));
+        q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), m2));
+        q[2] = _mm256_or_si256(q[2], _mm256_and_si256(hb, m2));
+        q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2));
+    }
+}
+
+/* Integer sums for R (1..2) rows x 2 parts: lo[2 r + e] (outputs 0..7), hi[2 r + e] (8..15). */
+static inline __attribute__((always_inline)) SSQ_AVX2
+void ssq_dot_256(int kind, const uint8_t *c, int G, const int16_t *xq, long ldq, int R,
+                 __m256i *lo, __m256i *hi) {
     for (int r = 0; r < 2 * R; r++) { lo[r] = _mm256_setzero_si256(); hi[r] = lo[r]; }
-    for (int k = 0; k < G; k += 8, c += 64) {
-        __m256i v0 = _mm256_loadu_si256((const __m256i *)c);
-        __m256i v1 = _mm256_loadu_si256((const __m256i *)(c + 32));
-        __m256i a0 = _mm256_and_si256(v0, m4), a1 = _mm256_and_si256(v1, m4);
-        __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
-        __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
-        __m256i c0 = _mm256_and_si256(_mm256_srli_epi16(v0, 8), m4);
-        __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(v1, 8), m4);
-        __m256i d0 = _mm256_srli_epi16(v0, 12), d1 = _mm256_srli_epi16(v1, 12);
+    for (int k = 0; k < G; k += SSQ_STEP_K(kind), c += SSQ_STEP_BYTES(kind)) {
+        __m256i q0[4], q1[4];
+        ssq_codes_256(kind, c, 0, q0);
+        ssq_codes_256(kind, c, 1, q1);
         for (int r = 0; r < 2 * R; r++) {    /* r = 2 row + part */
             const int16_t *xr = xq + (r >> 1) * ldq + (r & 1) * SSQ_PART(ldq) + k;
-            __m256i x0 = _mm256_set1_epi32(ssq_pair(xr)), x1 = _mm256_set1_epi32(ssq_pair(xr + 2));
-            __m256i x2 = _mm256_set1_epi32(ssq_pair(xr + 4)), x3 = _mm256_set1_epi32(ssq_pair(xr + 6));
-            lo[r] = _mm256_add_epi32(lo[r], _mm256_add_epi32(
-                _mm256_add_epi32(_mm256_madd_epi16(a0, x0), _mm256_madd_epi16(b0, x1)),
-                _mm256_add_epi32(_mm256_madd_epi16(c0, x2), _mm256_madd_epi16(d0, x3))));
-            hi[r] = _mm256_add_epi32(hi[r], _mm256_add_epi32(
-                _mm256_add_epi32(_mm256_madd_epi16(a1, x0), _mm256_madd_epi16(b1, x1)),
-                _mm256_add_epi32(_mm256_madd_epi16(c1, x2), _mm256_madd_epi16(d1, x3))));
+            __m256i sl = _mm256_setzero_si256(), sh = sl;
+            for (int j = 0; j < SSQ_NJ(kind); j++) {
+                __m256i xp = _mm256_set1_epi32(ssq_pair(xr + 2 * j));
+                sl = _mm256_add_epi32(sl, _mm256_madd_epi16(q0[j], xp));
+                sh = _mm256_add_epi32(sh, _mm256_madd_epi16(q1[j], xp));
+            }
+            lo[r] = _mm256_add_epi32(lo[r], sl);
+            hi[r] = _mm256_add_epi32(hi[r], sh);
         }
     }
 }
 
 static inline __attribute__((always_inline)) SSQ_AVX2
-void ssq_dot8_256(const uint8_t *c, int G, const int16_t *xq, long ldq, int R, __m256i *lo,
-                  __m256i *hi) {
-    for (int r = 0; r < 2 * R; r++) { lo[r] = _mm256_setzero_si256(); hi[r] = lo[r]; }
-    for (int k = 0; k < G; k += 4, c += 64) {
-        __m256i v0 = _mm256_loadu_si256((const __m256i *)c);
-        __m256i v1 = _mm256_loadu_si256((const __m256i *)(c + 32));
-        __m256i a0 = _mm256_srai_epi16(_mm256_slli_epi16(v0, 8), 8), b0 = _mm256_srai_epi16(v0, 8);
-        __m256i a1 = _mm256_srai_epi16(_mm256_slli_epi16(v1, 8), 8), b1 = _mm256_srai_epi16(v1, 8);
-        for (int r = 0; r < 2 * R; r++) {
-            const int16_t *xr = xq + (r >> 1) * ldq + (r & 1) * SSQ_PART(ldq) + k;
-            __m256i x0 = _mm256_set1_epi32(ssq_pair(xr)), x1 = _mm256_set1_epi32(ssq_pair(xr + 2));
-            lo[r] = _mm256_add_epi32(lo[r], _mm256_add_epi32(_mm256_madd_epi16(a0, x0),
-                                                             _mm256_madd_epi16(b0, x1)));
-            hi[r] = _mm256_add_epi32(hi[r], _mm256_add_epi32(_mm256_madd_epi16(a1, x0),
-                                                             _mm256_madd_epi16(b1, x1)));
+void ssq_scales_256(const SsqGeo *q, int sbg, const uint8_t *tail, int gg, __m256 *sc,
+                    __m256 *off) {
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
+    if (sbg == 1) {
+        const float *f = (const float *)tail;
+        for (int h = 0; h < 2; h++) {
+            sc[h] = _mm256_loadu_ps(f + 8 * h);
+            off[h] = q->has_off ? _mm256_loadu_ps(f + 16 + 8 * h) : _mm256_setzero_ps();
+        }
+        return;
+    }
+    const float *d = (const float *)(tail + 16L * sbg * (1 + q->has_off));
+    for (int h = 0; h < 2; h++) {
+        __m256 sub = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i *)(tail + 16 * gg + 8 * h))));
+        sc[h] = _mm256_mul_ps(_mm256_loadu_ps(d + 8 * h), sub);
+        if (q->kind == SSQ_K4) {
+            __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                _mm_loadl_epi64((const __m128i *)(tail + 16L * sbg + 16 * gg + 8 * h))));
+            off[h] = _mm256_xor_ps(_mm256_mul_ps(_mm256_loadu_ps(d + 16 + 8 * h), m), sign);
+        } else {
+            off[h] = _mm256_mul_ps(sc[h], _mm256_set1_ps(-32.0f));
         }
     }
 }
 
-#define SSQ_DEFINE_PANELS_256(NAME, DOT, CB)                                                   \
-static SSQ_AVX2 void NAME(const uint8_t *W, int has_off, int G, int K, int N, int p0,         \
-                          int p1, const int16_t *xq, const float *xs, const float *xsum,       \
-                          int M, float *y, long ldy, const float *b) {                         \
-    int KG = K / G;                                                                            \
-    long S = (long)G * CB + 64 * (1 + has_off);                                                \
-    __m256 acc0[SSQ_MB], acc1[SSQ_MB];                                                         \
-    __m256i lo[4], hi[4];      /* [2 row + part] */                                            \
-    for (int p = p0; p < p1; p++) {                                                            \
-        int n0 = p * SSQ_NB;                                                                   \
-        int ncols = N - n0 < SSQ_NB ? N - n0 : SSQ_NB;                                         \
-        for (int m0 = 0; m0 < M; m0 += SSQ_MB) {                                               \
-            int mb = M - m0 < SSQ_MB ? M - m0 : SSQ_MB;                                        \
-            for (int r = 0; r < mb; r++) { acc0[r] = _mm256_setzero_ps(); acc1[r] = acc0[r]; } \
-            const uint8_t *rec = W + (long)p * KG * S;                                         \
-            for (int g = 0; g < KG; g++, rec += S) {                                           \
-                const float *sc = (const float *)(rec + (long)G * CB);                         \
-                __m256 sc0 = _mm256_loadu_ps(sc), sc1 = _mm256_loadu_ps(sc + 8);               \
-                ssq_prefetch(rec, S);                                                          \
-                for (int m = 0; m < mb; m += 2) {                                              \
-                    int R = mb - m < 2 ? mb - m : 2;                                           \
-                    const int16_t *xg = xq + (long)(m0 + m) * 2 * K + (long)g * G;             \
-                    if (R == 2) DOT(rec, G, xg, 2L * K, 2, lo, hi);                            \
-                    else DOT(rec, G, xg, 2L * K, 1, lo, hi);                                   \
-                    for (int r = 0; r < R; r++) {                                              \
-                        int i = m + r;                                                         \
-                        long gi = (long)(m0 + i) * KG + g;                                     \
-                        __m256 s1 = _mm256_broadcast_ss(xs + 2 * gi);                          \
-                        __m256 s2 = _mm256_broadcast_ss(xs + 2 * gi + 1);                      \
-                        acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[2 * r]),               \
-                                                  _mm256_mul_ps(s1, sc0), acc0[i]);            \
-                        acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[2 * r]),               \
-                                                  _mm256_mul_ps(s1, sc1), acc1[i]);            \
-                        acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[2 * r + 1]),           \
-                                                  _mm256_mul_ps(s2, sc0), acc0[i]);            \
-                        acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[2 * r + 1]),           \
-                                                  _mm256_mul_ps(s2, sc1), acc1[i]);            \
-                        if (has_off) {                                                         \
-                            __m256 xt = _mm256_broadcast_ss(xsum + gi);                        \
-                            acc0[i] = _mm256_fmadd_ps(xt, _mm256_loadu_ps(sc + 16), acc0[i]);  \
-                            acc1[i] = _mm256_fmadd_ps(xt, _mm256_loadu_ps(sc + 24), acc1[i]);  \
-                        }                                                                      \
-                    }                                                                          \
-                }                                                                              \
-            }                                                                                  \
-            for (int r = 0; r < mb; r++) {                                                     \
-                float *yr = y + (long)(m0 + r) * ldy + n0;                                     \
-                float t[SSQ_NB];                                                               \
-                _mm256_storeu_ps(t, acc0[r]);                                                  \
-                _mm256_storeu_ps(t + 8, acc1[r]);                                              \
-                for (int j = 0; j < ncols; j++) yr[j] = (b ? b[n0 + j] : 0.0f) + t[j];         \
-            }                                                                                  \
-        }                                                                                      \
-    }                                                                                          \
+static inline __attribute__((always_inline)) SSQ_AVX2
+void ssq_panels_256(const int kind, const SsqGeo *q, const uint8_t *W, int K, int N, int p0,
+                    int p1, const int16_t *xq, const float *xs, const float *xsum, int M,
+                    float *y, long ldy, const float *b) {
+    const int G = q->G, KG = q->KG, has_off = kind == SSQ_K6 ? 1 : q->has_off;
+    const int sbg = (kind == SSQ_Q4 || kind == SSQ_Q8) ? 1 : q->sbg;
+    __m256 acc0[SSQ_MB], acc1[SSQ_MB];
+    __m256i lo[4], hi[4];      /* [2 row + part] */
+    for (int p = p0; p < p1; p++) {
+        int n0 = p * SSQ_NB;
+        int ncols = N - n0 < SSQ_NB ? N - n0 : SSQ_NB;
+        for (int m0 = 0; m0 < M; m0 += SSQ_MB) {
+            int mb = M - m0 < SSQ_MB ? M - m0 : SSQ_MB;
+            for (int r = 0; r < mb; r++) { acc0[r] = _mm256_setzero_ps(); acc1[r] = acc0[r]; }
+            const uint8_t *rec = W + (long)p * (KG / sbg) * q->S;
+            for (int g = 0; g < KG; g++) {
+                const int gg = g % sbg;               /* sbg: 1, or a power of 2 */
+                if (g && !gg) rec += q->S;
+                const uint8_t *tail = rec + sbg * q->code_bytes, *codes = rec + gg * q->code_bytes;
+                __m256 sc[2], off[2];
+                ssq_scales_256(q, sbg, tail, gg, sc, off);
+                ssq_prefetch_group(q, sbg, codes, tail, gg);
+                for (int m = 0; m < mb; m += 2) {
+                    int R = mb - m < 2 ? mb - m : 2;
+                    const int16_t *xg = xq + (long)(m0 + m) * 2 * K + (long)g * G;
+                    if (R == 2) ssq_dot_256(kind, codes, G, xg, 2L * K, 2, lo, hi);
+                    else ssq_dot_256(kind, codes, G, xg, 2L * K, 1, lo, hi);
+                    for (int r = 0; r < R; r++) {
+                        int i = m + r;
+                        long gi = (long)(m0 + i) * KG + g;
+                        __m256 s1 = _mm256_broadcast_ss(xs + 2 * gi);
+                        __m256 s2 = _mm256_broadcast_ss(xs + 2 * gi + 1);
+                        acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[2 * r]),
+                                                  _mm256_mul_ps(s1, sc[0]), acc0[i]);
+                        acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[2 * r]),
+                                                  _mm256_mul_ps(s1, sc[1]), acc1[i]);
+                        acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[2 * r + 1]),
+                                                  _mm256_mul_ps(s2, sc[0]), acc0[i]);
+                        acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[2 * r + 1]),
+                                                  _mm256_mul_ps(s2, sc[1]), acc1[i]);
+                        if (has_off) {
+                            __m256 xt = _mm256_broadcast_ss(xsum + gi);
+                            acc0[i] = _mm256_fmadd_ps(xt, off[0], acc0[i]);
+                            acc1[i] = _mm256_fmadd_ps(xt, off[1], acc1[i]);
+                        }
+                    }
+                }
+            }
+            for (int r = 0; r < mb; r++) {
+                float *yr = y + (long)(m0 + r) * ldy + n0;
+                float t[SSQ_NB];
+                _mm256_storeu_ps(t, acc0[r]);
+                _mm256_storeu_ps(t + 8, acc1[r]);
+                for (int j = 0; j < ncols; j++) yr[j] = (b ? b[n0 + j] : 0.0f) + t[j];
+            }
+        }
+    }
 }
 
-SSQ_DEFINE_PANELS_256(ssq_panels4_256, ssq_dot4_256, 8)
-SSQ_DEFINE_PANELS_256(ssq_panels8_256, ssq_dot8_256, 16)
+static SSQ_AVX2 void ssq_q4_256(SSQ_ARGS) { ssq_panels_256(SSQ_Q4, SSQ_PASS); }
+static SSQ_AVX2 void ssq_q8_256(SSQ_ARGS) { ssq_panels_256(SSQ_Q8, SSQ_PASS); }
+static SSQ_AVX2 void ssq_k4_256(SSQ_ARGS) { ssq_panels_256(SSQ_K4, SSQ_PASS); }
+static SSQ_AVX2 void ssq_k6_256(SSQ_ARGS) { ssq_panels_256(SSQ_K6, SSQ_PASS); }
 
 /* ------------------------------------------------------------------------------------------ */
 
@@ -378,41 +487,42 @@ static SSQ_AVX2 void ssq_quantize_x(const float *x, long ldx, int M, int K, int 
         }
 }
 
-static void ssq_run(int isa, const uint8_t *W, int bits, int has_off, int G, int K, int N,
-                    int p0, int p1, const int16_t *xq, const float *xs, const float *xsum, int M,
-                    float *y, long ldy, const float *b) {
-    if (isa == SSQ_ISA_AVX512) {
-        if (bits == 4) ssq_panels4_512(W, has_off, G, K, N, p0, p1, xq, xs, xsum, M, y, ldy, b);
-        else ssq_panels8_512(W, has_off, G, K, N, p0, p1, xq, xs, xsum, M, y, ldy, b);
-    } else {
-        if (bits == 4) ssq_panels4_256(W, has_off, G, K, N, p0, p1, xq, xs, xsum, M, y, ldy, b);
-        else ssq_panels8_256(W, has_off, G, K, N, p0, p1, xq, xs, xsum, M, y, ldy, b);
-    }
+static void ssq_run(int isa, const SsqGeo *q, const uint8_t *W, int K, int N, int p0, int p1,
+                    const int16_t *xq, const float *xs, const float *xsum, int M, float *y,
+                    long ldy, const float *b) {
+    typedef void (*Fn)(SSQ_ARGS);
+    static const Fn fn[2][4] = {{ssq_q4_256, ssq_q8_256, ssq_k4_256, ssq_k6_256},
+                                {ssq_q4_512, ssq_q8_512, ssq_k4_512, ssq_k6_512}};
+    fn[isa == SSQ_ISA_AVX512][q->kind](SSQ_PASS);
 }
 
-/* y[M, N] = x[M, K] @ W (+ b); W a blob as above (G % 8 == 0; bits 4: G <= 128; bits 8:
- * G <= 32). Returns 0, or -1 when the int16 activations cannot be allocated. */
-static int ssq_gemm(const uint8_t *W, int bits, int has_off, int G, int K, int N, const float *x,
+/* y[M, N] = x[M, K] @ W (+ b); W a blob of `kind` records as above (G % 8 == 0; Q4, K4: G <=
+ * 128; Q8, K6: G <= 32; K4, K6: K % 256 == 0 and G divides 256). has_off: Q4 / Q8 records hold
+ * offsets. Returns 0, -1 when the int16 activations cannot be allocated, -2 for a bad shape. */
+static int ssq_gemm(const uint8_t *W, int kind, int has_off, int G, int K, int N, const float *x,
                     long ldx, int M, float *y, long ldy, const float *b, int n_threads) {
     int P = (N + SSQ_NB - 1) / SSQ_NB, KG = K / G, isa = ssq_isa();
-    if (G > 128) return -1;
+    if (G % 8 || G > ((kind == SSQ_Q4 || kind == SSQ_K4) ? 128 : 32) || K % G ||
+        ((kind == SSQ_K4 || kind == SSQ_K6) && (K % SSQ_SB || SSQ_SB % G)))
+        return -2;
+    SsqGeo q = ssq_geo(kind, has_off, G, K);
     int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * 2 * (size_t)M * (size_t)K + 64);
     float *xs = (float *)malloc(sizeof(float) * 3 * (size_t)M * (size_t)KG + 64);
     if (!xq || !xs) { free(xq); free(xs); return -1; }
     float *xsum = xs + 2 * (size_t)M * KG;
     ssq_quantize_x(x, ldx, M, K, G, xq, xs, xsum);
     if (n_threads <= 1 || P < 2 * n_threads) {
-        ssq_run(isa, W, bits, has_off, G, K, N, 0, P, xq, xs, xsum, M, y, ldy, b);
+        ssq_run(isa, &q, W, K, N, 0, P, xq, xs, xsum, M, y, ldy, b);
     } else {
 #ifdef _OPENMP
         #pragma omp parallel num_threads(n_threads)
         {
             int t = omp_get_thread_num(), nt = omp_get_num_threads();
             int q0 = (int)((long)P * t / nt), q1 = (int)((long)P * (t + 1) / nt);
-            ssq_run(isa, W, bits, has_off, G, K, N, q0, q1, xq, xs, xsum, M, y, ldy, b);
+            ssq_run(isa, &q, W, K, N, q0, q1, xq, xs, xsum, M, y, ldy, b);
         }
 #else
-        ssq_run(isa, W, bits, has_off, G, K, N, 0, P, xq, xs, xsum, M, y, ldy, b);
+        ssq_run(isa, &q, W, K, N, 0, P, xq, xs, xsum, M, y, ldy, b);
 #endif
     }
     free(xq);
