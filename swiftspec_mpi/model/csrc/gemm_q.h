@@ -73,7 +73,9 @@ static inline int32_t ssq_pair(const int16_t *xq) {      /* the input pair (xq[0
 /* Records are read in order: fetch SSQ_PREFETCH bytes ahead of the bytes [p, p + n) about to be
  * read into L1. Without it one core streamed 9-13 GB/s, with it 20-22 (Xeon, 1.5B gate|up-sized
  * matrix); 4-16 KiB ahead measured alike. Past the blob's end it is a no-op (no faults). */
+#ifndef SSQ_PREFETCH
 #define SSQ_PREFETCH 4096
+#endif
 static inline __attribute__((always_inline)) void ssq_prefetch(const uint8_t *p, long n) {
     for (long o = 0; o < n; o += 64) _mm_prefetch((const char *)p + SSQ_PREFETCH + o, _MM_HINT_T0);
 }
