@@ -18,11 +18,16 @@ draft paces itself is the async policy (--async-policy):
                                                          else the remnant of the last one under
                                                          the bonus token; wait only when
                                                          neither has a drafted node (deadline)
+                                                deep:    as remnant, but wait for the fresh
+                                                         tree when that one is a single level
+                                                         deep (MIN_DEPTH)
 
 `fresh` is the paper's: the verify group waits for the draft's re-root round trip, so every
 tree it checks holds all the draft made up to the result. `remnant` never waits for the round trip
 when the bonus token was drafted, but its tree holds none of the expansions of the step just
-verified (they come with the re-rooted tree, a step late). `stream` also never waits, and the
+verified (they come with the re-rooted tree, a step late). `deep` waits for the round trip only
+when what is at hand cannot give more than one draft token (depth 1), where the expansions made
+during the step are worth most. `stream` also never waits, and the
 draft sends its best subtree after every expansion, so the verify group starts each step on
 everything drafted up to the moment its result arrived.
 
@@ -48,6 +53,7 @@ from swiftspec_mpi.engine.sent_tree import reroot_sent_tree, tree_depth
 from swiftspec_mpi.trace.record import KIND, SOURCE, step_row
 
 ACT_EXPAND, ACT_SEND, ACT_RESULT, ACT_STOP = 1, 2, 3, 4
+MIN_DEPTH = 2    # `deep`: a tree at hand shallower than this waits for the fresh one
 
 
 def send_size(cfg) -> int:
@@ -64,6 +70,7 @@ class TreeInbox:
     def __init__(self, ctx: EngineContext, chan: LeaderChannel, request: int):
         self.ctx, self.chan, self.request = ctx, chan, request
         self.wait_fresh = ctx.cfg.async_policy == "fresh"
+        self.min_depth = MIN_DEPTH if ctx.cfg.async_policy == "deep" else 0
         self.req = ctx.topo.inter.Irecv(chan.tree, source=0, tag=TAG_TREE)
         self.local = None          # (tokens, parents) rooted at the current root, best-first
         self.meta = NO_META        # the TreeMeta of the message self.local came from
@@ -96,18 +103,21 @@ class TreeInbox:
             self.local, self.meta = fresh, meta
             self.source = SOURCE["fresh"] if meta.results >= self.results_sent else SOURCE["rerooted"]
 
-    def _ready(self) -> bool:
+    def _ready(self, bs: int) -> bool:
         if self.local is None or len(self.local[0]) < 2:
             return False
-        return not self.wait_fresh or self.source == SOURCE["fresh"]
+        if self.source == SOURCE["fresh"]:
+            return True
+        return not self.wait_fresh and tree_depth(self.local[1][:bs]) >= self.min_depth
 
     def next_tree(self, committed: list[int], bs: int, wait_what: str):
         """-> (tokens int64[n <= bs], parents int32[n], nodes at hand) to verify now; blocks
         while the policy's tree is not at hand (`fresh`: the one built on the latest result;
-        else any with at least one drafted node)."""
+        `deep`: that one unless the tree at hand is MIN_DEPTH deep; else any with at least one
+        drafted node)."""
         while self.req.Test():
             self._take(committed)
-        while not self._ready():
+        while not self._ready(bs):
             wait_for(self.req, self.ctx.cfg.peer_timeout, wait_what, self.ctx.stop_flag, self.ctx.watch)
             self._take(committed)
         return self.local[0][:bs], self.local[1][:bs], len(self.local[0])
