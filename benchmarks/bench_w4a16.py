@@ -8,7 +8,8 @@ unless a row says otherwise. Prints Markdown tables; --json writes the numbers.
 
 gemv: "copy TB/s" = a 2 GiB device-to-device copy (bytes read + written), the ceiling. Each
 kernel is timed in a CUDA graph of back-to-back launches over enough weight copies to leave the
-60 MB L2 (the weights stream from HBM as in a step), plain launches and (ours) PDL launches;
+60 MB L2 (the weights stream from HBM as in a step): ours plain (the fastest of VARIANTS) and with
+PDL (w4a16.default_config's variant, what the model runs);
 "% copy" = (codes + scales + offsets bytes the kernel reads) / time over the copy bandwidth.
 torch's kernel reads [K/g, N, 2] bf16 scales-and-zeros: its bytes are counted the same way.
 The peer's "stack" rows time every projection of a layer x layers, the GEMM part of its step.
@@ -53,7 +54,7 @@ def bench_gemv(args) -> dict:
     print(f"copy bandwidth {bw:.2f} TB/s\n")
     res = {"copy_tbs": bw, "rows": []}
     gen = torch.Generator(device="cuda").manual_seed(0)
-    hdr = ("| shape | proj | N x K | g | M | MB read | ours us (T,U,E) | % copy | ours PDL us | % copy | "
+    hdr = ("| shape | proj | N x K | g | M | MB read | ours us (best T,U,E) | % copy | ours PDL us (default) | % copy | "
            "torch int4 us | % copy |")
     print(hdr)
     print("|" + "---|" * 12)
@@ -81,10 +82,10 @@ def bench_gemv(args) -> dict:
                         t = graph_time_us([lambda w=w, cfg=cfg: w4a16.gemm(x, w, out=out, config=cfg) for w in copies])
                         if best is None or t < best[0]:
                             best = (t, cfg)
-                    cfg = best[1]
-                    tp = graph_time_us([lambda w=w: w4a16.gemm(x, w, out=out, config=cfg, pdl=True) for w in copies])
+                    cfg = w4a16.default_config(m, n, k)
+                    tp = graph_time_us([lambda w=w: w4a16.gemm(x, w, out=out, pdl=True) for w in copies])
                     row = {"shape": shape, "proj": name, "N": n, "K": k, "group": group, "M": m,
-                           "bytes": one, "us": best[0], "config": cfg, "us_pdl": tp,
+                           "bytes": one, "us": best[0], "config": best[1], "us_pdl": tp, "config_pdl": cfg,
                            "pct": 100 * one / (best[0] * 1e-6) / (bw * 1e12),
                            "pct_pdl": 100 * one / (tp * 1e-6) / (bw * 1e12)}
                     tcell = "— | —"
@@ -98,10 +99,12 @@ def bench_gemv(args) -> dict:
                         except Exception as e:  # noqa: BLE001 - reported in the table
                             tcell = f"error: {type(e).__name__} | —"
                     res["rows"].append(row)
-                    print(f"| {shape} | {name} | {n}x{k} | {group} | {m} | {one / 2**20:.1f} | {best[0]:.1f} {cfg} | "
-                          f"{row['pct']:.0f} | {tp:.1f} | {row['pct_pdl']:.0f} | {tcell} |", flush=True)
+                    print(f"| {shape} | {name} | {n}x{k} | {group} | {m} | {one / 2**20:.1f} | {best[0]:.1f} {best[1]} | "
+                          f"{row['pct']:.0f} | {tp:.1f} {cfg} | {row['pct_pdl']:.0f} | {tcell} |", flush=True)
                 del copies, tw
                 torch.cuda.empty_cache()
+    if not args.stack:
+        return res
     # the peer's projection stack of one step (all layers' 4 projections), M = 1 and 8
     print("\n| shape | M | torch int4 projections of a step, ms | ours (PDL), ms |")
     print("|---|---|---|---|")
@@ -115,7 +118,7 @@ def bench_gemv(args) -> dict:
             xs = {k: torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16) for _, _, k in projs}
             try:
                 tt = graph_time_us([lambda wp=wp, sz=sz, k=k: torch.ops.aten._weight_int4pack_mm(xs[k], wp, 128, sz)
-                                    for (wp, sz), k in tws], reps=10) * len(tws) / 1e3
+                                    for (wp, sz), k in tws], replays=10) * len(tws) / 1e3
             except Exception as e:  # noqa: BLE001
                 tt = float("nan")
                 print(f"torch int4 stack failed: {e!r}")
@@ -132,7 +135,6 @@ def bench_step(args) -> dict:
     from swiftspec_mpi.gpu import w4a16
     from swiftspec_mpi.gpu.graphs import GraphedModel
     from swiftspec_mpi.model.dummy import dummy_model
-    default = w4a16.default_config(1, 0, 0)
     from swiftspec_mpi.model.transformer import chain_mask
     bw = copy_bandwidth(2 << 30) / 1e12
     print(f"copy bandwidth {bw:.2f} TB/s\n")
@@ -150,9 +152,9 @@ def bench_step(args) -> dict:
         pre = torch.randint(0, 4000, (ctx,), device="cuda")
         model.forward(pre, torch.arange(ctx, device="cuda"), 0, chain_mask(0, ctx).cuda())
         for cfg in args.configs:
-            w4a16.set_default(cfg)              # the graphs below capture this GEMV variant
+            w4a16.set_default(cfg)              # the graphs below capture this GEMV variant (None: the rule)
             gm = GraphedModel(model)
-            r = {"shape": shape, "config": cfg, "weights_gb": model.weight_bytes() / 1e9,
+            r = {"shape": shape, "config": cfg or "rule", "weights_gb": model.weight_bytes() / 1e9,
                  "step_gb": model.step_read_bytes() / 1e9}
             r["floor_ms"] = r["step_gb"] * 1e9 / (bw * 1e12) * 1e3
             for n in (1, 8):
@@ -165,11 +167,11 @@ def bench_step(args) -> dict:
             r["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
             r["load_s"] = load_s
             res["rows"].append(r)
-            print(f"| {shape} | {cfg} | {r['weights_gb']:.2f} | {r['step_gb']:.2f} | {r['floor_ms']:.2f} | "
+            print(f"| {shape} | {cfg or 'rule'} | {r['weights_gb']:.2f} | {r['step_gb']:.2f} | {r['floor_ms']:.2f} | "
                   f"{r['argmax_1']:.3f} | {r['argmax_8']:.3f} | {r['argmax_8'] / r['argmax_1']:.2f} | {r['topk_8']:.3f} | "
                   f"{r['peak_gb']:.1f} | {load_s:.1f} |", flush=True)
             del gm
-        w4a16.set_default(default)
+        w4a16.set_default(None)
         del model
         torch.cuda.empty_cache()
     return res
@@ -181,8 +183,12 @@ def main():
     ap.add_argument("--m", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 16, 32])
     ap.add_argument("--shapes", default="llama-3.2-1b,llama-3.2-3b,llama-3-8b,llama-3-70b")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--configs", type=lambda s: [tuple(int(v) for v in c.split("/")) for c in s.split(",")],
-                    default=[(1, 2, 1), (1, 2, 0)], help="GEMV variants T/U/E to time the step with")
+    ap.add_argument("--configs", type=lambda s: [None if c == "rule" else tuple(int(v) for v in c.split("/"))
+                                                 for c in s.split(",")],
+                    default=[None, (1, 2, 0)], help="GEMV variants T/U/E to time the step with ('rule': "
+                                                    "w4a16.default_config's choice per shape)")
+    ap.add_argument("--no-stack", dest="stack", action="store_false",
+                    help="gemv: leave out torch's projection stack of a whole step")
     ap.add_argument("--json")
     args = ap.parse_args()
     res = bench_gemv(args) if args.what == "gemv" else bench_step(args)

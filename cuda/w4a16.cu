@@ -32,6 +32,13 @@
 // griddepcontrol.wait after the first chunk's W loads are issued (W is a weight, X the previous
 // kernel's output).
 //
+// Instructions per 128-k chunk of a tile (E = 1): one shift and one lop3 per bf16x2 pair (the
+// mask and the 0x4300 exponent live in registers, a lop3 takes a single immediate), 2 + 2 MMAs per
+// 32 k's, the group's scale and offset in fp32; the W, scale and X addresses are loop-carried
+// pointers (not rebuilt from the thread index per chunk), units past K are skipped rather than
+// zero-filled, and X rows past M read row 0 (their MMA columns are dropped; the others do not
+// depend on them). About 105 instructions per KiB of codes a warp at T = 1 (was 183).
+//
 // Floor: the packed bytes. Llama-3-8B down_proj 4096 x 14336 at group 128: 28 MiB codes + 1.8 MiB
 // scales -> 7.5 us at 4.17 TB/s; Llama-3-70B down_proj 8192 x 28672: 117 + 7.3 MiB -> 31 us.
 
@@ -62,6 +69,20 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
 
 __device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
 __device__ __forceinline__ __nv_bfloat162 as_bf2(uint32_t v) { return *reinterpret_cast<__nv_bfloat162*>(&v); }
+
+// An opaque copy of v: the compiler keeps it in a register instead of folding it into immediates
+// (a lop3 takes one immediate: (w & m) | c with both constants costs two).
+__device__ __forceinline__ uint32_t opaque(uint32_t v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
+
+// (a & m) | c in one instruction.
+__device__ __forceinline__ uint32_t lop3_andor(uint32_t a, uint32_t m, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(m), "r"(c));
+  return d;
+}
 
 // Pair i (0..3) of a code word as bf16x2 weights: (q_2i, q_2i+1) * scale + offset, so = (scale, offset).
 __device__ __forceinline__ uint32_t dq_pair(uint32_t word, int i, uint32_t so) {
@@ -117,47 +138,51 @@ __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, lo
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, q = lane & 3;
   const long long qrow = K / 2, srow = K / GS;
-  const uint8_t* wrow[T][2];
-  const uint32_t* srowp[T][2];
-  bool tv[T];
+  // Per-lane streams, advanced chunk by chunk (loop-carried, so kept in registers instead of
+  // recomputed from the thread index): 16-byte vector q of each row at this warp's next chunk (a
+  // tile past n_tiles reads tile0's rows, its results are dropped), the rows' scales, and X row
+  // 8 b + g (rows past M read row 0: their MMA columns are dropped, the others do not depend on them).
+  const uint4* wp[T][2];
+  const uint32_t* sp[T][2];
+  const int kw = warp * KC;
 #pragma unroll
   for (int t = 0; t < T; ++t) {
-    tv[t] = tile0 + t < n_tiles;
-    const int tile = tv[t] ? tile0 + t : tile0;
+    const int tile = tile0 + t < n_tiles ? tile0 + t : tile0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const long long n = (long long)tile * 16 + g + 8 * h;
-      wrow[t][h] = qw + n * qrow + 16 * q;
-      srowp[t][h] = so + n * srow;
+      wp[t][h] = reinterpret_cast<const uint4*>(qw + n * qrow + kw / 2) + q;
+      sp[t][h] = so + n * srow + kw / GS;
     }
   }
-  const __nv_bfloat16* xrow[MB];
-  bool xv[MB];
+  const uint4* xp[MB];
 #pragma unroll
-  for (int b = 0; b < MB; ++b) {
-    xv[b] = 8 * b + g < M;
-    xrow[b] = x + (long long)(xv[b] ? 8 * b + g : 0) * ldx + 8 * q;
-  }
+  for (int b = 0; b < MB; ++b)
+    xp[b] = reinterpret_cast<const uint4*>(x + (long long)(8 * b + g < M ? 8 * b + g : 0) * ldx + kw) + q;
+  // loop-invariant operands kept in registers: one lop3 a pair (no second immediate), all-ones A
+  const uint32_t lo4 = opaque(0x000F000Fu), magic = opaque(0x43004300u);
 
+  // the chunk at k0 into ch (units past K left unloaded: never multiplied); the streams advance
   auto load = [&](Chunk<T, U, GS>& ch, int k0) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int k = k0 + 128 * u;
-      const bool ok = k < K;
+      if (k0 + 128 * u < K) {
 #pragma unroll
-      for (int t = 0; t < T; ++t)
+        for (int t = 0; t < T; ++t)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (ok && tv[t]) {
-            ch.w[t][u][h] = ld_stream(wrow[t][h] + k / 2);
-            load_scales<GS>(ch.s[t][u][h], srowp[t][h] + k / GS);
-          } else {
-            ch.w[t][u][h] = make_uint4(0, 0, 0, 0);
-#pragma unroll
-            for (int i = 0; i < Scales<GS>::SW; ++i) ch.s[t][u][h].v[i] = 0u;
+          for (int h = 0; h < 2; ++h) {
+            ch.w[t][u][h] = ld_stream(wp[t][h] + 4 * u);
+            load_scales<GS>(ch.s[t][u][h], sp[t][h] + (128 / GS) * u);
           }
-        }
+      }
     }
+#pragma unroll
+    for (int t = 0; t < T; ++t)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        wp[t][h] += STEP / 32;
+        sp[t][h] += STEP / GS;
+      }
   };
   float cc[T][MB][4];
 #pragma unroll
@@ -170,10 +195,13 @@ __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, lo
   // X = sum x (one MMA with an all-ones A per X fragment), then Y += s P + (o - 128 s) X in fp32.
   auto compute_exact = [&](const Chunk<T, U, GS>& ch, int u, int k) {
     constexpr int PG = GS / 32;               // words p per group (1, 2, 4)
-    constexpr uint32_t ONE = 0x3F803F80u;     // bf16 (1, 1)
+    const uint32_t one = opaque(0x3F803F80u); // bf16 (1, 1)
     float tp[T][MB][4], xs[MB][4];
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
+      uint4 xb[MB];
+#pragma unroll
+      for (int b = 0; b < MB; ++b) xb[b] = __ldg(xp[b] + 16 * u + 4 * p);
       if (p % PG == 0) {
 #pragma unroll
         for (int b = 0; b < MB; ++b) {
@@ -182,20 +210,18 @@ __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, lo
           for (int t = 0; t < T; ++t) tp[t][b][0] = tp[t][b][1] = tp[t][b][2] = tp[t][b][3] = 0.f;
         }
       }
-      uint4 xb[MB];
 #pragma unroll
       for (int b = 0; b < MB; ++b) {
-        xb[b] = xv[b] ? __ldg(reinterpret_cast<const uint4*>(xrow[b] + k + 32 * p)) : make_uint4(0, 0, 0, 0);
-        mma_bf16(xs[b], ONE, ONE, ONE, ONE, xb[b].x, xb[b].y);
-        mma_bf16(xs[b], ONE, ONE, ONE, ONE, xb[b].z, xb[b].w);
+        mma_bf16(xs[b], one, one, one, one, xb[b].x, xb[b].y);
+        mma_bf16(xs[b], one, one, one, one, xb[b].z, xb[b].w);
       }
 #pragma unroll
       for (int t = 0; t < T; ++t) {
         const uint32_t wg = (&ch.w[t][u][0].x)[p], wh = (&ch.w[t][u][1].x)[p];
-        const uint32_t a0 = (wg & 0x000F000Fu) | 0x43004300u, a1 = (wh & 0x000F000Fu) | 0x43004300u;
-        const uint32_t a2 = ((wg >> 4) & 0x000F000Fu) | 0x43004300u, a3 = ((wh >> 4) & 0x000F000Fu) | 0x43004300u;
-        const uint32_t e0 = ((wg >> 8) & 0x000F000Fu) | 0x43004300u, e1 = ((wh >> 8) & 0x000F000Fu) | 0x43004300u;
-        const uint32_t e2 = ((wg >> 12) & 0x000F000Fu) | 0x43004300u, e3 = ((wh >> 12) & 0x000F000Fu) | 0x43004300u;
+        const uint32_t a0 = lop3_andor(wg, lo4, magic), a1 = lop3_andor(wh, lo4, magic);
+        const uint32_t a2 = lop3_andor(wg >> 4, lo4, magic), a3 = lop3_andor(wh >> 4, lo4, magic);
+        const uint32_t e0 = lop3_andor(wg >> 8, lo4, magic), e1 = lop3_andor(wh >> 8, lo4, magic);
+        const uint32_t e2 = lop3_andor(wg >> 12, lo4, magic), e3 = lop3_andor(wh >> 12, lo4, magic);
 #pragma unroll
         for (int b = 0; b < MB; ++b) {
           mma_bf16(tp[t][b], a0, a1, a2, a3, xb[b].x, xb[b].y);
@@ -227,40 +253,41 @@ __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, lo
       if (k >= K) break;                      // uniform over the warp
       if constexpr (EX) {
         compute_exact(ch, u, k);
-        continue;
-      }
+      } else {
 #pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        uint4 xb[MB];
+        for (int p = 0; p < 4; ++p) {
+          uint4 xb[MB];
 #pragma unroll
-        for (int b = 0; b < MB; ++b)
-          xb[b] = xv[b] ? __ldg(reinterpret_cast<const uint4*>(xrow[b] + k + 32 * p)) : make_uint4(0, 0, 0, 0);
+          for (int b = 0; b < MB; ++b) xb[b] = __ldg(xp[b] + 16 * u + 4 * p);
 #pragma unroll
-        for (int t = 0; t < T; ++t) {
-          const uint32_t wg = (&ch.w[t][u][0].x)[p], wh = (&ch.w[t][u][1].x)[p];
-          const uint32_t sg = scale_of<GS>(ch.s[t][u][0], p), sh = scale_of<GS>(ch.s[t][u][1], p);
-          // MMA 2p: k's 0..3 of this word (pairs 0, 1); MMA 2p + 1: k's 4..7 (pairs 2, 3)
-          const uint32_t a0 = dq_pair(wg, 0, sg), a1 = dq_pair(wh, 0, sh);
-          const uint32_t a2 = dq_pair(wg, 1, sg), a3 = dq_pair(wh, 1, sh);
-          const uint32_t e0 = dq_pair(wg, 2, sg), e1 = dq_pair(wh, 2, sh);
-          const uint32_t e2 = dq_pair(wg, 3, sg), e3 = dq_pair(wh, 3, sh);
+          for (int t = 0; t < T; ++t) {
+            const uint32_t wg = (&ch.w[t][u][0].x)[p], wh = (&ch.w[t][u][1].x)[p];
+            const uint32_t sg = scale_of<GS>(ch.s[t][u][0], p), sh = scale_of<GS>(ch.s[t][u][1], p);
+            // MMA 2p: k's 0..3 of this word (pairs 0, 1); MMA 2p + 1: k's 4..7 (pairs 2, 3)
+            const uint32_t a0 = dq_pair(wg, 0, sg), a1 = dq_pair(wh, 0, sh);
+            const uint32_t a2 = dq_pair(wg, 1, sg), a3 = dq_pair(wh, 1, sh);
+            const uint32_t e0 = dq_pair(wg, 2, sg), e1 = dq_pair(wh, 2, sh);
+            const uint32_t e2 = dq_pair(wg, 3, sg), e3 = dq_pair(wh, 3, sh);
 #pragma unroll
-          for (int b = 0; b < MB; ++b) {
-            mma_bf16(cc[t][b], a0, a1, a2, a3, xb[b].x, xb[b].y);
-            mma_bf16(cc[t][b], e0, e1, e2, e3, xb[b].z, xb[b].w);
+            for (int b = 0; b < MB; ++b) {
+              mma_bf16(cc[t][b], a0, a1, a2, a3, xb[b].x, xb[b].y);
+              mma_bf16(cc[t][b], e0, e1, e2, e3, xb[b].z, xb[b].w);
+            }
           }
         }
       }
     }
+#pragma unroll
+    for (int b = 0; b < MB; ++b) xp[b] += STEP / 8;
   };
 
-  int k0 = warp * KC;
+  int k0 = kw;
   {
     Chunk<T, U, GS> c0, c1;
     if (k0 < K) load(c0, k0);
     asm volatile("griddepcontrol.wait;\n" ::: "memory");   // no-op without PDL
     while (k0 < K) {
-      load(c1, k0 + STEP);                    // past K: zeros
+      load(c1, k0 + STEP);                    // past K: nothing loaded
       compute(c0, k0);
       k0 += STEP;
       if (k0 >= K) break;
@@ -312,7 +339,7 @@ __device__ __forceinline__ void gemm_body(const __nv_bfloat16* __restrict__ x, l
 }  // namespace w4
 
 // w4a16_gemm_mb<MB>_g<GS>_t<T>_u<U>_e<EX>: grid <= ceil(N / 16 / T) blocks of 256 threads (blocks
-// stride over the tile groups); MINB blocks per SM (2: at most 128 registers a thread).
+// stride over the tile groups); MINB blocks per SM (2: at most 128 registers a thread, 3: 80).
 #define W4_GEMM(MB, GS, T, U, EX, MINB)                                                                \
   extern "C" __global__ void __launch_bounds__(w4::THREADS, MINB)                                     \
   w4a16_gemm_mb##MB##_g##GS##_t##T##_u##U##_e##EX(const __nv_bfloat16* __restrict__ x, long long ldx, \
@@ -329,6 +356,7 @@ W4_GEMM_ALL(2, 2, 0, 1)
 W4_GEMM_ALL(1, 2, 1, 2)
 W4_GEMM_ALL(2, 2, 1, 1)
 W4_GEMM_ALL(1, 4, 1, 1)
+W4_GEMM_ALL(1, 1, 1, 3)
 
 // The dequantized matrix: out [N, K] bf16 (row stride ldo), the very values the GEMV multiplies.
 // One thread per code word (8 consecutive k's, one 16-byte store).
@@ -421,4 +449,8 @@ W4_ALLREDUCE_MB(128, 0)
 W4_ALLREDUCE_MB(32, 1)
 W4_ALLREDUCE_MB(64, 1)
 W4_ALLREDUCE_MB(128, 1)
+// U = 1 (the default variant for wide products: the same bits as gemm at TP = 1)
+W4_ALLREDUCE(1, 32, 1, 1, 1) W4_ALLREDUCE(2, 32, 1, 1, 1)
+W4_ALLREDUCE(1, 64, 1, 1, 1) W4_ALLREDUCE(2, 64, 1, 1, 1)
+W4_ALLREDUCE(1, 128, 1, 1, 1) W4_ALLREDUCE(2, 128, 1, 1, 1)
 #endif

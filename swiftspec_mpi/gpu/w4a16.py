@@ -41,9 +41,11 @@ TILE = 16                      # W rows of one MMA tile; N % TILE == 0
 # w4a16_gemm_mb*_g*_t<T>_u<U>_e<E>. E = 0: each weight dequantized to bf16 (a subtract and an FMA
 # per pair) before the MMA; E = 1: the MMAs take the codes as bf16 (128 + q), each group's sum is
 # scaled in fp32 afterwards (s P + (o - 128 s) X, X from an all-ones MMA): fewer instructions and
-# no rounding of W. The fused all-reduce exists for T = 1, U = 2 and both E.
-VARIANTS = ((1, 2, 0), (2, 2, 0), (1, 2, 1), (2, 2, 1), (1, 4, 1))
-_default = (1, 2, 1)
+# no rounding of W. (1, 1, 1) runs 3 blocks per SM (80 registers), (1, 2, *) 2, the others 1. The
+# fused all-reduce exists for T = 1, U = 2 and both E, and for T = 1, U = 1, E = 1.
+VARIANTS = ((1, 2, 0), (2, 2, 0), (1, 2, 1), (2, 2, 1), (1, 4, 1), (1, 1, 1))
+_default = None                # None: the shape rule of default_config
+_ALLREDUCE_UE = ((2, 0), (2, 1), (1, 1))   # (U, E) of the fused all-reduce kernels (T = 1)
 _THREADS = 256
 # nibble i of a device word holds relative k PERM[i]: pairs (i, i + 4) are k's (2i, 2i + 1)
 PERM = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -164,20 +166,32 @@ def _mb(m: int) -> int:
 
 
 def default_config(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(T, U, E) for an [m, k] x [n, k]^T product: one 16-row tile a block, 2 chunks of 128 k's a
-    warp, 2 blocks per SM, exact group scaling at every M (E = 0 is 5-10 % faster at M = 16-32,
-    but then a row's bits would depend on the batch size; benchmarks/bench_w4a16.py sweeps
-    VARIANTS)."""
-    return _default
+    """(T, U, E) for an [m, k] x [n, k]^T product (the `set_default` variant if one is set): exact
+    group scaling, one 16-row tile a block, and of (1, 1, 1) (3 blocks per SM, 1 chunk of 128 k's
+    a warp and step) and (1, 2, 1) (2 blocks per SM, 2 chunks) the one whose wave of blocks fills
+    the SMs better, (1, 1, 1) counted 12 % faster at equal fill (measured on an H200: 8B QKV and
+    gate|up, 70B QKV and gate|up take (1, 1, 1); 8B O and down, 70B O and down (1, 2, 1)). By N
+    and K only, never M: a row's bits do not depend on the batch size (E = 0 is faster at M = 16-32
+    but would make them; benchmarks/bench_w4a16.py sweeps VARIANTS)."""
+    if _default is not None:
+        return _default
+    tiles, sms = n // TILE, sm_count()
+
+    def fill(per_sm: int) -> float:            # tiles over the slots of the waves they take
+        slots = per_sm * sms
+        return tiles / (slots * -(-tiles // slots))
+
+    return (1, 1, 1) if 1.12 * fill(3) >= fill(2) else (1, 2, 1)
 
 
-def set_default(config: tuple) -> None:
-    """The variant `gemm` and `gemm_allreduce` use by default (benchmarks compare them; a CUDA
-    graph keeps the variant it captured). gemm_allreduce runs T = 1, U = 2 with the same E."""
+def set_default(config: tuple | None) -> None:
+    """The variant `gemm` and `gemm_allreduce` use for every shape (benchmarks compare them; a CUDA
+    graph keeps the variant it captured); None restores the shape rule of `default_config`.
+    gemm_allreduce runs T = 1 with the variant's U and E where it is instantiated, else U = 2."""
     global _default
-    if tuple(config) not in VARIANTS:
+    if config is not None and tuple(config) not in VARIANTS:
         raise ValueError(f"config {config} must be one of {VARIANTS}")
-    _default = tuple(config)
+    _default = None if config is None else tuple(config)
 
 
 def gemm(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None = None, pdl: bool = False,
@@ -212,14 +226,16 @@ def gemm_allreduce(x: torch.Tensor, w: W4A16Weight, ar, out: torch.Tensor | None
     """out = all_reduce_sum(x @ W^T) over the ranks of `ar` (nccl_shim.DeviceAllReduce with
     max_n >= N), in one kernel: the row-parallel o_proj / down_proj of tensor parallelism with
     4-bit weights. Collective: every rank calls it with the same shapes. x: [M, K_local], M <= 16;
-    w: this rank's W4A16Weight [N, K_local]. T = 1, U = 2 and the default's E: at TP = 1 it gives
-    gemm's bits when the default is T = 1, U = 2 (U and E fix the summation order)."""
+    w: this rank's W4A16Weight [N, K_local]. T = 1 with the default's U and E (U = 2 where no
+    kernel has them): at TP = 1 it gives gemm's bits when the default has T = 1 (U and E fix the
+    summation order)."""
     m, n, k, out = _check_x(x, w, out, MAX_ALLREDUCE_ROWS)
     if n > ar.max_n:
         raise ValueError(f"N={n} exceeds the DeviceAllReduce window (max_n={ar.max_n})")
-    e = default_config(m, n, k)[2]
+    _, u, e = default_config(m, n, k)
+    u = u if (u, e) in _ALLREDUCE_UE else 2
     dev = _dev(x)
-    f = function(_SOURCE, "nccl", f"w4a16_allreduce_mb{_mb(m)}_g{w.group}_t1_u2_e{e}", dev)
+    f = function(_SOURCE, "nccl", f"w4a16_allreduce_mb{_mb(m)}_g{w.group}_t1_u{u}_e{e}", dev)
     args = [ptr(x), ctypes.c_int64(x.stride(0)), ptr(w.qweight), ptr(w.so), ptr(out),
             ctypes.c_int64(out.stride(0)), ctypes.c_int32(m), ctypes.c_int32(n), ctypes.c_int32(k),
             ctypes.c_uint64(ar.window), ptr(ar.dev_comm), ptr(ar.seq)]
