@@ -197,11 +197,13 @@ __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, lo
     constexpr int PG = GS / 32;               // words p per group (1, 2, 4)
     const uint32_t one = opaque(0x3F803F80u); // bf16 (1, 1)
     float tp[T][MB][4], xs[MB][4];
+    uint4 xb[4][MB];                          // the unit's X fragments, loaded up front
+#pragma unroll
+    for (int p = 0; p < 4; ++p)
+#pragma unroll
+      for (int b = 0; b < MB; ++b) xb[p][b] = __ldg(xp[b] + 16 * u + 4 * p);
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      uint4 xb[MB];
-#pragma unroll
-      for (int b = 0; b < MB; ++b) xb[b] = __ldg(xp[b] + 16 * u + 4 * p);
       if (p % PG == 0) {
 #pragma unroll
         for (int b = 0; b < MB; ++b) {
@@ -212,8 +214,8 @@ __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, lo
       }
 #pragma unroll
       for (int b = 0; b < MB; ++b) {
-        mma_bf16(xs[b], one, one, one, one, xb[b].x, xb[b].y);
-        mma_bf16(xs[b], one, one, one, one, xb[b].z, xb[b].w);
+        mma_bf16(xs[b], one, one, one, one, xb[p][b].x, xb[p][b].y);
+        mma_bf16(xs[b], one, one, one, one, xb[p][b].z, xb[p][b].w);
       }
 #pragma unroll
       for (int t = 0; t < T; ++t) {
@@ -224,8 +226,8 @@ __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, lo
         const uint32_t e2 = lop3_andor(wg >> 12, lo4, magic), e3 = lop3_andor(wh >> 12, lo4, magic);
 #pragma unroll
         for (int b = 0; b < MB; ++b) {
-          mma_bf16(tp[t][b], a0, a1, a2, a3, xb[b].x, xb[b].y);
-          mma_bf16(tp[t][b], e0, e1, e2, e3, xb[b].z, xb[b].w);
+          mma_bf16(tp[t][b], a0, a1, a2, a3, xb[p][b].x, xb[p][b].y);
+          mma_bf16(tp[t][b], e0, e1, e2, e3, xb[p][b].z, xb[p][b].w);
         }
       }
       if (p % PG == PG - 1) {                 // the group ends: scale and offset in fp32
