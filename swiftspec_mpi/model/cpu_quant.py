@@ -97,12 +97,15 @@ class QuantPanels:
             raise ValueError(f"rows [{a}, {a + n}) are not whole panels of a {self.n_out}-row "
                              "weight")
         q, g, kg = -(-n // NB), self.group, self.n_in // self.group
-        codes = unpack_codes(w.qweight) if self.bits == 4 else w.qweight.view(torch.uint8)
-        if self.kind == "k6":
+        if self.bits == 4:
+            codes = unpack_codes(w.qweight)
+        elif self.kind == "k6":
             codes = w.qweight.to(torch.int16) + 32                         # Q6_K's q, 0..63
             if codes.min() < 0 or codes.max() > 63:
                 raise ValueError("6-bit records need codes in [-32, 31] (Q6_K's)")
             codes = codes.to(torch.uint8)
+        else:
+            codes = w.qweight.view(torch.uint8)
         parts = {"scale": w.scale, "offset": w.offset}
         if w.sup is not None:
             parts.update(d=w.sup.d, sc=w.sup.sc, dmin=w.sup.dmin, m=w.sup.m)
