@@ -30,8 +30,8 @@ from swiftspec_mpi.model.quant import (SUPER_BLOCK, PackedInt4, dequantize as de
 from swiftspec_mpi.model.quant_int8 import PackedInt8, dequantize as dequantize8
 
 NB = 16   # outputs per panel (SSQ_NB)
-KIND_CODE = {"q4": 0, "q8": 1, "k4": 2, "k6": 3}     # SSQ_Q4, SSQ_Q8, SSQ_K4, SSQ_K6
-MAX_GROUP = {"q4": 128, "q8": 32, "k4": 128, "k6": 32}
+# record kind: (SSQ_* code in csrc/gemm_q.h, bits a code, code bytes per input per panel, largest group)
+RECORDS = {"q4": (0, 4, 8, 128), "q8": (1, 8, 16, 32), "k4": (2, 4, 8, 128), "k6": (3, 6, 12, 32)}
 
 
 def _kind(w, n_in: int) -> tuple[str, int, bool]:
@@ -64,13 +64,13 @@ class QuantPanels:
 
     def __init__(self, n_out: int, n_in: int, kind: str, group: int, has_offset: bool):
         two_level = kind in ("k4", "k6")
-        if (kind not in KIND_CODE or n_in % group or group % 8 or group > MAX_GROUP[kind]
+        if (kind not in RECORDS or n_in % group or group % 8 or group > RECORDS[kind][3]
                 or two_level and (n_in % SUPER_BLOCK or SUPER_BLOCK % group)):
             raise ValueError(f"no {kind} records with group {group} for K = {n_in}")
         self.n_out, self.n_in = int(n_out), int(n_in)
         self.kind, self.group, self.has_offset = kind, group, bool(has_offset)
-        self.bits = {"q4": 4, "k4": 4, "k6": 6, "q8": 8}[kind]
-        self.code_bytes = group * {"q4": 8, "k4": 8, "k6": 12, "q8": 16}[kind]
+        self.code, self.bits, per_input, _ = RECORDS[kind]
+        self.code_bytes = group * per_input
         if two_level:
             sbg = SUPER_BLOCK // group
             n_rec = n_in // SUPER_BLOCK
@@ -276,7 +276,7 @@ def linear(x: torch.Tensor, w: QuantLinear, b: torch.Tensor | None = None,
     for a, e, s in w.segments:
         bp = 0 if b is None else b.data_ptr() + 4 * a
         if isinstance(s, QuantPanels):
-            _cpu_gemm.gemm_quant(s.blob.data_ptr(), KIND_CODE[s.kind], s.has_offset, s.group, K, e - a, xp,
+            _cpu_gemm.gemm_quant(s.blob.data_ptr(), s.code, s.has_offset, s.group, K, e - a, xp,
                                  x.stride(0), M, yp + 4 * a, ldy, bp, nt)
         else:
             _cpu_gemm.gemm_packed(s.data.data_ptr(), s.is_bf16, K, e - a, xp, x.stride(0), M,
