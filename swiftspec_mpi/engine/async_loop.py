@@ -18,16 +18,18 @@ draft paces itself is the async policy (--async-policy):
                                                          else the remnant of the last one under
                                                          the bonus token; wait only when
                                                          neither has a drafted node (deadline)
-                                                deep:    as remnant, but wait for the fresh
-                                                         tree when that one is a single level
-                                                         deep (MIN_DEPTH)
+                                                deep:    as fresh, but the draft sends that
+                                                         tree only once its best bs nodes are
+                                                         MIN_DEPTH levels deep (or after
+                                                         MIN_DEPTH expansions since the result)
 
 `fresh` is the paper's: the verify group waits for the draft's re-root round trip, so every
 tree it checks holds all the draft made up to the result. `remnant` never waits for the round trip
 when the bonus token was drafted, but its tree holds none of the expansions of the step just
-verified (they come with the re-rooted tree, a step late). `deep` waits for the round trip only
-when what is at hand cannot give more than one draft token (depth 1), where the expansions made
-during the step are worth most. `stream` also never waits, and the
+verified (they come with the re-rooted tree, a step late). `deep` is `fresh` with a floor on the
+tree's depth: the bonus token often lands at the draft's frontier (or outside its tree), and the
+re-rooted tree is then a single level deep, so at most one draft token can be accepted; one more
+expansion (a fraction of a verify step) lifts it to two. `stream` also never waits, and the
 draft sends its best subtree after every expansion, so the verify group starts each step on
 everything drafted up to the moment its result arrived.
 
@@ -53,7 +55,7 @@ from swiftspec_mpi.engine.sent_tree import reroot_sent_tree, tree_depth
 from swiftspec_mpi.trace.record import KIND, SOURCE, step_row
 
 ACT_EXPAND, ACT_SEND, ACT_RESULT, ACT_STOP = 1, 2, 3, 4
-MIN_DEPTH = 2    # `deep`: a tree at hand shallower than this waits for the fresh one
+MIN_DEPTH = 2    # `deep`: the draft sends a re-rooted tree at least this deep (levels under the root)
 
 
 def send_size(cfg) -> int:
@@ -69,8 +71,7 @@ class TreeInbox:
 
     def __init__(self, ctx: EngineContext, chan: LeaderChannel, request: int):
         self.ctx, self.chan, self.request = ctx, chan, request
-        self.wait_fresh = ctx.cfg.async_policy == "fresh"
-        self.min_depth = MIN_DEPTH if ctx.cfg.async_policy == "deep" else 0
+        self.wait_fresh = ctx.cfg.async_policy in ("fresh", "deep")
         self.req = ctx.topo.inter.Irecv(chan.tree, source=0, tag=TAG_TREE)
         self.local = None          # (tokens, parents) rooted at the current root, best-first
         self.meta = NO_META        # the TreeMeta of the message self.local came from
@@ -108,13 +109,12 @@ class TreeInbox:
             return False
         if self.source == SOURCE["fresh"]:
             return True
-        return not self.wait_fresh and tree_depth(self.local[1][:bs]) >= self.min_depth
+        return not self.wait_fresh
 
     def next_tree(self, committed: list[int], bs: int, wait_what: str):
         """-> (tokens int64[n <= bs], parents int32[n], nodes at hand) to verify now; blocks
-        while the policy's tree is not at hand (`fresh`: the one built on the latest result;
-        `deep`: that one unless the tree at hand is MIN_DEPTH deep; else any with at least one
-        drafted node)."""
+        while the policy's tree is not at hand (`fresh`, `deep`: the one built on the latest
+        result; else any with at least one drafted node)."""
         while self.req.Test():
             self._take(committed)
         while not self._ready(bs):
@@ -264,6 +264,15 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     paced = d > 0
     results, exp_at_result, exp_at_previous = 0, 0, 0   # see protocol.TreeMeta
 
+    floor = min(MIN_DEPTH, bs - 1) if cfg.async_policy == "deep" else 0
+
+    def deep_enough() -> bool:
+        """`deep`: the best bs nodes reach `floor` levels, or MIN_DEPTH expansions were made
+        since the result (a bound on the verify group's wait); other policies: always."""
+        if floor == 0 or n_expand - exp_at_result >= MIN_DEPTH:
+            return True
+        return tree_depth(draft.best_subtree(bs)[1]) >= floor
+
     def send_tree(tokens, parents):
         meta = TreeMeta(results, n_expand, exp_at_result, exp_at_previous, clock.now())
         send_within(topo.inter, chan.pack_tree(request, seq, draft.tree.root_pos, tokens, parents, meta=meta),
@@ -278,13 +287,15 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
                 action = ACT_STOP
             elif result_req.Test():
                 action = ACT_RESULT
-            elif owe_tree and draft.root_expanded():
+            elif owe_tree and draft.root_expanded() and deep_enough():
                 action = ACT_SEND
             else:
-                paced_out = paced and n_expand - exp_at_result >= d
+                paced_out = paced and n_expand - exp_at_result >= d and not owe_tree
                 leaves = draft.select() if not paced_out else np.zeros(0, dtype=np.int32)
                 if len(leaves):
                     action = ACT_EXPAND
+                elif owe_tree and draft.root_expanded():   # `deep`, and the tree cannot grow
+                    action = ACT_SEND
                 else:   # paced out, or tree (or KV) full: wait for the next verdict
                     tw = clock.now()
                     try:
