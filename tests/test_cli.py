@@ -127,7 +127,7 @@ def test_async_policy_is_validated():
     assert validate_basic(RunConfig(mode="async", prompt="x"), 2).async_policy == DEFAULT_ASYNC_POLICY
     for policy in ASYNC_POLICIES:
         assert validate_basic(RunConfig(mode="async", prompt="x", async_policy=policy), 2).async_policy == policy
-    with pytest.raises(UserError, match="unknown async policy 'eager'; use --async-policy stream, remnant, fresh, deep"):
+    with pytest.raises(UserError, match="unknown async policy 'eager'; use --async-policy stream, remnant, fresh, deep, floor"):
         validate_basic(RunConfig(mode="async", prompt="x", async_policy="eager"), 2)
 
 

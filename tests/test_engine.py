@@ -93,6 +93,9 @@ def test_greedy_equals_ar(pair, prompts_file, tmp_path, ar_reference, mode, n, e
             assert np.all(steps["tree_source"] == 0) and np.all(steps["fresh_wait_s"] == 0)
         elif "fresh" in extra or "deep" in extra:   # wait for the tree built on the latest result
             assert np.all(steps["tree_source"] == 0)
+        elif "floor" in extra:   # a tree not built on the latest result only when 2+ levels deep
+            from swiftspec_mpi.engine.async_loop import MIN_DEPTH
+            assert np.all(steps["tree_depth"][steps["tree_source"] != 0] >= MIN_DEPTH)
     if mode == "async":      # CPU ranks share no GPU: the draft never pauses unless asked
         assert json.loads(root["env_json"])["draft_pace"] == 0
 

@@ -22,6 +22,8 @@ draft paces itself is the async policy (--async-policy):
                                                          tree only once its best bs nodes are
                                                          MIN_DEPTH levels deep (or after
                                                          MIN_DEPTH expansions since the result)
+                                                floor:   as remnant while the tree at hand is
+                                                         MIN_DEPTH deep, else as deep
 
 `fresh` is the paper's: the verify group waits for the draft's re-root round trip, so every
 tree it checks holds all the draft made up to the result. `remnant` never waits for the round trip
@@ -29,7 +31,8 @@ when the bonus token was drafted, but its tree holds none of the expansions of t
 verified (they come with the re-rooted tree, a step late). `deep` is `fresh` with a floor on the
 tree's depth: the bonus token often lands at the draft's frontier (or outside its tree), and the
 re-rooted tree is then a single level deep, so at most one draft token can be accepted; one more
-expansion (a fraction of a verify step) lifts it to two. `stream` also never waits, and the
+expansion (a fraction of a verify step) lifts it to two. `floor` waits only then: it goes on
+with the tree at hand (as `remnant`) while that is two levels deep. `stream` also never waits, and the
 draft sends its best subtree after every expansion, so the verify group starts each step on
 everything drafted up to the moment its result arrived.
 
@@ -55,7 +58,12 @@ from swiftspec_mpi.engine.sent_tree import reroot_sent_tree, tree_depth
 from swiftspec_mpi.trace.record import KIND, SOURCE, step_row
 
 ACT_EXPAND, ACT_SEND, ACT_RESULT, ACT_STOP = 1, 2, 3, 4
-MIN_DEPTH = 2    # `deep`: the draft sends a re-rooted tree at least this deep (levels under the root)
+MIN_DEPTH = 2    # `deep`, `floor`: the depth (levels under the root) of a tree worth waiting for
+
+
+def depth_floor(policy: str, bs: int) -> int:
+    """The depth a re-rooted tree must reach before the draft sends it (0: at once)."""
+    return min(MIN_DEPTH, bs - 1) if policy in ("deep", "floor") else 0
 
 
 def send_size(cfg) -> int:
@@ -71,7 +79,9 @@ class TreeInbox:
 
     def __init__(self, ctx: EngineContext, chan: LeaderChannel, request: int):
         self.ctx, self.chan, self.request = ctx, chan, request
-        self.wait_fresh = ctx.cfg.async_policy in ("fresh", "deep")
+        policy, bs = ctx.cfg.async_policy, ctx.cfg.verify_size
+        self.wait_fresh = policy in ("fresh", "deep")
+        self.min_depth = depth_floor(policy, bs) if policy == "floor" else 0
         self.req = ctx.topo.inter.Irecv(chan.tree, source=0, tag=TAG_TREE)
         self.local = None          # (tokens, parents) rooted at the current root, best-first
         self.meta = NO_META        # the TreeMeta of the message self.local came from
@@ -109,12 +119,13 @@ class TreeInbox:
             return False
         if self.source == SOURCE["fresh"]:
             return True
-        return not self.wait_fresh
+        return not self.wait_fresh and tree_depth(self.local[1][:bs]) >= self.min_depth
 
     def next_tree(self, committed: list[int], bs: int, wait_what: str):
         """-> (tokens int64[n <= bs], parents int32[n], nodes at hand) to verify now; blocks
         while the policy's tree is not at hand (`fresh`, `deep`: the one built on the latest
-        result; else any with at least one drafted node)."""
+        result; `floor`: that one unless the tree at hand is MIN_DEPTH deep; else any with at
+        least one drafted node)."""
         while self.req.Test():
             self._take(committed)
         while not self._ready(bs):
@@ -264,11 +275,11 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     paced = d > 0
     results, exp_at_result, exp_at_previous = 0, 0, 0   # see protocol.TreeMeta
 
-    floor = min(MIN_DEPTH, bs - 1) if cfg.async_policy == "deep" else 0
+    floor = depth_floor(cfg.async_policy, bs)
 
     def deep_enough() -> bool:
-        """`deep`: the best bs nodes reach `floor` levels, or MIN_DEPTH expansions were made
-        since the result (a bound on the verify group's wait); other policies: always."""
+        """`deep`, `floor`: the best bs nodes reach `floor` levels, or MIN_DEPTH expansions were
+        made since the result (a bound on the verify group's wait); other policies: always."""
         if floor == 0 or n_expand - exp_at_result >= MIN_DEPTH:
             return True
         return tree_depth(draft.best_subtree(bs)[1]) >= floor
@@ -294,7 +305,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
                 leaves = draft.select() if not paced_out else np.zeros(0, dtype=np.int32)
                 if len(leaves):
                     action = ACT_EXPAND
-                elif owe_tree and draft.root_expanded():   # `deep`, and the tree cannot grow
+                elif owe_tree and draft.root_expanded():   # a depth floor, and the tree cannot grow
                     action = ACT_SEND
                 else:   # paced out, or tree (or KV) full: wait for the next verdict
                     tw = clock.now()
