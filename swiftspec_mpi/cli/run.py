@@ -43,8 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                           "expansion), else the rest of the last one; remnant: the same, "
                                           "the draft sending only after each result; fresh: wait for the "
                                           "tree the draft re-rooted on the latest result (the paper's); "
-                                          "deep: fresh, the draft sending it once 2 levels deep; floor: remnant while the tree at "
-                                          "hand is 2 levels deep, else deep. "
+                                          "deep: fresh, the draft sending it once 2 levels deep; "
+                                          "floor: remnant while the tree at hand is 2 levels deep, "
+                                          "else deep. "
                                           "Default: " + DEFAULT_ASYNC_POLICY)
     g.add_argument("--threads", type=int, help="torch threads per rank (default: the node's cores / "
                                                "ranks on the node; ranks are pinned to disjoint cores)")

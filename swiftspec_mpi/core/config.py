@@ -18,7 +18,8 @@ from swiftspec_mpi.core.errors import UserError
 MODES = ("async", "sync", "ar")
 # how the async verify group picks its next tree (engine/async_loop.py): fresh = wait for the tree
 # the draft re-rooted on the latest result (the paper's); remnant = continue on the rest of the
-# last tree; stream = the draft sends after every expansion
+# last tree; stream = the draft sends after every expansion; deep = fresh, sent once 2 levels
+# deep; floor = remnant while the tree at hand is 2 levels deep, else deep
 ASYNC_POLICIES = ("stream", "remnant", "fresh", "deep", "floor")
 DEFAULT_ASYNC_POLICY = "remnant"
 INTERACTIVE_CONTEXT = 4096    # default KV slots with --interactive / --serve (prompts unknown ahead)

@@ -81,7 +81,7 @@ class TreeInbox:
         self.ctx, self.chan, self.request = ctx, chan, request
         policy, bs = ctx.cfg.async_policy, ctx.cfg.verify_size
         self.wait_fresh = policy in ("fresh", "deep")
-        self.min_depth = depth_floor(policy, bs) if policy == "floor" else 0
+        self.min_depth = depth_floor(policy, bs)     # (`deep` waits for the fresh tree anyway)
         self.req = ctx.topo.inter.Irecv(chan.tree, source=0, tag=TAG_TREE)
         self.local = None          # (tokens, parents) rooted at the current root, best-first
         self.meta = NO_META        # the TreeMeta of the message self.local came from
