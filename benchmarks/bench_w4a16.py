@@ -14,10 +14,14 @@ PDL (w4a16.default_config's variant, what the model runs);
 torch's kernel reads [K/g, N, 2] bf16 scales-and-zeros: its bytes are counted the same way.
 The peer's "stack" rows time every projection of a layer x layers, the GEMM part of its step.
 
-step: per shape and GEMV variant (--configs), int4 (group 128) model with a `context`-slot prefix: one token (the graph with
-the argmax read: wall time with the sync, as the engine's verify step), an 8-node tree verify
-(argmax read), the w = 8 leaf expansion with the top-8 read (drafts); weights GB, bytes a step
-streams, its floor at the copy bandwidth, peak memory.
+step: per shape, LM head (--heads: bf16 as loaded, int4 as `--head-bits 4` packs it) and GEMV
+variant (--configs), int4 (group 128) model with a `context`-slot prefix: one token (the graph
+with the argmax read: wall time with the sync, as the engine's verify step), an 8-node tree
+verify (argmax read), the w = 8 leaf expansion with the top-8 read (drafts); weights GB, bytes a
+step streams, its floor at the copy bandwidth, peak memory. --peer SHAPES then times the
+gpt-fast-style int4 step (bench_gptfast_int4.py) at those shapes in the same process.
+
+    python benchmarks/bench_w4a16.py step --configs rule --peer llama-3.2-1b,llama-3-8b,llama-3-70b
 """
 from __future__ import annotations
 
@@ -126,54 +130,11 @@ def bench_gemv(args) -> dict:
             print(f"| {shape} | {m} | {tt:.2f} | (step table) |", flush=True)
         del tws, ows
         torch.cuda.empty_cache()
-    return res
-
-
-def bench_step(args) -> dict:
-    from bench_gpu_step import cuda_time, tree_mask      # the same folder: the bf16 step's timers
-    from swiftspec_mpi.core.comm import SingleComm
-    from swiftspec_mpi.gpu import w4a16
-    from swiftspec_mpi.gpu.graphs import GraphedModel
-    from swiftspec_mpi.model.dummy import dummy_model
-    from swiftspec_mpi.model.transformer import chain_mask
-    bw = copy_bandwidth(2 << 30) / 1e12
-    print(f"copy bandwidth {bw:.2f} TB/s\n")
-    ctx = args.context
-    res = {"copy_tbs": bw, "rows": []}
-    print("| shape (int4 g128) | GEMV (T,U,E) | weights GB | step GB | floor ms | 1 token ms | 8-node verify ms | "
-          "ratio | w=8 expand + top-8 ms | peak mem GB | load s |")
-    print("|" + "---|" * 11)
-    for shape in args.shapes.split(","):
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        model, _ = dummy_model(shape, SingleComm(), ctx + 128, torch.bfloat16, "cuda", quant="int4")
-        torch.cuda.synchronize()
-        load_s = time.perf_counter() - t0
-        pre = torch.randint(0, 4000, (ctx,), device="cuda")
-        model.forward(pre, torch.arange(ctx, device="cuda"), 0, chain_mask(0, ctx).cuda())
-        for cfg in args.configs:
-            w4a16.set_default(cfg)              # the graphs below capture this GEMV variant (None: the rule)
-            gm = GraphedModel(model)
-            r = {"shape": shape, "config": cfg or "rule", "weights_gb": model.weight_bytes() / 1e9,
-                 "step_gb": model.step_read_bytes() / 1e9}
-            r["floor_ms"] = r["step_gb"] * 1e9 / (bw * 1e12) * 1e3
-            for n in (1, 8):
-                toks = torch.randint(0, 4000, (n,))
-                pos = torch.arange(ctx, ctx + n)
-                mask = tree_mask(ctx, n)
-                r[f"argmax_{n}"] = cuda_time(lambda: gm.forward_argmax(toks, pos, ctx, mask), iters=60)
-                if n == 8:
-                    r["topk_8"] = cuda_time(lambda: gm.forward_topk_logprobs(toks, pos, ctx, mask, 8), iters=60)
-            r["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
-            r["load_s"] = load_s
-            res["rows"].append(r)
-            print(f"| {shape} | {cfg or 'rule'} | {r['weights_gb']:.2f} | {r['step_gb']:.2f} | {r['floor_ms']:.2f} | "
-                  f"{r['argmax_1']:.3f} | {r['argmax_8']:.3f} | {r['argmax_8'] / r['argmax_1']:.2f} | {r['topk_8']:.3f} | "
-                  f"{r['peak_gb']:.1f} | {load_s:.1f} |", flush=True)
-            del gm
-        w4a16.set_default(None)
-        del model
-        torch.cuda.empty_cache()
+    if args.peer:
+        import bench_gptfast_int4 as peer    # same folder: gpt-fast-style int4 step, same process
+        print("\nThe peer in the same run (gpt-fast-style, torch.compile, tinygemm int4, LM head int4):\n")
+        peer.header()
+        res["peer"] = peer.run(args.peer.split(","), ctx)
     return res
 
 
@@ -187,6 +148,11 @@ def main():
                                                  for c in s.split(",")],
                     default=[None, (1, 2, 0)], help="GEMV variants T/U/E to time the step with ('rule': "
                                                     "w4a16.default_config's choice per shape)")
+    ap.add_argument("--heads", type=lambda s: s.split(","), default=["bf16", "int4"],
+                    help="step: LM heads to time the step with, in this order (bf16: as loaded; int4: "
+                         "Transformer.quantize_head, as --head-bits 4)")
+    ap.add_argument("--peer", default="", help="step: shapes to time the gpt-fast-style int4 step at "
+                                              "afterwards, in the same process (bench_gptfast_int4.py)")
     ap.add_argument("--no-stack", dest="stack", action="store_false",
                     help="gemv: leave out torch's projection stack of a whole step")
     ap.add_argument("--json")

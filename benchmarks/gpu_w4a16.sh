@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One call on the H200 machine for the 4-bit GPU path: build, the W4A16 tests, the GEMV and step
-# benchmarks (torch's int4 kernel re-run beside ours), engine runs with the 4-bit Llama-3-70B target.
+# benchmarks (torch's int4 kernel and the gpt-fast-style int4 step re-run beside ours), engine runs with
+# the 4-bit Llama-3-70B target.
 #   run via the device tool:  bash benchmarks/gpu_w4a16.sh     (summaries under $OUT)
 # PARTS picks what runs (default "tests gemv step engine"); "gputests" runs `pytest -m gpu` on
 # every GPU test file. TARGET (default llama-3-70b) and DRAFTS (default "llama-3.2-3b
 # llama-3.2-1b") pick the engine runs' shapes; POLICIES (default "remnant") the --async-policy of
-# the `async` runs, one run each. Full traces go to $RUNS (default /tmp/w4runs).
+# the `async` runs, one run each; RUN_ARGS (e.g. "--head-bits 4") goes to every engine run. STEP_ARGS
+# replaces the step benchmark's arguments. Full traces go to $RUNS (default /tmp/w4runs).
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 PARTS=${PARTS:-"tests gemv step engine"}
@@ -33,7 +35,8 @@ if part gemv; then
 fi
 if part step; then
   echo "== 4-bit step"
-  timeout 300 python3 benchmarks/bench_w4a16.py step --json "$OUT/step.json" 2>&1 | tee "$OUT/step.md"
+  timeout ${STEP_TIMEOUT:-480} python3 benchmarks/bench_w4a16.py step ${STEP_ARGS:---configs rule --peer llama-3.2-1b,llama-3-8b,llama-3-70b} \
+    --json "$OUT/step.json" 2>&1 | tee "$OUT/step.md"
   echo "step done at $((SECONDS - T0)) s"
 fi
 if part engine; then
@@ -47,7 +50,7 @@ if part engine; then
     local smi=$!
     timeout ${RUN_TIMEOUT:-170} $MPI -n $n $SW run --load-format dummy --quant int4 --target "$TARGET" \
       --device cuda --dtype bfloat16 --prompt "$P" --max-new-tokens 128 --ignore-eos \
-      --out "$RUNS/$name.h5" --overwrite --quiet "$@" > "$RUNS/$name.log" 2>&1 || tail -5 "$RUNS/$name.log"
+      --out "$RUNS/$name.h5" --overwrite --quiet ${RUN_ARGS:-} "$@" > "$RUNS/$name.log" 2>&1 || tail -5 "$RUNS/$name.log"
     kill $smi 2>/dev/null; wait $smi 2>/dev/null
     $SW analyze "$RUNS/$name.h5" > "$RUNS/$name.txt" 2>&1
     echo "-- $name ($((SECONDS - T0)) s), GPU memory used at most $(sort -n "$RUNS/$name.mem" | tail -1) MiB"

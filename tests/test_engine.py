@@ -17,6 +17,7 @@ import pytest
 
 from engine_helpers import greedy_gaps, read_outputs, read_requests, read_root, run_swiftspec, write_prompts
 from swiftspec_mpi.core.config import ASYNC_POLICIES, DEFAULT_ASYNC_POLICY
+from swiftspec_mpi.engine.async_loop import MIN_DEPTH, POLICIES
 
 pytestmark = pytest.mark.mpi
 
@@ -91,13 +92,20 @@ def test_greedy_equals_ar(pair, prompts_file, tmp_path, ar_reference, mode, n, e
         assert np.all(waits[np.isfinite(waits)] >= 0) and np.isfinite(waits).mean() > 0.5
         if mode == "sync":
             assert np.all(steps["tree_source"] == 0) and np.all(steps["fresh_wait_s"] == 0)
-        elif "fresh" in extra or "deep" in extra:   # wait for the tree built on the latest result
-            assert np.all(steps["tree_source"] == 0)
-        elif "floor" in extra:   # a tree not built on the latest result only when 2+ levels deep
-            from swiftspec_mpi.engine.async_loop import MIN_DEPTH
-            assert np.all(steps["tree_depth"][steps["tree_source"] != 0] >= MIN_DEPTH)
+        else:
+            policy = POLICIES[extra[extra.index("--async-policy") + 1] if "--async-policy" in extra
+                              else DEFAULT_ASYNC_POLICY]
+            if policy.waits_fresh:   # `fresh`, `deep`: the tree built on the latest result
+                assert np.all(steps["tree_source"] == 0)
+            elif policy.floored:     # `floor`: another tree only when MIN_DEPTH levels deep
+                assert np.all(steps["tree_depth"][steps["tree_source"] != 0] >= MIN_DEPTH)
     if mode == "async":      # CPU ranks share no GPU: the draft never pauses unless asked
         assert json.loads(root["env_json"])["draft_pace"] == 0
+
+
+def test_every_async_policy_has_rules():
+    """The CLI's policy names and the engine's policy table are the same set."""
+    assert set(POLICIES) == set(ASYNC_POLICIES) and DEFAULT_ASYNC_POLICY in POLICIES
 
 
 def test_expansions_pace_the_async_draft(pair, prompts_file, tmp_path, ar_reference):

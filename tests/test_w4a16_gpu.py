@@ -4,7 +4,7 @@ CPU: the device layout's repacking is a bijection that puts each code where the 
 GPU (marked gpu): the GEMV against a float64 product of the dequantized weights for every M in
 1..32, groups 32 and 128 (64 once), Llama-3-8B and -70B projection shapes, fresh random inputs,
 poisoned outputs; the dequantization exact; PDL launches in a CUDA graph; the fused all-reduce at
-TP = 1; a 4-bit model's graphed step against its eager forward.
+TP = 1; a 4-bit model's graphed step against its eager forward; the 4-bit LM head (--head-bits 4).
 """
 from __future__ import annotations
 
@@ -217,6 +217,33 @@ def test_int4_model_graphed_step_matches_eager():
         assert rel_err(graphed, eager) < 3e-2, n
 
 
+@pytest.mark.gpu
+@needs_gpu
+def test_quantized_head_is_rtn_4bit_and_near_the_bf16_head():
+    """--head-bits 4 (packed_layers.quantize_head): the kernels' weights are the round-to-nearest
+    4-bit head (codes - zeros) * fp16 scales to bf16 rounding of scale and offset; its logits
+    through the GEMV stay within 4-bit error of the bf16 head's (random N(0, 0.02) rows)."""
+    from swiftspec_mpi.model.hf_quant import quantize_rtn
+    from swiftspec_mpi.model.packed_layers import HEAD_GROUP, quantize_head
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    head = (torch.randn(4096 + 16, 1024, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    w = quantize_head(head, "cuda", rows_per_step=1000)          # chunks that do not divide the rows
+    assert isinstance(w, w4a16.W4A16Weight) and w.shape == tuple(head.shape) and w.group == HEAD_GROUP
+    codes, zeros, scales = quantize_rtn(head.float(), HEAD_GROUP)
+    g = HEAD_GROUP
+    rtn = ((codes.float().view(-1, 1024 // g, g) - zeros.float().unsqueeze(-1)) * scales.float().unsqueeze(-1))
+    kern = dequantize(w4a16.to_packed(w)).cuda().float()
+    assert rel_err(kern, rtn.view(head.shape)) < 1e-2
+    weight_err = rel_err(kern, head.float())
+    assert 0.01 < weight_err < 0.15, weight_err                # a 4-bit weight's error, not bf16's
+    x = torch.randn(8, 1024, generator=gen, device="cuda").to(torch.bfloat16)
+    logits = w4a16.gemm(x, w).double()
+    ref = x.double() @ head.double().t()
+    print(f"4-bit head: weight rel. error {weight_err:.4f}, logits rel. error {rel_err(logits, ref):.4f}")
+    assert rel_err(logits, ref) < 0.15
+    assert rel_err(logits, x.double() @ kern.double().t()) < TOL
+
+
 def test_quant_flag_checks(monkeypatch, tmp_path):
     """--quant: unknown values refused up front; int4 on the GPU needs bf16 and weights it can run
     packed there (random ones, or an AWQ/GPTQ folder: model.load.gpu_packed), not a GGUF file or a
@@ -254,6 +281,15 @@ def test_quant_flag_checks(monkeypatch, tmp_path):
     with pytest.raises(UserError, match="GGUF file.*--device cpu"):
         load.gpu_packed(str(gguf), "int4")
     assert not load.gpu_packed(str(gguf), "auto")
+    # --head-bits 4: the GPU's 4-bit models only
+    with pytest.raises(UserError, match="--head-bits must be 16 or 4"):
+        validate_basic(RunConfig(head_bits=8), 1)
+    monkeypatch.setattr(job, "_gpu_visible", lambda: True)
+    job.check_head_bits(RunConfig(**ok, head_bits=4))
+    job.check_head_bits(RunConfig(**{**ok, "quant": "auto"}, head_bits=4))   # AWQ/GPTQ folders resolve to int4
+    for bad in ({"device": "cpu", "dtype": "float32"}, {"quant": "none"}):
+        with pytest.raises(UserError, match="--head-bits 4 packs the LM head.*drop --head-bits"):
+            job.check_head_bits(RunConfig(**{**ok, **bad}, head_bits=4))
 
 
 @pytest.mark.gpu
@@ -299,6 +335,18 @@ def test_real_4bit_checkpoint_runs_packed_on_the_gpu(tmp_path, layout):
             assert json.loads(f.attrs["config_json"])["quant"] == "int4", name
         outs[name] = read_outputs(out)[0]
     assert outs["ar"] == outs["sync"] == outs["async"], outs
+    head4 = {}
+    for name, n, mode in (("ar-head4", 1, "ar"), ("async-head4", 2, "async")):   # --head-bits 4
+        out = tmp_path / f"{name}.h5"
+        run_swiftspec(n, ["--target", target, "--draft", draft, "--mode", mode, "--head-bits", "4",
+                          "--device", "cuda", "--dtype", "bfloat16", "--prompt", prompt,
+                          "--max-new-tokens", "32", "--ignore-eos", "--out", str(out), "--quiet"], timeout=400)
+        with h5py.File(out, "r") as f:
+            assert json.loads(f.attrs["config_json"])["head_bits"] == 4, name
+        head4[name] = read_outputs(out)[0]
+    assert head4["ar-head4"] == head4["async-head4"], head4
+    same = next((i for i, (a, b) in enumerate(zip(outs["ar"], head4["ar-head4"])) if a != b), None)
+    print(f"{layout}: greedy tokens with the 4-bit head first differ from the bf16 head's at", same)
     first = next((i for i, (a, b) in enumerate(zip(outs["ar"], outs["cpu"])) if a != b), None)
     print(f"{layout}: GPU and CPU greedy tokens first differ at", first)
     if first is not None:    # bf16 activations: the CPU's choice there must be a near tie

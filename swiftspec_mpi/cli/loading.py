@@ -77,7 +77,8 @@ def load_models(cfg, topo, device):
 
 
 def load_one(cfg, path, comm, dtype, device, num_layers):
-    """-> (model, tokenizer); on a GPU with bf16 and the fused kernels, the model replays CUDA
+    """-> (model, tokenizer), the LM head packed 4-bit with --head-bits 4 (4-bit models on the
+    GPU); on a GPU with bf16 and the fused kernels, the model replays CUDA
     graphs for its decode-sized forwards (gpu.graphs.GraphedModel, same interface) unless
     SWIFTSPEC_NO_GRAPHS=1."""
     if cfg.load_format == "dummy":
@@ -85,6 +86,8 @@ def load_one(cfg, path, comm, dtype, device, num_layers):
     else:
         model, tok = checkpoint.load_model(path, comm=comm, max_slots=cfg.max_context, dtype=dtype,
                                            device=device, num_layers=num_layers, quant=cfg.quant)
+    if cfg.head_bits == 4 and model.quant4:
+        model.quantize_head()
     if device.startswith("cuda") and not switches.flag("SWIFTSPEC_NO_GRAPHS"):
         if graphs_supported(model):
             model = GraphedModel(model)

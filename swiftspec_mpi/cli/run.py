@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (default): a quantized checkpoint runs packed 4-bit, a dense one dense; "
                         "int4: packed 4-bit weights (with --load-format dummy: random ones, group 128); "
                         "none: dequantize a quantized checkpoint to --dtype")
+    m.add_argument("--head-bits", type=int, choices=(16, 4),
+                   help="16 (default): the LM head as loaded; 4: packed 4-bit at load (round-to-nearest, "
+                        "group 128; GPU with --quant int4): a quarter of its bytes a step, 4-bit logits")
     m.add_argument("--dtype", help="float32 (default) | bfloat16 | float16")
     g = p.add_argument_group("parallel layout")
     g.add_argument("--mode", help=f"{' | '.join(MODES)} (default async)")
@@ -106,7 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     del S
 
 
-FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "quant", "dtype", "mode", "draft_ranks",
+FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "quant", "head_bits", "dtype", "mode", "draft_ranks",
                "async_policy", "threads", "device", "prompt", "prompts", "interactive", "serve", "serve_max_body",
                "serve_read_timeout", "chat", "max_new_tokens", "stop",
                "stop_token_ids", "ignore_eos", "temperature", "seed", "sampling_rule", "tree_width", "tree_topk",

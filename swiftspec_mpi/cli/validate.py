@@ -44,6 +44,7 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
         if path is not None and cfg.load_format != "dummy":   # dummy: shape names, no files
             check_weight_files(path, mcfg)
     resolve_quant(cfg)
+    check_head_bits(cfg)
     # tensor-parallel degrees must divide the heads
     if cfg.mode == "async":
         groups = [("target", tcfg, world_size - cfg.draft_ranks), ("draft", dcfg, cfg.draft_ranks)]
@@ -291,6 +292,14 @@ def resolve_quant(cfg: C.RunConfig) -> None:
         packed = {checkpoint.packed_group(p, cfg.quant, cfg.load_format) is not None for p in models}
     if cfg.quant == "auto" and len(packed) == 1:
         cfg.quant = "int4" if packed.pop() else "none"
+
+
+def check_head_bits(cfg: C.RunConfig) -> None:
+    """--head-bits 4 packs the LM head for the GPU's 4-bit kernels: only where they run."""
+    if cfg.head_bits == 4 and (_on_cpu(cfg) or cfg.quant == "none"):
+        raise UserError("--head-bits 4 packs the LM head for the GPU's 4-bit kernels; it needs a GPU "
+                        "(--device cuda) and 4-bit models (--quant int4 or auto with AWQ/GPTQ "
+                        "checkpoints); drop --head-bits")
 
 
 def resolve_models(cfg: C.RunConfig):

@@ -58,6 +58,7 @@ class RunConfig:
     draft_layers: int | None = None    # truncate the draft to its first N layers (self-speculation)
     load_format: str = "auto"          # auto | dummy (random weights at the checkpoint's shape)
     quant: str = "auto"                # auto | int4 | none: packed 4-bit weights (model/quant.py)
+    head_bits: int = 16                # 16 | 4: the LM head as loaded, or packed 4-bit at load (GPU int4)
     # parallel layout
     mode: str = "async"
     draft_ranks: int | None = None     # async: ranks in the draft group (default: 1, or world/4 from 8 ranks)
@@ -233,6 +234,8 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         raise UserError(f"unknown load format '{cfg.load_format}'; use auto or dummy")
     if cfg.quant not in QUANTS:
         raise UserError(f"unknown --quant '{cfg.quant}'; use {', '.join(QUANTS)}")
+    if cfg.head_bits not in (16, 4):
+        raise UserError(f"--head-bits must be 16 or 4, got {cfg.head_bits}")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise UserError(f"unknown device '{cfg.device}'; use auto, cpu or cuda")
     positive = {"max_new_tokens": cfg.max_new_tokens, "tree_topk": cfg.tree_topk,

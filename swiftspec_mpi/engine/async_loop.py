@@ -46,6 +46,8 @@ preallocated buffer, so the tree and KV of every rank of a group stay identical.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from mpi4py import MPI
 
@@ -61,16 +63,35 @@ ACT_EXPAND, ACT_SEND, ACT_RESULT, ACT_STOP = 1, 2, 3, 4
 MIN_DEPTH = 2    # `deep`, `floor`: the depth (levels under the root) of a tree worth waiting for
 
 
+@dataclass(frozen=True)
+class AsyncPolicy:
+    """What an --async-policy does (the module docstring tells why)."""
+    waits_fresh: bool   # the verify group waits for the tree the draft re-rooted on its latest result
+    floored: bool       # MIN_DEPTH floor: the draft sends a re-rooted tree once its best bs nodes are
+    #                     that deep, and the verify group goes on with a tree at hand only if it is
+    streams: bool       # the draft sends its best subtree after every expansion
+
+
+POLICIES = {            # the names of core.config.ASYNC_POLICIES
+    "stream": AsyncPolicy(waits_fresh=False, floored=False, streams=True),
+    "remnant": AsyncPolicy(waits_fresh=False, floored=False, streams=False),
+    "fresh": AsyncPolicy(waits_fresh=True, floored=False, streams=False),
+    "deep": AsyncPolicy(waits_fresh=True, floored=True, streams=False),
+    "floor": AsyncPolicy(waits_fresh=False, floored=True, streams=False),
+}
+
+
 def depth_floor(policy: str, bs: int) -> int:
-    """The depth a re-rooted tree must reach before the draft sends it (0: at once)."""
-    return min(MIN_DEPTH, bs - 1) if policy in ("deep", "floor") else 0
+    """The depth a re-rooted tree must reach before the draft sends it (0: at once), and the
+    least depth of a tree at hand the verify group goes on with (0: any)."""
+    return min(MIN_DEPTH, bs - 1) if POLICIES[policy].floored else 0
 
 
 def send_size(cfg) -> int:
     """Nodes per tree message: 4 x bs, so the verify leader can continue under the bonus token
     for a step or two without waiting for the draft's next tree; 8 x bs with `stream`, whose
     trees are mostly rooted a step back (cut below the accepted tokens, they keep more)."""
-    return min(cfg.tree_capacity, (8 if cfg.async_policy == "stream" else 4) * cfg.verify_size)
+    return min(cfg.tree_capacity, (8 if POLICIES[cfg.async_policy].streams else 4) * cfg.verify_size)
 
 
 class TreeInbox:
@@ -80,7 +101,7 @@ class TreeInbox:
     def __init__(self, ctx: EngineContext, chan: LeaderChannel, request: int):
         self.ctx, self.chan, self.request = ctx, chan, request
         policy, bs = ctx.cfg.async_policy, ctx.cfg.verify_size
-        self.wait_fresh = policy in ("fresh", "deep")
+        self.wait_fresh = POLICIES[policy].waits_fresh
         self.min_depth = depth_floor(policy, bs)     # (`deep` waits for the fresh tree anyway)
         self.req = ctx.topo.inter.Irecv(chan.tree, source=0, tag=TAG_TREE)
         self.local = None          # (tokens, parents) rooted at the current root, best-first
@@ -271,18 +292,21 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     result_req = topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT) if leader else None
     seq = 0
     n_expand = 0
-    stream, d = cfg.async_policy == "stream", int(ctx.draft_pace)
+    stream, d = POLICIES[cfg.async_policy].streams, int(ctx.draft_pace)
     paced = d > 0
     results, exp_at_result, exp_at_previous = 0, 0, 0   # see protocol.TreeMeta
 
     floor = depth_floor(cfg.async_policy, bs)
+    to_send = None             # the leader: the subtree deep_enough() found ready to send
 
-    def deep_enough() -> bool:
-        """`deep`, `floor`: the best bs nodes reach `floor` levels, or MIN_DEPTH expansions were
-        made since the result (a bound on the verify group's wait); other policies: always."""
-        if floor == 0 or n_expand - exp_at_result >= MIN_DEPTH:
-            return True
-        return tree_depth(draft.best_subtree(bs)[1]) >= floor
+    def deep_enough():
+        """-> the best m nodes (tokens, parents) to send now, or None: with a depth floor (`deep`,
+        `floor`) only once the best bs of them (their prefix) reach `floor` levels or MIN_DEPTH
+        expansions were made since the result (a bound on the verify group's wait)."""
+        sub = draft.best_subtree(m)
+        if floor == 0 or n_expand - exp_at_result >= MIN_DEPTH or tree_depth(sub[1][:bs]) >= floor:
+            return sub
+        return None
 
     def send_tree(tokens, parents):
         meta = TreeMeta(results, n_expand, exp_at_result, exp_at_previous, clock.now())
@@ -293,12 +317,12 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
         # 1. the leader decides what the whole group does next (a stop signal included: the
         #    group then leaves together, none of it blocked in a collective)
         if leader:
-            leaves = None
+            leaves, to_send = None, None
             if ctx.stop_flag:
                 action = ACT_STOP
             elif result_req.Test():
                 action = ACT_RESULT
-            elif owe_tree and draft.root_expanded() and deep_enough():
+            elif owe_tree and draft.root_expanded() and (to_send := deep_enough()) is not None:
                 action = ACT_SEND
             else:
                 paced_out = paced and n_expand - exp_at_result >= d and not owe_tree
@@ -344,7 +368,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
             results, exp_at_previous, exp_at_result = results + 1, exp_at_result, n_expand
         elif action == ACT_SEND:
             ts = clock.now()
-            tokens, parents = draft.best_subtree(m)
+            tokens, parents = to_send if to_send is not None else draft.best_subtree(m)
             if leader:
                 send_tree(tokens, parents)
             rec.record(KIND["send"], request, seq, ts, clock.now(), len(tokens))

@@ -1,4 +1,5 @@
-"""A decoder layer's four projections as packed 4-bit weights on the GPU (`--quant int4`).
+"""A decoder layer's four projections as packed 4-bit weights on the GPU (`--quant int4`), and
+the LM head packed at load (`--head-bits 4`, `quantize_head`).
 
 `load_projections(source, prefix, shard, head_dim, device)` reads this rank's shard of q/k/v,
 o, gate/up and down from a source that yields `PackedInt4` slices (`get_packed(name, dim, start,
@@ -33,3 +34,32 @@ def load_projections(source, prefix: str, shard, head_dim: int, device) -> tuple
     wgu = w4a16.cat_rows([get("mlp.gate_proj.weight", 0, *shard.ff), get("mlp.up_proj.weight", 0, *shard.ff)])
     wd = get("mlp.down_proj.weight", 1, *shard.ff)
     return w4a16.cat_rows(qkv), wo, wgu, wd
+
+
+HEAD_GROUP = 128        # --head-bits 4: inputs per group of the packed LM head
+
+
+def quantize_head(head, device, rows_per_step: int = 8192):
+    """A bf16 LM head [V, H] (V a multiple of 16, H of 128) -> the W4A16Weight of its
+    round-to-nearest 4-bit quantization (asymmetric, min/max per group of HEAD_GROUP inputs, fp16
+    scales, as AutoAWQ without calibration rounds), `rows_per_step` rows at a time on `device`
+    (the float32 temporaries stay small). Its error is a 4-bit weight's, not a bf16 one's
+    (tests/test_w4a16_gpu.py measures it): greedy tokens change where the top logits are close."""
+    import torch
+
+    from swiftspec_mpi.gpu import w4a16
+    from swiftspec_mpi.model.hf_quant import quantize_rtn
+    from swiftspec_mpi.model.quant import PackedInt4, pack_codes
+    v, h = head.shape
+    if not w4a16.supported(v, h, HEAD_GROUP):
+        raise CheckpointError(f"--head-bits 4: the LM head slice [{v}, {h}] does not fit the 4-bit "
+                              f"kernels (rows a multiple of {w4a16.TILE}, inputs of {w4a16.CHUNK}); "
+                              "use --head-bits 16")
+    parts = []
+    for r in range(0, v, rows_per_step):
+        w = head[r:r + rows_per_step].to(device=device, dtype=torch.float32)
+        codes, zeros, scales = quantize_rtn(w, HEAD_GROUP)
+        scale = scales.float()
+        parts.append(w4a16.from_packed(PackedInt4(pack_codes(codes), scale, -zeros.float() * scale,
+                                                  HEAD_GROUP), device))
+    return w4a16.cat_rows(parts)

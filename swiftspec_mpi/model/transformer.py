@@ -146,6 +146,18 @@ class Transformer(torch.nn.Module):
         load_weights(self, source)
         self.loaded = True
 
+    def quantize_head(self) -> None:
+        """Pack the LM head 4-bit (`--head-bits 4`; 4-bit models on the GPU only): a step then
+        streams a quarter of its bytes through the W4A16 GEMV (packed_layers.quantize_head). The
+        embedding table stays as loaded (a tied head's bf16 table still serves the lookup)."""
+        if not self.quant4:
+            raise ValueError("a 4-bit LM head runs with the GPU's 4-bit projections (quant 'int4' on CUDA)")
+        from swiftspec_mpi.model import packed_layers
+        self.head = packed_layers.quantize_head(self.head, self.device)
+        for ws in self.__dict__.get("_fused_ws", {}).values():   # the head's kernel is chosen anew
+            for key in [k for k in ws if isinstance(k, tuple) and k[0] == "gemm"]:
+                del ws[key]
+
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights (shared/tied storage counted once)."""
         return self._storage_bytes([self.embed, self.norm, self.head])
