@@ -130,13 +130,63 @@ def bench_gemv(args) -> dict:
             print(f"| {shape} | {m} | {tt:.2f} | (step table) |", flush=True)
         del tws, ows
         torch.cuda.empty_cache()
+    return res
+
+
+
+def bench_step(args) -> dict:
+    from bench_gpu_step import cuda_time, tree_mask      # the same folder: the bf16 step's timers
+    from swiftspec_mpi.core.comm import SingleComm
+    from swiftspec_mpi.gpu import w4a16
+    from swiftspec_mpi.gpu.graphs import GraphedModel
+    from swiftspec_mpi.model.dummy import dummy_model
+    from swiftspec_mpi.model.transformer import chain_mask
+    bw = copy_bandwidth(2 << 30) / 1e12
+    print(f"copy bandwidth {bw:.2f} TB/s\n")
+    ctx = args.context
+    res = {"copy_tbs": bw, "rows": []}
+    print("| shape (int4 g128) | LM head | GEMV (T,U,E) | weights GB | step GB | floor ms | 1 token ms | 8-node verify ms | "
+          "ratio | w=8 expand + top-8 ms | peak mem GB | load s |")
+    print("|" + "---|" * 12)
+    for shape in args.shapes.split(","):
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        model, _ = dummy_model(shape, SingleComm(), ctx + 128, torch.bfloat16, "cuda", quant="int4")
+        torch.cuda.synchronize()
+        load_s = time.perf_counter() - t0
+        pre = torch.randint(0, 4000, (ctx,), device="cuda")
+        model.forward(pre, torch.arange(ctx, device="cuda"), 0, chain_mask(0, ctx).cuda())
+        for cfg, head in [(c, h) for h in args.heads for c in args.configs]:
+            if head == "int4" and not isinstance(model.head, w4a16.W4A16Weight):
+                model.quantize_head()           # --head-bits 4 (from here on, for this shape)
+            w4a16.set_default(cfg)              # the graphs below capture this GEMV variant (None: the rule)
+            gm = GraphedModel(model)
+            r = {"shape": shape, "config": cfg or "rule", "head": head, "weights_gb": model.weight_bytes() / 1e9,
+                 "step_gb": model.step_read_bytes() / 1e9}
+            r["floor_ms"] = r["step_gb"] * 1e9 / (bw * 1e12) * 1e3
+            for n in (1, 8):
+                toks = torch.randint(0, 4000, (n,))
+                pos = torch.arange(ctx, ctx + n)
+                mask = tree_mask(ctx, n)
+                r[f"argmax_{n}"] = cuda_time(lambda: gm.forward_argmax(toks, pos, ctx, mask), iters=60)
+                if n == 8:
+                    r["topk_8"] = cuda_time(lambda: gm.forward_topk_logprobs(toks, pos, ctx, mask, 8), iters=60)
+            r["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+            r["load_s"] = load_s
+            res["rows"].append(r)
+            print(f"| {shape} | {head} | {cfg or 'rule'} | {r['weights_gb']:.2f} | {r['step_gb']:.2f} | {r['floor_ms']:.2f} | "
+                  f"{r['argmax_1']:.3f} | {r['argmax_8']:.3f} | {r['argmax_8'] / r['argmax_1']:.2f} | {r['topk_8']:.3f} | "
+                  f"{r['peak_gb']:.1f} | {load_s:.1f} |", flush=True)
+            del gm
+        w4a16.set_default(None)
+        del model
+        torch.cuda.empty_cache()
     if args.peer:
         import bench_gptfast_int4 as peer    # same folder: gpt-fast-style int4 step, same process
         print("\nThe peer in the same run (gpt-fast-style, torch.compile, tinygemm int4, LM head int4):\n")
         peer.header()
         res["peer"] = peer.run(args.peer.split(","), ctx)
     return res
-
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -42,7 +42,7 @@ HEAD_GROUP = 128        # --head-bits 4: inputs per group of the packed LM head
 def quantize_head(head, device, rows_per_step: int = 8192):
     """A bf16 LM head [V, H] (V a multiple of 16, H of 128) -> the W4A16Weight of its
     round-to-nearest 4-bit quantization (asymmetric, min/max per group of HEAD_GROUP inputs, fp16
-    scales, as AutoAWQ without calibration rounds), `rows_per_step` rows at a time on `device`
+    scales, as AutoAWQ without calibration rounds), about `rows_per_step` rows at a time on `device`
     (the float32 temporaries stay small). Its error is a 4-bit weight's, not a bf16 one's
     (tests/test_w4a16_gpu.py measures it): greedy tokens change where the top logits are close."""
     import torch
@@ -55,9 +55,10 @@ def quantize_head(head, device, rows_per_step: int = 8192):
         raise CheckpointError(f"--head-bits 4: the LM head slice [{v}, {h}] does not fit the 4-bit "
                               f"kernels (rows a multiple of {w4a16.TILE}, inputs of {w4a16.CHUNK}); "
                               "use --head-bits 16")
+    step = max(w4a16.TILE, rows_per_step // w4a16.TILE * w4a16.TILE)    # whole tiles per part
     parts = []
-    for r in range(0, v, rows_per_step):
-        w = head[r:r + rows_per_step].to(device=device, dtype=torch.float32)
+    for r in range(0, v, step):
+        w = head[r:r + step].to(device=device, dtype=torch.float32)
         codes, zeros, scales = quantize_rtn(w, HEAD_GROUP)
         scale = scales.float()
         parts.append(w4a16.from_packed(PackedInt4(pack_codes(codes), scale, -zeros.float() * scale,
