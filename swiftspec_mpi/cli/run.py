@@ -109,8 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     del S
 
 
-FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "quant", "head_bits", "dtype", "mode", "draft_ranks",
-               "async_policy", "threads", "device", "prompt", "prompts", "interactive", "serve", "serve_max_body",
+FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "quant", "head_bits", "dtype", "mode",
+               "draft_ranks", "async_policy", "threads", "device", "prompt", "prompts", "interactive", "serve", "serve_max_body",
                "serve_read_timeout", "chat", "max_new_tokens", "stop",
                "stop_token_ids", "ignore_eos", "temperature", "seed", "sampling_rule", "tree_width", "tree_topk",
                "verify_size", "expansions", "max_depth", "tree_capacity", "max_context", "out",

@@ -66,7 +66,8 @@ def gemm_mode() -> str:
 
 def pdl_gemm_ok(weights: list, m: int) -> bool:
     """Whether the "pdl" mode can run `kernels.gemm_rowparallel(x [m, K], w)` for every w: [N, K]
-    bfloat16 contiguous CUDA tensors (not 4-bit weights), N and K multiples of 8, 16-byte aligned, m <= MAX_GEMM_ROWS."""
+    bfloat16 contiguous CUDA tensors (not 4-bit weights), N and K multiples of 8, 16-byte
+    aligned, m <= MAX_GEMM_ROWS."""
     if not weights or not 1 <= m <= MAX_GEMM_ROWS:
         return False
     return all(isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_cuda and w.dtype == torch.bfloat16
