@@ -154,9 +154,7 @@ class Transformer(torch.nn.Module):
             raise ValueError("a 4-bit LM head runs with the GPU's 4-bit projections (quant 'int4' on CUDA)")
         from swiftspec_mpi.model import packed_layers
         self.head = packed_layers.quantize_head(self.head, self.device)
-        for ws in self.__dict__.get("_fused_ws", {}).values():   # the head's kernel is chosen anew
-            for key in [k for k in ws if isinstance(k, tuple) and k[0] == "gemm"]:
-                del ws[key]
+        self._forget_gemm_choices()                 # the head's kernel is chosen anew
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights (shared/tied storage counted once)."""
@@ -362,6 +360,12 @@ class Transformer(torch.nn.Module):
                               "m": torch.empty(n, sh.inter_l, **kw),
                               "qkv": torch.empty(n, (sh.nh_l + 2 * sh.nkv_l) * hd, **kw)}
         return ws
+
+    def _forget_gemm_choices(self) -> None:
+        """Drop every workspace's cached `_fused_gemm_choice` (a weight changed its kind)."""
+        for ws in self.__dict__.get("_fused_ws", {}).values():
+            for key in [k for k in ws if isinstance(k, tuple) and k[0] == "gemm"]:
+                del ws[key]
 
     def _fused_gemm_choice(self, n: int, ws: dict) -> dict:
         """Per projection ("qkv", "o", "gu", "down", "head"): True = kernels.gemm_rowparallel,
