@@ -1,5 +1,5 @@
 """Build: the Cython tree scheduler (scheduler/*.pyx -> swiftspec_mpi._tree), the CPU decode GEMM
-(swiftspec_mpi/model/_cpu_gemm.pyx + model/csrc/gemm_*avx2.h -> swiftspec_mpi.model._cpu_gemm) and the CUDA
+(swiftspec_mpi/model/_cpu_gemm.pyx + model/csrc/*.h -> swiftspec_mpi.model._cpu_gemm) and the CUDA
 sources in cuda/ shipped as package data (swiftspec_mpi.cuda). Metadata lives in setup.cfg."""
 from Cython.Build import cythonize
 from setuptools import Extension, find_packages, setup
@@ -10,7 +10,8 @@ extensions = cythonize(
      Extension("swiftspec_mpi.model._cpu_gemm", ["swiftspec_mpi/model/_cpu_gemm.pyx"],
                include_dirs=["swiftspec_mpi/model/csrc"],
                depends=["swiftspec_mpi/model/csrc/gemm_avx2.h",
-                        "swiftspec_mpi/model/csrc/gemm_q.h"], extra_compile_args=["-O3", "-fopenmp"],
+                        "swiftspec_mpi/model/csrc/gemm_q.h",
+                        "swiftspec_mpi/model/csrc/layer_ops.h"], extra_compile_args=["-O3", "-fopenmp"],
                extra_link_args=["-fopenmp"])],
     compiler_directives={"language_level": 3, "boundscheck": False, "wraparound": False,
                          "cdivision": True, "initializedcheck": False},

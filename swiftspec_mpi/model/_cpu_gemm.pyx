@@ -57,3 +57,55 @@ def gemm_quant(size_t w, int kind, bint has_offset, int group, int K, int N, siz
         raise ValueError(f"packed GEMM: no records of kind {kind} with group {group} for K = {K}")
     if rc != 0:
         raise MemoryError("packed GEMM: cannot allocate the group sums of x")
+
+
+from libc.stdint cimport int64_t
+
+
+cdef extern from "layer_ops.h":
+    void sso_add_rmsnorm(float *x, long ldx, const float *a, long lda, const float *w, float eps,
+                         float *out, long ldo, int M, int H) nogil
+    int sso_rope_kv(float *qkv, long ldqkv, const int64_t *pos, const float *cos_t,
+                    const float *sin_t, long P, int M, int nh, int nkv, int hd, float *kc,
+                    float *vc, long start) nogil
+    int sso_attention(const float *q, long ldq, int M, int nh, int nkv, int hd, const float *kc,
+                      const float *vc, int S, const unsigned char *mask, long ldm, float *out,
+                      long ldo, float scale, int n_threads) nogil
+    void sso_silu_mul(const float *gu, long ldg, int M, int I, float *out, long ldo) nogil
+
+
+def add_rmsnorm(size_t x, long ldx, size_t a, long lda, size_t w, float eps, size_t out, long ldo,
+                int M, int H):
+    """x += a (a = 0: none); out = rmsnorm(x) * w, on raw float32 addresses (model/cpu_ops.py)."""
+    with nogil:
+        sso_add_rmsnorm(<float *>x, ldx, <const float *>a, lda, <const float *>w, eps,
+                        <float *>out, ldo, M, H)
+
+
+def rope_kv(size_t qkv, long ldqkv, size_t pos, size_t cos_t, size_t sin_t, long P, int M,
+            int nh, int nkv, int hd, size_t kc, size_t vc, long start):
+    """RoPE on qkv's q and k heads in place, k and v into the cache (model/cpu_ops.py)."""
+    cdef int rc
+    with nogil:
+        rc = sso_rope_kv(<float *>qkv, ldqkv, <const int64_t *>pos, <const float *>cos_t,
+                         <const float *>sin_t, P, M, nh, nkv, hd, <float *>kc, <float *>vc, start)
+    if rc != 0:
+        raise ValueError(f"RoPE: a position lies outside the tables' {P} rows")
+
+
+def attention(size_t q, long ldq, int M, int nh, int nkv, int hd, size_t kc, size_t vc, int S,
+              size_t mask, long ldm, size_t out, long ldo, float scale, int n_threads):
+    """Masked grouped-query attention of M rows over S slots (model/cpu_ops.py)."""
+    cdef int rc
+    with nogil:
+        rc = sso_attention(<const float *>q, ldq, M, nh, nkv, hd, <const float *>kc,
+                           <const float *>vc, S, <const unsigned char *>mask, ldm, <float *>out,
+                           ldo, scale, n_threads)
+    if rc != 0:
+        raise MemoryError("CPU attention: cannot allocate its scratch")
+
+
+def silu_mul(size_t gu, long ldg, int M, int I, size_t out, long ldo):
+    """out = silu(gu[:, :I]) * gu[:, I:] (model/cpu_ops.py)."""
+    with nogil:
+        sso_silu_mul(<const float *>gu, ldg, M, I, <float *>out, ldo)

@@ -34,7 +34,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from swiftspec_mpi.model import cpu_linear, cpu_quant
+from swiftspec_mpi.model import cpu_linear, cpu_ops, cpu_quant
 from swiftspec_mpi.core.comm import SingleComm
 from swiftspec_mpi.model.config import ModelConfig
 from swiftspec_mpi.model.layer import Layer
@@ -222,6 +222,13 @@ class Transformer(torch.nn.Module):
         if mask is not None and mask.device != dev:
             mask = mask.to(dev)
 
+        if (mask is not None and self.packed
+                and cpu_ops.usable(self.dtype, N, hd, self.cfg.hidden_size)):
+            x = self._layers_small(tokens, positions, start, mask)
+            if logits_rows is not None:
+                x = x.index_select(0, logits_rows.to(dev))
+            return self._logits(x)
+
         fold = N * g <= _FOLD_MAX_ROWS and mask is not None
         if fold:
             # GQA folded into the query-length dim: q [nkv_l, g*N, hd], additive mask [g*N, S]
@@ -296,6 +303,32 @@ class Transformer(torch.nn.Module):
             comm.all_reduce_(d)
             x.add_(d)
         return x
+
+    def _layers_small(self, tokens: torch.Tensor, positions: torch.Tensor, start: int,
+                      mask: torch.Tensor) -> torch.Tensor:
+        """`_layers` for a decode-sized batch on the CPU (packed layout, float32): the same
+        layer with the C ops of model/cpu_ops.py between the GEMMs (each residual add folded
+        into the next RMSNorm). tokens, positions [N] long; mask [N, start + N] bool."""
+        cfg, sh, comm = self.cfg, self.shard, self.comm
+        eps = cfg.rms_norm_eps
+        nh_l, nkv_l = sh.nh_l, sh.nkv_l
+        lin = self._linear
+        positions = positions.contiguous()
+        x = self._embed(tokens).contiguous()                               # [N, hidden]
+        pending = None                                                     # the last add
+        for lay in self.layers:
+            h = cpu_ops.add_rmsnorm(x, pending, lay.ln1, eps)
+            qkv = lin(h, lay.wqkv, lay.bqkv)                                # [N, (nh+2kv)*hd]
+            cpu_ops.rope_kv(qkv, positions, self.rope_cos, self.rope_sin, nh_l, nkv_l,
+                            lay.k_cache, lay.v_cache, start)
+            o = cpu_ops.attention(qkv, lay.k_cache, lay.v_cache, mask, nh_l)   # [N, nh*hd]
+            a = lin(o, lay.wo, lay.bo)
+            comm.all_reduce_(a)
+            h = cpu_ops.add_rmsnorm(x, a, lay.ln2, eps)
+            d = lin(cpu_ops.silu_mul(lin(h, lay.wgu)), lay.wd)
+            comm.all_reduce_(d)
+            pending = d
+        return x.add_(pending)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [N] -> [N, hidden] in self.dtype (a tied packed head is gathered from)."""
