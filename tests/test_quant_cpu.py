@@ -34,6 +34,18 @@ def _cpu_runs_the_kernel():
 # int16 parts leave <= max|x| / 2^31 per input; the rest is float32 rounding of the per-group
 # scale and offset terms, which cancel partly (measured <= 1.2e-6 with an outlier channel)
 KERNEL_RTOL = 4e-6
+# the AVX2 byte path (4- and 6-bit records without AVX-512 VNNI): three int8 parts leave
+# <= max|x| / (8 127^3) ~ 6e-8 max|x| per input of a group, so a group whose max is a 300x
+# outlier channel puts up to ~1e-5 of sum |x| |W| on its outputs (measured <= 4.7e-6)
+KERNEL_RTOL_BYTES = 2e-5
+
+
+def _rtol(kind: str) -> float:
+    """The bound for a GEMM of `kind` ('int4/...', 'int6/...', 'int8/...') on the instruction set
+    the packed GEMM runs now."""
+    from swiftspec_mpi.model import _cpu_gemm
+    bytes_path = _cpu_gemm.quant_isa() == "avx2" and not kind.startswith("int8")
+    return KERNEL_RTOL_BYTES if bytes_path else KERNEL_RTOL
 
 
 def _deq(w) -> torch.Tensor:
@@ -124,7 +136,7 @@ def test_k_quant_levels_are_the_float32_scales(typed_gguf, qtype):
         assert torch.equal(cpu_quant.linear(x, two), cpu_quant.linear(x, one))
     wd = _deq(packed).double()
     ref, scale = x.double() @ wd.t(), x.double().abs() @ wd.abs().t()
-    assert ((cpu_quant.linear(x, two).double() - ref).abs() / scale).max() <= KERNEL_RTOL
+    assert ((cpu_quant.linear(x, two).double() - ref).abs() / scale).max() <= _rtol(two.kinds()[0])
     cut = gguf_quant.take_columns(packed, 0, 256)        # a whole super-block keeps the levels
     assert cut.sup is not None and cut.sup.d.shape == (48, 1)
     assert gguf_quant.take_columns(packed, 0, 128).sup is None
@@ -224,20 +236,23 @@ def test_packed_gemm_matches_float64_every_m(kind, n, k, quant_isa):
         for nt in (1, 2):
             y = cpu_quant.linear(x, lin, b, n_threads=nt)
             err = ((y.double() - ref).abs() / scale).max().item()
-            assert err <= KERNEL_RTOL, (m, nt, err)
+            assert err <= _rtol(kind), (m, nt, err)
 
 
-def test_packed_gemm_bits_equal_across_instruction_sets():
-    """AVX2 and AVX-512 VNNI give the same bits (exact integer sums, the same float32 steps per
-    output), so a rank's results do not depend on which one its CPU runs."""
+def test_packed_gemm_across_instruction_sets():
+    """8-bit records give the same bits on AVX2 and AVX-512 VNNI (exact integer sums, the same
+    float32 steps per output); 4- and 6-bit records run the AVX2 byte path (three int8 parts of
+    the activations) there and the int16 path on AVX-512 VNNI, so they agree within its bound."""
     from swiftspec_mpi.model import _cpu_gemm
     if len(_isas()) < 2:
         pytest.skip("this CPU has no AVX-512 VNNI: one instruction set only")
     gen = torch.Generator().manual_seed(11)
     for kind in KINDS:
         n, k = 203, 512
+        w = _rand_packed(kind, n, k, gen)
         lin = cpu_quant.QuantLinear(n, k)
-        lin.load(0, n, [(0, _rand_packed(kind, n, k, gen))])
+        lin.load(0, n, [(0, w)])
+        wd = _deq(w).double()
         b = torch.randn(n, generator=gen)
         for m in (1, 2, 3, 5, 8, 16, 19):
             x = torch.randn(m, k, generator=gen)
@@ -247,7 +262,12 @@ def test_packed_gemm_bits_equal_across_instruction_sets():
                 _cpu_gemm.set_quant_isa(isa)
                 got[isa] = cpu_quant.linear(x, lin, b, n_threads=2)
             _cpu_gemm.set_quant_isa(None)
-            assert torch.equal(got["avx2"], got["avx512vnni"]), (kind, m)
+            if kind.startswith("int8"):
+                assert torch.equal(got["avx2"], got["avx512vnni"]), (kind, m)
+            else:
+                scale = x.double().abs() @ wd.abs().t() + b.double().abs()
+                err = ((got["avx2"].double() - got["avx512vnni"].double()).abs() / scale).max()
+                assert err <= KERNEL_RTOL_BYTES + KERNEL_RTOL, (kind, m, err)
     with pytest.raises(ValueError, match="cannot run"):
         _cpu_gemm.set_quant_isa("sse2")
 

@@ -1,7 +1,9 @@
 /* Decode GEMM on packed 4-/6-/8-bit weights for the CPU path: y[M, N] = x[M, K] @ W + b with
  * W = q * scale (+ offset) per group of G inputs; x, y, b float32. One set of record layouts, two
  * instruction sets: AVX-512 VNNI (vpdpwssd: 32 code x input products a µop, one register holds a
- * panel's 16 outputs) where the CPU has it, else AVX2 (vpmaddwd on each half of a record step).
+ * panel's 16 outputs) where the CPU has it, else AVX2 (vpmaddwd on each half of a record step
+ * for 8-bit records; the byte path, vpmaddubsw with three int8 activation parts, for 4- and
+ * 6-bit records: below, "AVX2 byte path").
  *
  * W blob: records of panels of 16 outputs, panel-major, then along K (outputs past N: zeros).
  * Codes come in steps of 64 bytes = 32 int16 lanes; lane L holds output o = L / 2, t = L % 2:
@@ -36,7 +38,9 @@
  *               + xsum * offset[j]
  * with xsum the group's float32 sum of x (the offset term). The integer sums are exact whatever
  * their order, and both instruction sets run the same float32 operations per output in the same
- * order: a result is bit-identical across them, the thread count, M and the other rows.
+ * order: an 8-bit record's result is bit-identical across them; every result is bit-identical
+ * across the thread count, M and the other rows (the AVX2 byte path's too: so 4- and 6-bit
+ * results agree across instruction sets within the byte path's bound, not bit for bit).
  *
  * Every record is read once per 16 rows of x and reused from L1 for rows in blocks of 4
  * (AVX-512) or 2 (AVX2). Threads: panels split into contiguous ranges, one per OpenMP thread.
@@ -407,6 +411,189 @@ void ssq_panels_256(const int kind, const SsqGeo *q, const uint8_t *W, int K, in
     }
 }
 
+/* ------------------------------------------------------------------------------------------
+ * AVX2 byte path (Q4, K4, K6 where the CPU lacks AVX-512 VNNI): the codes as unsigned bytes
+ * times three int8 parts of the activations (vpmaddubsw: 32 byte products a µop, summed in pairs
+ * into int16), instead of int16 codes times two int16 parts (vpmaddwd: 16 products a µop).
+ *
+ * Activations: each row's group of G inputs is split into three int8 parts, each scaled to its
+ * own max, x ~ d1 b1 + d2 b2 + d3 b3 (b = round(r / d) in [-127, 127], d = max|r| / 127, r the
+ * remainder of the parts before): at most max|x| / (8 127^3) ~ max|x| 6e-8 per input, against
+ * max|x| / 2^31 for the two int16 parts (and max|x| / 65534 for one int16 part, which real models'
+ * outlier channels turned into 1e-3 logit errors). The parts are stored in the order the code
+ * bytes pair with (SSQ8_ORDER): per 8 inputs k..k+7, bytes k, k+4, k+1, k+5 | k+2, k+6, k+3, k+7.
+ *
+ * A 4-bit step (64 bytes, 8 k of 16 outputs), half h = outputs 8h..8h+7, 16-bit lane (o, t):
+ *     lo = v & 0x0F per byte: (q[o][k+t], q[o][k+4+t])     hi = (v >> 4) & 0x0F: (k+2+t, k+6+t)
+ * so vpmaddubsw(lo, broadcast bytes (x_k, x_k+4, x_k+1, x_k+5)) gives lane (o, t) the sum
+ * q[o][k+t] x[k+t] + q[o][k+4+t] x[k+4+t], and hi with (x_k+2, x_k+6, x_k+3, x_k+7) the other
+ * two. K6 ORs bits 4, 5 of each code in from the step's 32 high-bit bytes (codes 0..63).
+ * int16 bounds: a lane gains at most 2 * 2 * 15 * 127 = 7620 a 4-bit step (4 steps: 30480) and
+ * 2 * 2 * 63 * 127 = 32004 a K6 step, so the int16 sums are widened to int32 (vpmaddwd by 1)
+ * every 4 steps (every K6 step): exact integer sums, as in the int16 path. Per group and part:
+ *     acc[j] += float(S_p) * (d_p scale[j])  (p = 1, 2, 3),  then  + xsum * offset[j]
+ * A row's result depends on that row only (not M, the threads or the neighbours). */
+static const int8_t SSQ8_ORDER[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+
+/* v[0..G) -> int8 b = round(v / d) (nearest even) in [-127, 127] in SSQ8_ORDER, rest = v - d b;
+ * returns d = max|v| / 127 (0 for an all-zero v). G % 8 == 0. */
+static SSQ_AVX2 float ssq_int8_part(const float *v, int G, int8_t *b, float *rest) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 mx = _mm256_setzero_ps();
+    for (int k = 0; k < G; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(v + k), absmask));
+    float t[8], amax = 0.0f;
+    _mm256_storeu_ps(t, mx);
+    for (int j = 0; j < 8; j++) amax = t[j] > amax ? t[j] : amax;
+    const float d = amax / 127.0f;
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f), vd = _mm256_set1_ps(d);
+    const __m128i order = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    for (int k = 0; k < G; k += 8) {
+        const __m256 x = _mm256_loadu_ps(v + k);
+        __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(x, inv));
+        q = _mm256_max_epi32(_mm256_min_epi32(q, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+        _mm256_storeu_ps(rest + k, _mm256_sub_ps(x, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(q))));
+        __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        w = _mm_shuffle_epi8(_mm_packs_epi16(w, w), order);
+        _mm_storel_epi64((__m128i *)(b + k), w);
+    }
+    return d;
+}
+
+/* Row m's group g of x -> three int8 parts (xb [M, 3, K], the parts of a row K apart), their
+ * scales xs [M, K/G, 3] and the float32 sum xsum [M, K/G] (as ssq_quantize_x sums it). */
+static SSQ_AVX2 void ssq_quantize_x8(const float *x, long ldx, int M, int K, int G, int8_t *xb,
+                                     float *xs, float *xsum) {
+    int KG = K / G;
+    float r1[128], r2[128], r3[128];
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < KG; g++) {
+            const float *xg = x + (long)m * ldx + (long)g * G;
+            int8_t *b = xb + (long)m * 3 * K + (long)g * G;
+            __m256 acc = _mm256_setzero_ps();
+            for (int k = 0; k < G; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(xg + k));
+            float t[8], s = 0.0f;
+            _mm256_storeu_ps(t, acc);
+            for (int j = 0; j < 8; j++) s += t[j];
+            float *d = xs + 3 * ((long)m * KG + g);
+            d[0] = ssq_int8_part(xg, G, b, r1);
+            d[1] = ssq_int8_part(r1, G, b + K, r2);
+            d[2] = ssq_int8_part(r2, G, b + 2L * K, r3);
+            xsum[(long)m * KG + g] = s;
+        }
+}
+
+/* A step's code bytes for half h: lo (k+t, k+4+t), hi (k+2+t, k+6+t) of lane (o, t). */
+static inline __attribute__((always_inline)) SSQ_AVX2
+void ssq_codes8_256(int kind, const uint8_t *c, int h, __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * h));
+    *lo = _mm256_and_si256(v, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (kind == SSQ_K6) {       /* lane byte j: bits 2j, 2j+1 = bits 4, 5 of the code of k+2j+t */
+        const __m256i m2 = _mm256_set1_epi16(0x3030);
+        const __m256i hb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + 64 + 16 * h)));
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(
+            _mm256_or_si256(_mm256_slli_epi16(hb, 4), _mm256_slli_epi16(hb, 8)), m2));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(
+            _mm256_or_si256(_mm256_slli_epi16(hb, 2), _mm256_slli_epi16(hb, 6)), m2));
+    }
+}
+
+/* One row's group: acc0, acc1 (outputs 0..7, 8..15) += sum over the parts of float(S_p) sf[p][h],
+ * S_p the exact integer sums of the group's codes times part p. xb: the row's part 1 at this group
+ * (parts K apart). */
+static inline __attribute__((always_inline)) SSQ_AVX2
+void ssq_group8_256(int kind, const uint8_t *c, int G, const int8_t *xb, long K,
+                    const __m256 *sf, __m256 *acc0, __m256 *acc1) {
+    const int flush = kind == SSQ_K6 ? 1 : 4;         /* steps an int16 sum can take */
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s32[3][2], s16[3][2];
+    for (int p = 0; p < 3; p++)
+        for (int h = 0; h < 2; h++) s32[p][h] = s16[p][h] = _mm256_setzero_si256();
+    const int steps = G / 8;
+    for (int st = 0; st < steps; st++, c += SSQ_STEP_BYTES(kind)) {
+        __m256i lo[2], hi[2];
+        ssq_codes8_256(kind, c, 0, &lo[0], &hi[0]);
+        ssq_codes8_256(kind, c, 1, &lo[1], &hi[1]);
+        for (int p = 0; p < 3; p++) {
+            int32_t a, b;
+            memcpy(&a, xb + p * K + 8 * st, 4);
+            memcpy(&b, xb + p * K + 8 * st + 4, 4);
+            const __m256i xa = _mm256_set1_epi32(a), xc = _mm256_set1_epi32(b);
+            for (int h = 0; h < 2; h++)
+                s16[p][h] = _mm256_add_epi16(s16[p][h], _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo[h], xa), _mm256_maddubs_epi16(hi[h], xc)));
+        }
+        if ((st + 1) % flush == 0 || st + 1 == steps)
+            for (int p = 0; p < 3; p++)
+                for (int h = 0; h < 2; h++) {
+                    s32[p][h] = _mm256_add_epi32(s32[p][h], _mm256_madd_epi16(s16[p][h], ones));
+                    s16[p][h] = _mm256_setzero_si256();
+                }
+    }
+    for (int p = 0; p < 3; p++) {
+        *acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[p][0]), sf[2 * p], *acc0);
+        *acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[p][1]), sf[2 * p + 1], *acc1);
+    }
+}
+
+static inline __attribute__((always_inline)) SSQ_AVX2
+void ssq_panels8_256(const int kind, const SsqGeo *q, const uint8_t *W, int K, int N, int p0,
+                     int p1, const int8_t *xb, const float *xs, const float *xsum, int M,
+                     float *y, long ldy, const float *b) {
+    const int G = q->G, KG = q->KG, has_off = kind == SSQ_K6 ? 1 : q->has_off;
+    const int sbg = kind == SSQ_Q4 ? 1 : q->sbg;
+    __m256 acc0[SSQ_MB], acc1[SSQ_MB];
+    for (int p = p0; p < p1; p++) {
+        int n0 = p * SSQ_NB;
+        int ncols = N - n0 < SSQ_NB ? N - n0 : SSQ_NB;
+        for (int m0 = 0; m0 < M; m0 += SSQ_MB) {
+            int mb = M - m0 < SSQ_MB ? M - m0 : SSQ_MB;
+            for (int r = 0; r < mb; r++) { acc0[r] = _mm256_setzero_ps(); acc1[r] = acc0[r]; }
+            const uint8_t *rec = W + (long)p * (KG / sbg) * q->S;
+            for (int g = 0; g < KG; g++) {
+                const int gg = g % sbg;               /* sbg: 1, or a power of 2 */
+                if (g && !gg) rec += q->S;
+                const uint8_t *tail = rec + sbg * q->code_bytes, *codes = rec + gg * q->code_bytes;
+                __m256 sc[2], off[2];
+                ssq_scales_256(q, sbg, tail, gg, sc, off);
+                ssq_prefetch_group(q, sbg, codes, tail, gg);
+                for (int i = 0; i < mb; i++) {
+                    const long gi = (long)(m0 + i) * KG + g;
+                    __m256 sf[6];
+                    for (int e = 0; e < 3; e++) {
+                        const __m256 d = _mm256_broadcast_ss(xs + 3 * gi + e);
+                        sf[2 * e] = _mm256_mul_ps(d, sc[0]);
+                        sf[2 * e + 1] = _mm256_mul_ps(d, sc[1]);
+                    }
+                    ssq_group8_256(kind, codes, G, xb + (long)(m0 + i) * 3 * K + (long)g * G, K,
+                                   sf, &acc0[i], &acc1[i]);
+                    if (has_off) {
+                        const __m256 xt = _mm256_broadcast_ss(xsum + gi);
+                        acc0[i] = _mm256_fmadd_ps(xt, off[0], acc0[i]);
+                        acc1[i] = _mm256_fmadd_ps(xt, off[1], acc1[i]);
+                    }
+                }
+            }
+            for (int r = 0; r < mb; r++) {
+                float *yr = y + (long)(m0 + r) * ldy + n0;
+                float t[SSQ_NB];
+                _mm256_storeu_ps(t, acc0[r]);
+                _mm256_storeu_ps(t + 8, acc1[r]);
+                for (int j = 0; j < ncols; j++) yr[j] = (b ? b[n0 + j] : 0.0f) + t[j];
+            }
+        }
+    }
+}
+
+#define SSQ8_ARGS const SsqGeo *q, const uint8_t *W, int K, int N, int p0, int p1,               \
+                  const int8_t *xb, const float *xs, const float *xsum, int M, float *y, long ldy, \
+                  const float *b
+#define SSQ8_PASS q, W, K, N, p0, p1, xb, xs, xsum, M, y, ldy, b
+static SSQ_AVX2 void ssq8_q4_256(SSQ8_ARGS) { ssq_panels8_256(SSQ_Q4, SSQ8_PASS); }
+static SSQ_AVX2 void ssq8_k4_256(SSQ8_ARGS) { ssq_panels8_256(SSQ_K4, SSQ8_PASS); }
+static SSQ_AVX2 void ssq8_k6_256(SSQ8_ARGS) { ssq_panels8_256(SSQ_K6, SSQ8_PASS); }
+
 static SSQ_AVX2 void ssq_q4_256(SSQ_ARGS) { ssq_panels_256(SSQ_Q4, SSQ_PASS); }
 static SSQ_AVX2 void ssq_q8_256(SSQ_ARGS) { ssq_panels_256(SSQ_Q8, SSQ_PASS); }
 static SSQ_AVX2 void ssq_k4_256(SSQ_ARGS) { ssq_panels_256(SSQ_K4, SSQ_PASS); }
@@ -498,36 +685,54 @@ static void ssq_run(int isa, const SsqGeo *q, const uint8_t *W, int K, int N, in
     fn[isa == SSQ_ISA_AVX512][q->kind](SSQ_PASS);
 }
 
+static void ssq_run8(const SsqGeo *q, const uint8_t *W, int K, int N, int p0, int p1,
+                     const int8_t *xb, const float *xs, const float *xsum, int M, float *y,
+                     long ldy, const float *b) {
+    if (q->kind == SSQ_Q4) ssq8_q4_256(SSQ8_PASS);
+    else if (q->kind == SSQ_K4) ssq8_k4_256(SSQ8_PASS);
+    else ssq8_k6_256(SSQ8_PASS);
+}
+
+/* True when a GEMM of `kind` runs the AVX2 byte path: 4- and 6-bit records where the CPU runs
+ * AVX2 (AVX-512 VNNI keeps its int16 path, vpdpwssd: 32 products a µop already). */
+static int ssq_bytes(int isa, int kind) {
+    return isa == SSQ_ISA_AVX2 && kind != SSQ_Q8;
+}
+
 /* y[M, N] = x[M, K] @ W (+ b); W a blob of `kind` records as above (G % 8 == 0; Q4, K4: G <=
- * 128; Q8, K6: G <= 32; K4, K6: K % 256 == 0 and G divides 256). has_off: Q4 / Q8 records hold
- * offsets. Returns 0, -1 when the int16 activations cannot be allocated, -2 for a bad shape. */
+ * 128; Q8, K6: G <= 32; K4, K6: K % 256 == 0 and G divides 256). has_off: Q4 / Q8
+ * records hold offsets. Returns 0, -1 when the activations' parts cannot be allocated, -2 for
+ * a bad shape. */
 static int ssq_gemm(const uint8_t *W, int kind, int has_off, int G, int K, int N, const float *x,
                     long ldx, int M, float *y, long ldy, const float *b, int n_threads) {
     int P = (N + SSQ_NB - 1) / SSQ_NB, KG = K / G, isa = ssq_isa();
-    if (G % 8 || G > ((kind == SSQ_Q4 || kind == SSQ_K4) ? 128 : 32) || K % G ||
-        ((kind == SSQ_K4 || kind == SSQ_K6) && (K % SSQ_SB || SSQ_SB % G)))
+    if (G % 8 || G > ((kind == SSQ_Q4 || kind == SSQ_K4) ? 128 : 32) ||
+        K % G || ((kind == SSQ_K4 || kind == SSQ_K6) && (K % SSQ_SB || SSQ_SB % G)))
         return -2;
     SsqGeo q = ssq_geo(kind, has_off, G, K);
-    int16_t *xq = (int16_t *)malloc(sizeof(int16_t) * 2 * (size_t)M * (size_t)K + 64);
-    float *xs = (float *)malloc(sizeof(float) * 3 * (size_t)M * (size_t)KG + 64);
-    if (!xq || !xs) { free(xq); free(xs); return -1; }
-    float *xsum = xs + 2 * (size_t)M * KG;
-    ssq_quantize_x(x, ldx, M, K, G, xq, xs, xsum);
-    if (n_threads <= 1 || P < 2 * n_threads) {
-        ssq_run(isa, &q, W, K, N, 0, P, xq, xs, xsum, M, y, ldy, b);
-    } else {
+    const int bytes = ssq_bytes(isa, kind), np = bytes ? 3 : 2;
+    /* the parts: int8 [M, 3, K] (byte path) or int16 [M, 2, K]; scales [M, KG, np]; sums [M, KG] */
+    void *xp = malloc((bytes ? 3 : 4) * (size_t)M * (size_t)K + 64);
+    float *xs = (float *)malloc(sizeof(float) * (np + 1) * (size_t)M * (size_t)KG + 64);
+    if (!xp || !xs) { free(xp); free(xs); return -1; }
+    float *xsum = xs + np * (size_t)M * KG;
+    if (bytes) ssq_quantize_x8(x, ldx, M, K, G, (int8_t *)xp, xs, xsum);
+    else ssq_quantize_x(x, ldx, M, K, G, (int16_t *)xp, xs, xsum);
+    int nt = n_threads <= 1 || P < 2 * n_threads ? 1 : n_threads;
 #ifdef _OPENMP
-        #pragma omp parallel num_threads(n_threads)
-        {
-            int t = omp_get_thread_num(), nt = omp_get_num_threads();
-            int q0 = (int)((long)P * t / nt), q1 = (int)((long)P * (t + 1) / nt);
-            ssq_run(isa, &q, W, K, N, q0, q1, xq, xs, xsum, M, y, ldy, b);
-        }
-#else
-        ssq_run(isa, &q, W, K, N, 0, P, xq, xs, xsum, M, y, ldy, b);
+    #pragma omp parallel num_threads(nt) if (nt > 1)
 #endif
+    {
+#ifdef _OPENMP
+        int t = omp_get_thread_num(), tn = omp_get_num_threads();
+#else
+        int t = 0, tn = 1;
+#endif
+        int q0 = (int)((long)P * t / tn), q1 = (int)((long)P * (t + 1) / tn);
+        if (bytes) ssq_run8(&q, W, K, N, q0, q1, (const int8_t *)xp, xs, xsum, M, y, ldy, b);
+        else ssq_run(isa, &q, W, K, N, q0, q1, (const int16_t *)xp, xs, xsum, M, y, ldy, b);
     }
-    free(xq);
+    free(xp);
     free(xs);
     return 0;
 }
