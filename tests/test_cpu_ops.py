@@ -93,12 +93,15 @@ def test_attention_row_depends_on_its_visible_slots_only():
     assert torch.equal(one[0], full[2])
 
 
-def test_silu_mul_matches_torch():
+@pytest.mark.parametrize("I", [96, 45, 3])
+def test_silu_mul_matches_torch(I):
     gen = torch.Generator().manual_seed(3)
-    gu = torch.randn(3, 2 * 96, generator=gen) * 6
-    gu[0, :4] = torch.tensor([-100.0, -87.0, 0.0, 60.0])
-    ref = F.silu(gu[:, :96]) * gu[:, 96:]
-    assert _rel(cpu_ops.silu_mul(gu), ref) < 1e-6
+    gu = torch.randn(3, 2 * I, generator=gen) * 6
+    gu[0, :3] = torch.tensor([-100.0, -87.0, 60.0])
+    ref = F.silu(gu[:, :I]) * gu[:, I:]
+    got = cpu_ops.silu_mul(gu)
+    assert got.shape == (3, I) and _rel(got, ref) < 1e-6
+    assert torch.equal(cpu_ops.silu_mul(gu[1:2]), got[1:2])       # rows independent of M
 
 
 def test_usable_sizes():
