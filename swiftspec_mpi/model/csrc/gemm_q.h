@@ -352,65 +352,6 @@ void ssq_scales_256(const SsqGeo *q, int sbg, const uint8_t *tail, int gg, __m25
     }
 }
 
-static inline __attribute__((always_inline)) SSQ_AVX2
-void ssq_panels_256(const int kind, const SsqGeo *q, const uint8_t *W, int K, int N, int p0,
-                    int p1, const int16_t *xq, const float *xs, const float *xsum, int M,
-                    float *y, long ldy, const float *b) {
-    const int G = q->G, KG = q->KG, has_off = kind == SSQ_K6 ? 1 : q->has_off;
-    const int sbg = (kind == SSQ_Q4 || kind == SSQ_Q8) ? 1 : q->sbg;
-    __m256 acc0[SSQ_MB], acc1[SSQ_MB];
-    __m256i lo[4], hi[4];      /* [2 row + part] */
-    for (int p = p0; p < p1; p++) {
-        int n0 = p * SSQ_NB;
-        int ncols = N - n0 < SSQ_NB ? N - n0 : SSQ_NB;
-        for (int m0 = 0; m0 < M; m0 += SSQ_MB) {
-            int mb = M - m0 < SSQ_MB ? M - m0 : SSQ_MB;
-            for (int r = 0; r < mb; r++) { acc0[r] = _mm256_setzero_ps(); acc1[r] = acc0[r]; }
-            const uint8_t *rec = W + (long)p * (KG / sbg) * q->S;
-            for (int g = 0; g < KG; g++) {
-                const int gg = g % sbg;               /* sbg: 1, or a power of 2 */
-                if (g && !gg) rec += q->S;
-                const uint8_t *tail = rec + sbg * q->code_bytes, *codes = rec + gg * q->code_bytes;
-                __m256 sc[2], off[2];
-                ssq_scales_256(q, sbg, tail, gg, sc, off);
-                ssq_prefetch_group(q, sbg, codes, tail, gg);
-                for (int m = 0; m < mb; m += 2) {
-                    int R = mb - m < 2 ? mb - m : 2;
-                    const int16_t *xg = xq + (long)(m0 + m) * 2 * K + (long)g * G;
-                    if (R == 2) ssq_dot_256(kind, codes, G, xg, 2L * K, 2, lo, hi);
-                    else ssq_dot_256(kind, codes, G, xg, 2L * K, 1, lo, hi);
-                    for (int r = 0; r < R; r++) {
-                        int i = m + r;
-                        long gi = (long)(m0 + i) * KG + g;
-                        __m256 s1 = _mm256_broadcast_ss(xs + 2 * gi);
-                        __m256 s2 = _mm256_broadcast_ss(xs + 2 * gi + 1);
-                        acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[2 * r]),
-                                                  _mm256_mul_ps(s1, sc[0]), acc0[i]);
-                        acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[2 * r]),
-                                                  _mm256_mul_ps(s1, sc[1]), acc1[i]);
-                        acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[2 * r + 1]),
-                                                  _mm256_mul_ps(s2, sc[0]), acc0[i]);
-                        acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[2 * r + 1]),
-                                                  _mm256_mul_ps(s2, sc[1]), acc1[i]);
-                        if (has_off) {
-                            __m256 xt = _mm256_broadcast_ss(xsum + gi);
-                            acc0[i] = _mm256_fmadd_ps(xt, off[0], acc0[i]);
-                            acc1[i] = _mm256_fmadd_ps(xt, off[1], acc1[i]);
-                        }
-                    }
-                }
-            }
-            for (int r = 0; r < mb; r++) {
-                float *yr = y + (long)(m0 + r) * ldy + n0;
-                float t[SSQ_NB];
-                _mm256_storeu_ps(t, acc0[r]);
-                _mm256_storeu_ps(t + 8, acc1[r]);
-                for (int j = 0; j < ncols; j++) yr[j] = (b ? b[n0 + j] : 0.0f) + t[j];
-            }
-        }
-    }
-}
-
 /* ------------------------------------------------------------------------------------------
  * AVX2 byte path (Q4, K4, K6 where the CPU lacks AVX-512 VNNI): the codes as unsigned bytes
  * times three int8 parts of the activations (vpmaddubsw: 32 byte products a µop, summed in pairs
@@ -421,7 +362,7 @@ void ssq_panels_256(const int kind, const SsqGeo *q, const uint8_t *W, int K, in
  * remainder of the parts before): at most max|x| / (8 127^3) ~ max|x| 6e-8 per input, against
  * max|x| / 2^31 for the two int16 parts (and max|x| / 65534 for one int16 part, which real models'
  * outlier channels turned into 1e-3 logit errors). The parts are stored in the order the code
- * bytes pair with (SSQ8_ORDER): per 8 inputs k..k+7, bytes k, k+4, k+1, k+5 | k+2, k+6, k+3, k+7.
+ * bytes pair with: per 8 inputs k..k+7, bytes k, k+4, k+1, k+5 | k+2, k+6, k+3, k+7.
  *
  * A 4-bit step (64 bytes, 8 k of 16 outputs), half h = outputs 8h..8h+7, 16-bit lane (o, t):
  *     lo = v & 0x0F per byte: (q[o][k+t], q[o][k+4+t])     hi = (v >> 4) & 0x0F: (k+2+t, k+6+t)
@@ -433,17 +374,22 @@ void ssq_panels_256(const int kind, const SsqGeo *q, const uint8_t *W, int K, in
  * every 4 steps (every K6 step): exact integer sums, as in the int16 path. Per group and part:
  *     acc[j] += float(S_p) * (d_p scale[j])  (p = 1, 2, 3),  then  + xsum * offset[j]
  * A row's result depends on that row only (not M, the threads or the neighbours). */
-static const int8_t SSQ8_ORDER[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-
-/* v[0..G) -> int8 b = round(v / d) (nearest even) in [-127, 127] in SSQ8_ORDER, rest = v - d b;
- * returns d = max|v| / 127 (0 for an all-zero v). G % 8 == 0. */
-static SSQ_AVX2 float ssq_int8_part(const float *v, int G, int8_t *b, float *rest) {
+/* max |v[k]| over k < G (G % 8 == 0). */
+static SSQ_AVX2 float ssq_absmax(const float *v, int G) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     __m256 mx = _mm256_setzero_ps();
     for (int k = 0; k < G; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(v + k), absmask));
     float t[8], amax = 0.0f;
     _mm256_storeu_ps(t, mx);
     for (int j = 0; j < 8; j++) amax = t[j] > amax ? t[j] : amax;
+    return amax;
+}
+
+/* v[0..G) -> int8 b = round(v / d) (nearest even) in [-127, 127], stored per 8 inputs in the order k, k+4, k+1, k+5, k+2, k+6, k+3, k+7;
+ * rest = v - d b;
+ * returns d = max|v| / 127 (0 for an all-zero v). G % 8 == 0. */
+static SSQ_AVX2 float ssq_int8_part(const float *v, int G, int8_t *b, float *rest) {
+    const float amax = ssq_absmax(v, G);
     const float d = amax / 127.0f;
     const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f), vd = _mm256_set1_ps(d);
     const __m128i order = _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
@@ -537,13 +483,19 @@ void ssq_group8_256(int kind, const uint8_t *c, int G, const int8_t *xb, long K,
     }
 }
 
+/* Panels [p0, p1) for rows [0, M). bytes = 0: xp is the int16 parts [M, 2, K], xs [M, K/G, 2];
+ * bytes = 1 (the byte path below, 4- and 6-bit kinds): xp the int8 parts [M, 3, K], xs
+ * [M, K/G, 3]. xsum [M, K/G]. */
 static inline __attribute__((always_inline)) SSQ_AVX2
-void ssq_panels8_256(const int kind, const SsqGeo *q, const uint8_t *W, int K, int N, int p0,
-                     int p1, const int8_t *xb, const float *xs, const float *xsum, int M,
-                     float *y, long ldy, const float *b) {
+void ssq_panels_256(const int kind, const int bytes, const SsqGeo *q, const uint8_t *W, int K,
+                    int N, int p0, int p1, const void *xp, const float *xs, const float *xsum,
+                    int M, float *y, long ldy, const float *b) {
     const int G = q->G, KG = q->KG, has_off = kind == SSQ_K6 ? 1 : q->has_off;
-    const int sbg = kind == SSQ_Q4 ? 1 : q->sbg;
+    const int sbg = (kind == SSQ_Q4 || kind == SSQ_Q8) ? 1 : q->sbg;
+    const int16_t *xq = (const int16_t *)xp;
+    const int8_t *xb = (const int8_t *)xp;
     __m256 acc0[SSQ_MB], acc1[SSQ_MB];
+    __m256i lo[4], hi[4];      /* [2 row + part] */
     for (int p = p0; p < p1; p++) {
         int n0 = p * SSQ_NB;
         int ncols = N - n0 < SSQ_NB ? N - n0 : SSQ_NB;
@@ -558,7 +510,7 @@ void ssq_panels8_256(const int kind, const SsqGeo *q, const uint8_t *W, int K, i
                 __m256 sc[2], off[2];
                 ssq_scales_256(q, sbg, tail, gg, sc, off);
                 ssq_prefetch_group(q, sbg, codes, tail, gg);
-                for (int i = 0; i < mb; i++) {
+                for (int i = 0; bytes && i < mb; i++) {
                     const long gi = (long)(m0 + i) * KG + g;
                     __m256 sf[6];
                     for (int e = 0; e < 3; e++) {
@@ -572,6 +524,31 @@ void ssq_panels8_256(const int kind, const SsqGeo *q, const uint8_t *W, int K, i
                         const __m256 xt = _mm256_broadcast_ss(xsum + gi);
                         acc0[i] = _mm256_fmadd_ps(xt, off[0], acc0[i]);
                         acc1[i] = _mm256_fmadd_ps(xt, off[1], acc1[i]);
+                    }
+                }
+                for (int m = 0; !bytes && m < mb; m += 2) {
+                    int R = mb - m < 2 ? mb - m : 2;
+                    const int16_t *xg = xq + (long)(m0 + m) * 2 * K + (long)g * G;
+                    if (R == 2) ssq_dot_256(kind, codes, G, xg, 2L * K, 2, lo, hi);
+                    else ssq_dot_256(kind, codes, G, xg, 2L * K, 1, lo, hi);
+                    for (int r = 0; r < R; r++) {
+                        int i = m + r;
+                        long gi = (long)(m0 + i) * KG + g;
+                        __m256 s1 = _mm256_broadcast_ss(xs + 2 * gi);
+                        __m256 s2 = _mm256_broadcast_ss(xs + 2 * gi + 1);
+                        acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[2 * r]),
+                                                  _mm256_mul_ps(s1, sc[0]), acc0[i]);
+                        acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[2 * r]),
+                                                  _mm256_mul_ps(s1, sc[1]), acc1[i]);
+                        acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[2 * r + 1]),
+                                                  _mm256_mul_ps(s2, sc[0]), acc0[i]);
+                        acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[2 * r + 1]),
+                                                  _mm256_mul_ps(s2, sc[1]), acc1[i]);
+                        if (has_off) {
+                            __m256 xt = _mm256_broadcast_ss(xsum + gi);
+                            acc0[i] = _mm256_fmadd_ps(xt, off[0], acc0[i]);
+                            acc1[i] = _mm256_fmadd_ps(xt, off[1], acc1[i]);
+                        }
                     }
                 }
             }
@@ -590,14 +567,14 @@ void ssq_panels8_256(const int kind, const SsqGeo *q, const uint8_t *W, int K, i
                   const int8_t *xb, const float *xs, const float *xsum, int M, float *y, long ldy, \
                   const float *b
 #define SSQ8_PASS q, W, K, N, p0, p1, xb, xs, xsum, M, y, ldy, b
-static SSQ_AVX2 void ssq8_q4_256(SSQ8_ARGS) { ssq_panels8_256(SSQ_Q4, SSQ8_PASS); }
-static SSQ_AVX2 void ssq8_k4_256(SSQ8_ARGS) { ssq_panels8_256(SSQ_K4, SSQ8_PASS); }
-static SSQ_AVX2 void ssq8_k6_256(SSQ8_ARGS) { ssq_panels8_256(SSQ_K6, SSQ8_PASS); }
+static SSQ_AVX2 void ssq8_q4_256(SSQ8_ARGS) { ssq_panels_256(SSQ_Q4, 1, SSQ8_PASS); }
+static SSQ_AVX2 void ssq8_k4_256(SSQ8_ARGS) { ssq_panels_256(SSQ_K4, 1, SSQ8_PASS); }
+static SSQ_AVX2 void ssq8_k6_256(SSQ8_ARGS) { ssq_panels_256(SSQ_K6, 1, SSQ8_PASS); }
 
-static SSQ_AVX2 void ssq_q4_256(SSQ_ARGS) { ssq_panels_256(SSQ_Q4, SSQ_PASS); }
-static SSQ_AVX2 void ssq_q8_256(SSQ_ARGS) { ssq_panels_256(SSQ_Q8, SSQ_PASS); }
-static SSQ_AVX2 void ssq_k4_256(SSQ_ARGS) { ssq_panels_256(SSQ_K4, SSQ_PASS); }
-static SSQ_AVX2 void ssq_k6_256(SSQ_ARGS) { ssq_panels_256(SSQ_K6, SSQ_PASS); }
+static SSQ_AVX2 void ssq_q4_256(SSQ_ARGS) { ssq_panels_256(SSQ_Q4, 0, SSQ_PASS); }
+static SSQ_AVX2 void ssq_q8_256(SSQ_ARGS) { ssq_panels_256(SSQ_Q8, 0, SSQ_PASS); }
+static SSQ_AVX2 void ssq_k4_256(SSQ_ARGS) { ssq_panels_256(SSQ_K4, 0, SSQ_PASS); }
+static SSQ_AVX2 void ssq_k6_256(SSQ_ARGS) { ssq_panels_256(SSQ_K6, 0, SSQ_PASS); }
 
 /* ------------------------------------------------------------------------------------------ */
 
@@ -629,12 +606,7 @@ static int ssq_set_isa(int isa) {
 /* v[0..G) -> int16 codes q = round(v / d) (nearest even, as lrintf), d = max|v| / 32767 (0 for
  * an all-zero v); -> d. G % 8 == 0. AVX2 for every instruction set: the same bits on all. */
 static SSQ_AVX2 float ssq_int16(const float *v, int G, int16_t *q) {
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    __m256 mx = _mm256_setzero_ps();
-    for (int k = 0; k < G; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(v + k), absmask));
-    float t[8], amax = 0.0f;
-    _mm256_storeu_ps(t, mx);
-    for (int j = 0; j < 8; j++) amax = t[j] > amax ? t[j] : amax;
+    const float amax = ssq_absmax(v, G);
     const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
     for (int k = 0; k < G; k += 16) {      /* |v inv| <= 32767 (+ rounding): packs saturate */
         __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + k), inv));
