@@ -72,6 +72,8 @@ def test_attention_matches_sdpa(M, S, nh, nkv, hd):
         vc[:S].transpose(0, 1).unsqueeze(0), attn_mask=mask, enable_gqa=nh != nkv)
     ref = ref[0].transpose(0, 1).reshape(M, nh * hd)
     assert _rel(got, ref) < 2e-6
+    with pytest.raises(ValueError, match="must be bool"):
+        cpu_ops.attention(q, kc, vc, mask.float(), nh)
 
 
 def test_attention_row_depends_on_its_visible_slots_only():

@@ -60,6 +60,8 @@ def attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, mask: torch.T
     [>= S, nkv, hd], mask [M, S] bool (True = visible) -> [M, nh hd], scale 1 / sqrt(hd)."""
     M, S = mask.shape
     nkv, hd = kc.shape[1], kc.shape[2]
+    if mask.dtype != torch.bool or S > kc.shape[0]:
+        raise ValueError("attention: the mask must be bool [M, S] with S <= the cache's slots")
     mask = mask.contiguous()
     out = torch.empty(M, nh * hd, dtype=torch.float32)
     nt = torch.get_num_threads() if n_threads is None else n_threads

@@ -328,7 +328,7 @@ class Transformer(torch.nn.Module):
             d = lin(cpu_ops.silu_mul(lin(h, lay.wgu)), lay.wd)
             comm.all_reduce_(d)
             pending = d
-        return x.add_(pending)
+        return x if pending is None else x.add_(pending)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [N] -> [N, hidden] in self.dtype (a tied packed head is gathered from)."""
