@@ -6,6 +6,8 @@ equals the baseline's bit for bit. Run from the repository root on the GPU:
 
     git show e83e2f7:cuda/w4a16.cu > cuda/w4a16base.cu     # the baseline, loaded as source "w4a16base"
     python3 benchmarks/bench_w4a16_ab.py 1,8 1/2/1,1/1/1    # M list, variants T/U/E (or 'all')
+    BASE_LAYOUT=rows python3 benchmarks/bench_w4a16_ab.py ...  # a baseline of the row-major layout
+                                                            # (before the tile-major one, 2026-12-03)
 
 Writes $OUT/ab.json (or /tmp/ab.json).
 """
@@ -28,6 +30,17 @@ shapes = [("8b", "qkv", 6144, 4096), ("8b", "o", 4096, 4096), ("8b", "gate_up", 
 ms = [int(v) for v in sys.argv[1].split(",")]
 cfgs = list(w4a16.VARIANTS) if sys.argv[2] == "all" else [tuple(int(v) for v in c.split("/")) for c in sys.argv[2].split(",")]
 groups_down = (128, 32)
+
+
+BASE_ROWS = os.environ.get("BASE_LAYOUT", "tiles") == "rows"
+
+
+def base_weight(w):
+    """w as the baseline kernel reads it: the same arrays, or row-major (BASE_LAYOUT=rows)."""
+    if not BASE_ROWS:
+        return w
+    return w4a16.W4A16Weight(w4a16.from_tiles(w.qweight, w4a16.CHUNK // 2),
+                             w4a16.from_tiles(w.so, w4a16.CHUNK // w.group), w.group)
 
 
 def base_gemm(x, w, out, pdl=True):
@@ -58,13 +71,14 @@ for sh, name, n, k in shapes:
             q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
             sc = torch.rand(n, k // group, device="cuda", generator=gen) * 0.004 + 0.002
             copies.append(w4a16.from_packed(PackedInt4(q, sc, -8 * sc, group), "cuda"))
+        base_copies = [base_weight(w) for w in copies]
         nb = copies[0].nbytes()
         pct = lambda t: 100 * nb / (t * 1e-6) / bw
         for m in ms:
             x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            ref = base_gemm(x, copies[0], torch.empty_like(out)).clone()
-            tb = graph_time_us([lambda w=w: base_gemm(x, w, out) for w in copies])
+            ref = base_gemm(x, base_copies[0], torch.empty_like(out)).clone()
+            tb = graph_time_us([lambda w=w: base_gemm(x, w, out) for w in base_copies])
             cells = []
             for cfg in cfgs:
                 y = new_gemm("w4a16", x, copies[0], torch.empty_like(out), cfg)
@@ -89,7 +103,7 @@ for sh, name, n, k in shapes:
                   f" | best {best[0]} {best[1]:.1f} ({pct(best[1]):.0f}%) x{tb/best[1]:.2f} | torch {tt:.1f}", flush=True)
             res.append(dict(shape=sh, proj=name, n=n, k=k, group=group, m=m, base=tb, torch=tt, nbytes=nb,
                             new={"/".join(map(str, c[0])): c[1] for c in cells}))
-        del copies
+        del copies, base_copies
         tw = None
         torch.cuda.empty_cache()
 json.dump(res, open(os.environ.get("OUT", "/tmp") + "/ab.json", "w"), indent=1)

@@ -5,12 +5,18 @@
 // (as cuda/gemm_allreduce.cu does for bf16 weights); and the dequantization to a bf16 [N, K] matrix
 // (prompts: dequantized layer by layer, then cuBLAS).
 //
-// Device layout (swiftspec_mpi/gpu/w4a16.py repacks a PackedInt4 into it at load time):
-//   qweight uint8 [N, K/2]: row n, 128-k chunk c = bytes [64 c, 64 c + 64) of the row; inside it,
-//     the 4-byte word (lane q, part p) at byte 64 c + 16 q + 4 p holds the 8 codes of
-//     k = 128 c + 32 p + 8 q + r, r = 0..7, nibble i (bits 4i..4i+3) holding r = PERM[i] =
-//     {0, 2, 4, 6, 1, 3, 5, 7}: (nibble i, nibble i + 4) are the consecutive k's (2i, 2i + 1).
-//   so uint32 [N, K/GS]: bf16 scale (low half) and bf16 offset (high half) of each group.
+// Device layout (swiftspec_mpi/gpu/w4a16.py repacks a PackedInt4 into it at load time), tile-
+// major: the 16 rows of a tile (n = 16 t + r) and the 128 k's of a chunk c are one 1 KiB piece, so
+// a warp's 16-byte loads of a chunk read 512 contiguous bytes (rows 0..7, then 8..15) instead of
+// 64 bytes of 8 rows 2 KiB .. 14 KiB apart:
+//   qweight uint8 [N, K/2]: (tile t, chunk c) = bytes [16 t K/2 + 1024 c, + 1024); row r of the
+//     tile = its bytes [64 r, 64 r + 64); inside them, the 4-byte word (lane q, part p) at byte
+//     16 q + 4 p holds the 8 codes of k = 128 c + 32 p + 8 q + i', nibble i (bits 4i..4i+3)
+//     holding i' = PERM[i] = {0, 2, 4, 6, 1, 3, 5, 7}: (nibble i, nibble i + 4) are the
+//     consecutive k's (2i, 2i + 1).
+//   so uint32 [N, K/GS]: bf16 scale (low half) and bf16 offset (high half) of each group; (tile t,
+//     chunk c) = words [16 t K/GS + 16 SW c, + 16 SW), row r = SW words from 16 SW c + SW r
+//     (SW = 128 / GS: the chunk's groups of one row).
 // So lane q of a warp reads one 16-byte vector per row and 128-k chunk, and its 4 words are
 // groups 4c + p for GS = 32 (one group each), 2c + p/2 for GS = 64, c for GS = 128.
 //
@@ -142,6 +148,8 @@ __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, lo
   // recomputed from the thread index): 16-byte vector q of each row at this warp's next chunk (a
   // tile past n_tiles reads tile0's rows, its results are dropped), the rows' scales, and X row
   // 8 b + g (rows past M read row 0: their MMA columns are dropped, the others do not depend on them).
+  constexpr int SW = 128 / GS;               // scale words of a row and chunk
+  constexpr int UNIT_V = 64;                 // 16-byte vectors of a tile and chunk (1 KiB)
   const uint4* wp[T][2];
   const uint32_t* sp[T][2];
   const int kw = warp * KC;
@@ -150,9 +158,9 @@ __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, lo
     const int tile = tile0 + t < n_tiles ? tile0 + t : tile0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const long long n = (long long)tile * 16 + g + 8 * h;
-      wp[t][h] = reinterpret_cast<const uint4*>(qw + n * qrow + kw / 2) + q;
-      sp[t][h] = so + n * srow + kw / GS;
+      const int r = g + 8 * h;               // row in the tile
+      wp[t][h] = reinterpret_cast<const uint4*>(qw + (long long)tile * 16 * qrow) + (kw / 128) * UNIT_V + 4 * r + q;
+      sp[t][h] = so + (long long)tile * 16 * srow + (kw / 128) * 16 * SW + SW * r;
     }
   }
   const uint4* xp[MB];
@@ -171,8 +179,8 @@ __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, lo
         for (int t = 0; t < T; ++t)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            ch.w[t][u][h] = ld_stream(wp[t][h] + 4 * u);
-            load_scales<GS>(ch.s[t][u][h], sp[t][h] + (128 / GS) * u);
+            ch.w[t][u][h] = ld_stream(wp[t][h] + UNIT_V * u);
+            load_scales<GS>(ch.s[t][u][h], sp[t][h] + 16 * SW * u);
           }
       }
     }
@@ -180,8 +188,8 @@ __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, lo
     for (int t = 0; t < T; ++t)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        wp[t][h] += STEP / 32;
-        sp[t][h] += STEP / GS;
+        wp[t][h] += (STEP / 128) * UNIT_V;
+        sp[t][h] += (STEP / 128) * 16 * SW;
       }
   };
   float cc[T][MB][4];
@@ -361,19 +369,22 @@ W4_GEMM_ALL(1, 4, 1, 1)
 W4_GEMM_ALL(1, 1, 1, 3)
 
 // The dequantized matrix: out [N, K] bf16 (row stride ldo), the very values the GEMV multiplies.
-// One thread per code word (8 consecutive k's, one 16-byte store).
+// One thread per code word (8 consecutive k's, one 16-byte store), words in memory order.
 template <int GS>
 __device__ __forceinline__ void dequant_body(const uint8_t* __restrict__ qw, const uint32_t* __restrict__ so,
                                              __nv_bfloat16* __restrict__ out, long long ldo, int N, int K) {
+  constexpr int SW = 128 / GS;
   const long long words = (long long)N * (K / 8);
+  const long long tile_words = 16LL * (K / 8);
   for (long long wi = blockIdx.x * (long long)blockDim.x + threadIdx.x; wi < words;
        wi += (long long)gridDim.x * blockDim.x) {
-    const long long n = wi / (K / 8);
-    const int r = (int)(wi % (K / 8));          // word of the row: chunk c, lane q, part p
-    const int c = r >> 4, q = (r >> 2) & 3, p = r & 3;
+    const long long t = wi / tile_words;
+    const int r = (int)(wi % tile_words);       // word of the tile: chunk c, row rr, lane q, part p
+    const int c = r >> 8, rr = (r >> 4) & 15, q = (r >> 2) & 3, p = r & 3;
+    const long long n = 16 * t + rr;
     const int k = 128 * c + 32 * p + 8 * q;
-    const uint32_t word = reinterpret_cast<const uint32_t*>(qw + n * (K / 2))[r];
-    const uint32_t s = so[n * (K / GS) + k / GS];
+    const uint32_t word = reinterpret_cast<const uint32_t*>(qw)[wi];
+    const uint32_t s = so[t * 16 * (K / GS) + c * 16 * SW + rr * SW + (k % 128) / GS];
     uint4 v;
     v.x = w4::dq_pair(word, 0, s);
     v.y = w4::dq_pair(word, 1, s);

@@ -43,15 +43,31 @@ def test_repack_roundtrip_and_word_layout():
     d = w4a16.repack_codes(q)
     assert torch.equal(w4a16.unpack_device(d), q)
     codes = unpack_codes(q)
-    for r in (0, 17, 47):                     # every word of a few rows, read as the kernel does
+    flat = d.flatten()
+    for n in (0, 17, 47):                     # every word of a few rows, read as the kernel does
+        t, r = divmod(n, 16)
         for c in range(3):
             for lane_q in range(4):
                 for p in range(4):
-                    o = 64 * c + 16 * lane_q + 4 * p
-                    word = int.from_bytes(bytes(d[r, o:o + 4].tolist()), "little")
+                    o = 16 * t * (384 // 2) + 1024 * c + 64 * r + 16 * lane_q + 4 * p
+                    word = int.from_bytes(bytes(flat[o:o + 4].tolist()), "little")
                     for i in range(8):
                         k = 128 * c + 32 * p + 8 * lane_q + w4a16.PERM[i]
-                        assert (word >> (4 * i)) & 15 == codes[r, k]
+                        assert (word >> (4 * i)) & 15 == codes[n, k]
+
+
+def test_scales_tile_major_roundtrip():
+    """so: (tile t, chunk c) holds the 16 rows' 128 / g words in one piece, row by row."""
+    gen = torch.Generator().manual_seed(2)
+    for group in (32, 64, 128):
+        so = torch.randint(-2**31, 2**31 - 1, (32, 512 // group), dtype=torch.int32, generator=gen)
+        dev = w4a16.to_tiles(so, 128 // group)
+        assert torch.equal(w4a16.from_tiles(dev, 128 // group), so)
+        sw, flat = 128 // group, dev.flatten()
+        for n, gi in ((0, 0), (5, 3), (31, 512 // group - 1)):
+            t, r = divmod(n, 16)
+            c, j = divmod(gi, sw)
+            assert flat[16 * t * (512 // group) + 16 * sw * c + sw * r + j] == so[n, gi]
 
 
 def test_pack_scales_halves():

@@ -4,10 +4,16 @@
 load time from the loaders' `swiftspec_mpi.model.quant.PackedInt4` (W = q * scale + offset per
 group of 32, 64 or 128 inputs):
 
-    qweight  uint8 [N, K / 2]    the codes, permuted inside each 128-k chunk of a row so that lane q
-                                 of a warp reads one 16-byte vector per row and chunk (see the
-                                 layout comment of cuda/w4a16.cu; `repack_codes` / `unpack_device`)
-    so       int32 [N, K / g]    bf16 scale (low half) and bf16 offset (high half) per group
+    qweight  uint8 [N, K / 2]    the codes, tile-major: the 16 rows of a tile and 128 k's of a chunk
+                                 are 1 KiB in one piece (16 rows x 64 bytes), permuted inside each
+                                 row's 64 bytes so that lane q of a warp reads one 16-byte vector
+                                 per row (see the layout comment of cuda/w4a16.cu; `repack_codes` /
+                                 `unpack_device`)
+    so       int32 [N, K / g]    bf16 scale (low half) and bf16 offset (high half) per group, tile-
+                                 major like the codes: a tile's 16 rows x 128 / g words per chunk
+
+Only whole tiles are contiguous: rows [r, e) of the dense weight are bytes [r K / 2, e K / 2) of
+qweight when r and e are multiples of 16 (so `cat_rows` concatenates).
 
 K must be a multiple of 128 and N of 16. Scale and offset are held as bf16; the GEMV multiplies
 bf16 activations on tensor cores, accumulates in float32 and applies each group's scale and offset
@@ -55,8 +61,8 @@ _SOURCE = "w4a16"
 @dataclass
 class W4A16Weight:
     """One layer's 4-bit weight in the device layout of cuda/w4a16.cu (module docstring)."""
-    qweight: torch.Tensor      # uint8 [N, K // 2], permuted codes
-    so: torch.Tensor           # int32 [N, K // group], bf16 (scale, offset) pairs
+    qweight: torch.Tensor      # uint8 [N, K // 2], permuted codes, tile-major
+    so: torch.Tensor           # int32 [N, K // group], bf16 (scale, offset) pairs, tile-major
     group: int
 
     @property
@@ -80,21 +86,35 @@ def supported(n: int, k: int, group: int) -> bool:
     return group in (32, 64, 128) and k % CHUNK == 0 and n % TILE == 0 and n > 0
 
 
+def to_tiles(t: torch.Tensor, per_chunk: int) -> torch.Tensor:
+    """Row-major [N, C * per_chunk] (C chunks of 128 k's, `per_chunk` elements each) -> the same
+    shape, tile-major: the elements of (tile N / 16, chunk c) are 16 x per_chunk in one piece."""
+    n, width = t.shape
+    return t.reshape(n // TILE, TILE, width // per_chunk, per_chunk).transpose(1, 2).reshape(n, width).contiguous()
+
+
+def from_tiles(t: torch.Tensor, per_chunk: int) -> torch.Tensor:
+    """The inverse of `to_tiles`."""
+    n, width = t.shape
+    return t.reshape(n // TILE, width // per_chunk, TILE, per_chunk).transpose(1, 2).reshape(n, width).contiguous()
+
+
 def repack_codes(qweight: torch.Tensor) -> torch.Tensor:
     """PackedInt4 codes uint8 [N, K/2] (low nibble = even k) -> the device layout uint8 [N, K/2]:
-    row n's byte 64 c + 16 q + 4 p + j holds the codes of k = 128 c + 32 p + 8 q + PERM[2j]
-    (low nibble) and + PERM[2j + 1] (high nibble)."""
+    the byte of row n = 16 t + r, chunk c, lane q, part p, j at offset 16 t K/2 + 1024 c + 64 r +
+    16 q + 4 p + j holds the codes of k = 128 c + 32 p + 8 q + PERM[2j] (low nibble) and
+    + PERM[2j + 1] (high nibble)."""
     n, k = qweight.shape[0], qweight.shape[1] * 2
     codes = unpack_codes(qweight).view(n, k // CHUNK, 4, 4, 8)          # [n, c, p, q, r]
     perm = torch.tensor(PERM, device=qweight.device)
     c = codes.permute(0, 1, 3, 2, 4).index_select(4, perm)              # [n, c, q, p, nibble]
-    return (c[..., 0::2] | (c[..., 1::2] << 4)).reshape(n, k // 2).contiguous()
+    return to_tiles((c[..., 0::2] | (c[..., 1::2] << 4)).reshape(n, k // 2), CHUNK // 2)
 
 
 def unpack_device(qweight: torch.Tensor) -> torch.Tensor:
     """The inverse of `repack_codes`: device layout -> PackedInt4 codes uint8 [N, K/2]."""
     n, k = qweight.shape[0], qweight.shape[1] * 2
-    b = qweight.view(n, k // CHUNK, 4, 4, 4)                            # [n, c, q, p, byte]
+    b = from_tiles(qweight, CHUNK // 2).view(n, k // CHUNK, 4, 4, 4)    # [n, c, q, p, byte]
     nib = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(n, k // CHUNK, 4, 4, 8)
     inv = torch.empty(8, dtype=torch.long)
     inv[list(PERM)] = torch.arange(8)
@@ -119,17 +139,19 @@ def from_packed(w: PackedInt4, device, rows_per_step: int = 4096) -> W4A16Weight
     device = torch.device(device)
     q = torch.empty(n, k // 2, dtype=torch.uint8, device=device)
     so = torch.empty(n, k // w.group, dtype=torch.int32, device=device)
+    rows_per_step = max(TILE, rows_per_step // TILE * TILE)            # whole tiles per part
     for r in range(0, n, rows_per_step):
         e = min(n, r + rows_per_step)
         q[r:e] = repack_codes(w.qweight[r:e].to(device))
-        so[r:e] = pack_scales(w.scale[r:e].to(device), w.offset[r:e].to(device))
+        so[r:e] = to_tiles(pack_scales(w.scale[r:e].to(device), w.offset[r:e].to(device)), CHUNK // w.group)
     return W4A16Weight(q, so, w.group)
 
 
 def to_packed(w: W4A16Weight) -> PackedInt4:
     """The PackedInt4 (on w's device) of the weights the kernels use: scale and offset as their
     bf16 values (exact in float32)."""
-    pair = w.so.view(torch.bfloat16).view(w.so.shape[0], w.so.shape[1], 2).float()
+    so = from_tiles(w.so, CHUNK // w.group)
+    pair = so.view(torch.bfloat16).view(so.shape[0], so.shape[1], 2).float()
     return PackedInt4(unpack_device(w.qweight), pair[..., 0].contiguous(), pair[..., 1].contiguous(), w.group)
 
 
