@@ -18,6 +18,8 @@ Qwen2.5-Coder 0.5B -> 1.5B pair (embedded default). Per system, over every finis
   idle verify/draft   the group leader's wait time / the job's event wall time
   fresh | rerooted | remnant, depth, drafted, fresh wait   where the verified trees came from
                       (trace/tree_sources.py)
+  abandoned / step    draft expansions abandoned between layers for a result (engine/abandon.py)
+                      per verify step
   exact vs sync       requests whose output equals sync's (greedy: all)
   acc x busy          accepted length x (1 - idle verify): the async policies' tokens per verify
                       step time, a speed figure that does not move with the machine's load
@@ -84,13 +86,16 @@ def system_figures(paths: list[Path]) -> dict:
            "outputs": [r.output_ids.tolist() for r in reqs],
            "expansions_per_verify": sorted({(t.env or {}).get("expansions_per_verify") for t in traces},
                                            key=str)}
-    wall, waits = 0.0, {}
+    wall, waits, abandoned = 0.0, {}, 0
     for t in traces:
         s = summarize(t)
         wall += s["wall_s"] or 0.0
         for role, info in (s.get("roles") or {}).items():
             waits[role] = waits.get(role, 0.0) + info["wait_s"]
+        abandoned += ((s.get("roles") or {}).get("draft", {}).get("kinds", {})
+                      .get("abandon", {}).get("count", 0))
     out["idle"] = {role: w / wall for role, w in waits.items()} if wall else {}
+    out["abandoned_per_step"] = abandoned / len(acc) if len(acc) else None
     out["tree_sources"] = tree_source_summary(reqs)
     return out
 
@@ -101,9 +106,9 @@ def render(figs: dict, args, chunks_done: dict) -> str:
              f"tree size {args.verify_size}, chunks of {args.chunk} (finished chunks per system: "
              + ", ".join(f"{k} {v}" for k, v in chunks_done.items()) + ")", "",
              "| system | requests | tok/s | accepted length | vs sync | >= 3 drafted | idle verify | "
-             "idle draft | acc x busy | fresh / rerooted / remnant | depth | drafted | fresh wait ms | d | "
-             "exact vs sync |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "idle draft | acc x busy | fresh / rerooted / remnant | depth | drafted | fresh wait ms | "
+             "abandoned / step | d | exact vs sync |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, f in figs.items():
         ts = f["tree_sources"]
         src = "-" if ts is None else " / ".join(f"{100 * ts['by_source'][k]['fraction']:.0f}%"
@@ -122,6 +127,7 @@ def render(figs: dict, args, chunks_done: dict) -> str:
                  "-" if name == "sync" else num(f["mean_accepted_length"] * (1 - f["idle"].get("verify", 0.0)), ".3f"),
                  src, "-" if ts is None else num(ts["mean_depth"], ".2f"),
                  "-" if ts is None else num(ts["mean_drafted"], ".2f"), fw,
+                 "-" if name == "sync" else num(f["abandoned_per_step"], ".3f"),
                  ",".join(str(x) for x in f["expansions_per_verify"]), n_same]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

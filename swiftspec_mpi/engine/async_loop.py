@@ -8,7 +8,11 @@ draft paces itself is the async policy (--async-policy):
     expand w best leaves      (repeat;        forward(best bs nodes) on committed KV
       paced: d times a step, then wait)
       stream: SEND best 8*bs after each  -->  accept path (+ bonus), commit KV, stream text
-    on RESULT: re-root, move KV        <--    SEND result
+      between layers: RESULT in?       <--    SEND result
+        and no leaf survives its re-root:
+        ABANDON the expansion (tree and
+        KV as before it; abandon.py)
+    on RESULT: re-root, move KV
     then SEND best 4*bs nodes          -->    next tree:
                                                 fresh:   wait for the tree the draft re-rooted
                                                          on this result (the paper's policy)
@@ -36,13 +40,19 @@ with the tree at hand (as `remnant`) while that is two levels deep. `stream` als
 draft sends its best subtree after every expansion, so the verify group starts each step on
 everything drafted up to the moment its result arrived.
 
+A result that arrives while the draft is in an expansion is taken at the next layer boundary
+(engine/abandon.py) when the re-root on it would drop every leaf being expanded: that forward is
+wasted work, and finishing it delays the re-rooted tree by up to one expansion (the wait `fresh`,
+`deep` and `floor` pay). An expansion with a surviving leaf is finished first, as before.
+
 The draft expands without pause, unless it is paced (EngineContext.draft_pace = d > 0: d
 expansions after each result, then it waits for the next): with --expansions D, or when a draft
 rank shares a GPU with a verify rank (d from the startup profile), so that it takes less of the
 shared device from the verify group (one GPU under MPS).
 
 Group members (tensor parallel ranks) mirror their leader: every decision is broadcast in a
-preallocated buffer, so the tree and KV of every rank of a group stay identical.
+preallocated buffer, so the tree and KV of every rank of a group stay identical (the decision
+to abandon an expansion too, every abandon.TP_CHECK_EVERY layers).
 """
 from __future__ import annotations
 
@@ -51,6 +61,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from swiftspec_mpi.engine.abandon import LayerCheck, ResultWatch
 from swiftspec_mpi.engine.decoding import Acceptor, DraftSide, OutputTracker, TargetSide
 from swiftspec_mpi.engine.context import EngineContext, comm_seconds, decide, make_topk_share
 from swiftspec_mpi.core.errors import PeerError
@@ -289,7 +300,9 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     rec.record(KIND["prefill"], request, 0, t0, clock.now(), len(prompt_ids), 0,
                comm_seconds(ctx.draft) - c0)
     owe_tree = True            # the verify group has not seen the current root yet
-    result_req = topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT) if leader else None
+    watch = ResultWatch(topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT), chan.unpack_result) \
+        if leader else None
+    group_size = topo.group.Get_size()
     seq = 0
     n_expand = 0
     stream, d = POLICIES[cfg.async_policy].streams, int(ctx.draft_pace)
@@ -320,7 +333,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
             leaves, to_send = None, None
             if ctx.stop_flag:
                 action = ACT_STOP
-            elif result_req.Test():
+            elif watch.arrived():   # (perhaps already during the last expansion: abandon.py)
                 action = ACT_RESULT
             elif owe_tree and draft.root_expanded() and (to_send := deep_enough()) is not None:
                 action = ACT_SEND
@@ -334,7 +347,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
                 else:   # paced out, or tree (or KV) full: wait for the next verdict
                     tw = clock.now()
                     try:
-                        wait_for(result_req, cfg.peer_timeout, f"verify result from {verify_leader}",
+                        wait_for(watch.req, cfg.peer_timeout, f"verify result from {verify_leader}",
                                  ctx.stop_flag, ctx.watch)
                         action = ACT_RESULT
                     except Interrupted:
@@ -352,7 +365,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
                                                            np.zeros(0, np.int32)), 0, TAG_TREE,
                                 cfg.peer_timeout, f"delivery of a tree to {verify_leader}", ctx.watch)
                 else:
-                    result_req = topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT)
+                    watch.rearm(topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT))
         ctx.bcast(control)
         action = int(control[0])
         # 2. every rank of the group applies it
@@ -378,7 +391,11 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
             if not leader:
                 leaves = draft.select()
             te, ce = clock.now(), comm_seconds(ctx.draft)
-            draft.expand(leaves, share)
+            check = LayerCheck(draft, leaves, request, watch, group_size, ctx.bcast)
+            if not draft.expand(leaves, share, between_layers=check):   # a result came: re-root
+                rec.record(KIND["abandon"], request, n_expand, te, clock.now(), len(leaves),
+                           check.layers_done, comm_seconds(ctx.draft) - ce)
+                continue
             rec.record(KIND["expand"], request, n_expand, te, clock.now(), len(leaves), 0,
                        comm_seconds(ctx.draft) - ce)
             n_expand += 1

@@ -141,22 +141,62 @@ class DraftSide:
         leaves = self.tree.select_leaves(min(self.width, room))
         return leaves
 
-    def expand(self, leaves: np.ndarray, share=None) -> None:
+    def expand(self, leaves: np.ndarray, share=None, between_layers=None) -> bool:
         """One batched draft forward over `leaves` (int32[n]); adds top-k children to each.
+        Returns True, or False when `between_layers` abandoned it.
 
         Every rank of a tensor-parallel group runs the same forward (its all-reduces pair up);
         `share(ids int64[n, k], lps float32[n, k]) -> (ids, lps)` then makes the group adopt the
-        leader's top-k (a broadcast), so the trees of all ranks stay bit-identical."""
+        leader's top-k (a broadcast), so the trees of all ranks stay bit-identical.
+
+        `between_layers(done, total) -> bool` (Transformer.forward; the engine's is
+        abandon.LayerCheck) may stop the forward after any layer: the expansion is then
+        abandoned and the draft side is as before it. The tree is restored from a copy taken
+        before `assign_slots` (kv_slot, expanded, num_expanded of the leaves); kv_used is
+        unchanged, so the K/V the stopped forward wrote in slots [kv_used, kv_used + n) lies in
+        free slots, which no mask shows and the next forward into them rewrites in every layer.
+        A graphed model (CUDA graph: `forward_topk_logprobs`) runs its forward whole."""
         n = len(leaves)
+        before = self.tree.copy() if between_layers is not None else None
         self.tree.assign_slots(leaves, self.kv_used)
         positions, mask = self.tree.masks(leaves, self.kv_used + n)
         tokens = torch.from_numpy(self.tree.tokens_of(leaves))
-        ids, lps = draft_topk(self.model, self.topk, tokens, torch.from_numpy(positions), self.kv_used,
-                              torch.from_numpy(mask))
+        top = draft_topk(self.model, self.topk, tokens, torch.from_numpy(positions), self.kv_used,
+                         torch.from_numpy(mask), between_layers=between_layers)
+        if top is None:
+            self.tree = before
+            return False
+        ids, lps = top
         if share is not None:
             ids, lps = share(ids, lps)
         self.tree.expand(leaves, ids, lps)
         self.kv_used += n
+        return True
+
+    def expansion_survives(self, leaves: np.ndarray, accepted: np.ndarray) -> bool:
+        """Whether any of `leaves` (int32[n], being expanded) keeps its place after
+        `reroot(accepted)` (int64[k]: k-1 accepted draft tokens, then the bonus): a leaf does iff
+        its root path (the tokens of depths 1..d) runs along `accepted` (d >= k: it lies under
+        the new root, or is it) or is the accepted draft tokens themselves (d = k-1: its KV
+        fills the slot the re-root commits it to). When none does, the re-root drops every
+        node (and KV) the expansion would add, so finishing it is wasted work."""
+        tok, par = self.tree.token, self.tree.parent
+        depth = self.tree.depth
+        k = len(accepted)
+        for leaf in np.asarray(leaves).tolist():
+            d = int(depth[leaf])
+            if d < k - 1:
+                continue
+            path = []
+            node = leaf
+            while node > 0:
+                path.append(int(tok[node]))
+                node = int(par[node])
+            path.reverse()                                   # tokens of depths 1..d
+            m = min(d, k)
+            if all(path[j] == int(accepted[j]) for j in range(m)):
+                return True
+        return False
 
     def best_subtree(self, bs: int) -> tuple[np.ndarray, np.ndarray]:
         """The `bs` most likely nodes as a subtree: (tokens int64[n], parents int32[n]), n <= bs,
@@ -195,17 +235,20 @@ class DraftSide:
         self.kv_used = P + 1
 
 
-def draft_topk(model, k: int, tokens, positions, start: int, mask,
-               logits_row: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def draft_topk(model, k: int, tokens, positions, start: int, mask, logits_row: int | None = None,
+               between_layers=None) -> tuple[np.ndarray, np.ndarray] | None:
     """(ids int64[n, k], log-probs float32[n, k]): the top-k of log_softmax of each row's logits
     (only row `logits_row`'s, [1, k], if given), inside the CUDA graph when the model has one
-    (GraphedModel.forward_topk_logprobs)."""
+    (GraphedModel.forward_topk_logprobs, which ignores `between_layers`). None when
+    `between_layers` stopped the forward (Transformer.forward)."""
     fast = getattr(model, "forward_topk_logprobs", None)
     if fast is not None:
         ids, lps = fast(tokens, positions, start, mask, k)
         return (ids, lps) if logits_row is None else (ids[logits_row:logits_row + 1], lps[logits_row:logits_row + 1])
     rows = None if logits_row is None else torch.tensor([logits_row])
-    return logits_topk_logprobs(model.forward(tokens, positions, start, mask, logits_rows=rows), k)
+    logits = model.forward(tokens, positions, start, mask, logits_rows=rows,
+                           **({} if between_layers is None else {"between_layers": between_layers}))
+    return None if logits is None else logits_topk_logprobs(logits, k)
 
 
 class Acceptor:

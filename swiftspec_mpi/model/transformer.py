@@ -194,7 +194,7 @@ class Transformer(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, start: int,
                 mask: torch.Tensor | None, logits_rows: torch.Tensor | None = None,
-                causal: bool = False) -> torch.Tensor:
+                causal: bool = False, between_layers=None) -> torch.Tensor | None:
         """Run N new tokens over the KV prefix [0, start).
 
         tokens [N] long, positions [N] long, mask [N, start+N] bool (True = visible),
@@ -203,6 +203,12 @@ class Transformer(torch.nn.Module):
         causal: the caller promises mask == chain_mask(start, N) (a prompt); at start 0 the
         attention then runs SDPA's causal kernel (flash on a GPU) without a mask, and `mask`
         may be None.
+        between_layers: None, or a callable (done: int, total: int) -> bool called after each
+        decoder layer (done = layers run so far, 1..total); True stops the forward there and it
+        returns None. Slots [start, start+N) then hold the new tokens' K/V in the first `done`
+        layers only: the caller must treat them as unwritten (a later forward into those slots
+        rewrites every layer before anything attends to them). Every rank of a tensor-parallel
+        group must get the same answers at the same layers (the all-reduces pair up).
         """
         N = tokens.shape[0]
         S = start + N
@@ -224,7 +230,9 @@ class Transformer(torch.nn.Module):
 
         if (mask is not None and self.packed
                 and cpu_ops.usable(self.dtype, N, hd, self.cfg.hidden_size)):
-            x = self._layers_small(tokens, positions, start, mask)
+            x = self._layers_small(tokens, positions, start, mask, between_layers)
+            if x is None:
+                return None
             if logits_rows is not None:
                 x = x.index_select(0, logits_rows.to(dev))
             return self._logits(x)
@@ -257,7 +265,9 @@ class Transformer(torch.nn.Module):
                                                v.unsqueeze(0), attn_mask=mask, enable_gqa=g > 1)
             return o[0].transpose(0, 1).reshape(N, nh_l * hd)
 
-        x = self._layers(tokens, positions, write_kv, attend)
+        x = self._layers(tokens, positions, write_kv, attend, between_layers)
+        if x is None:
+            return None
         if logits_rows is not None:
             x = x.index_select(0, logits_rows.to(dev))
         return self._logits(x)
@@ -270,10 +280,12 @@ class Transformer(torch.nn.Module):
         self.forward(torch.tensor(ids, dtype=torch.long, device=dev), torch.arange(len(ids), device=dev), 0,
                      None, logits_rows=torch.tensor([row], device=dev), causal=True)
 
-    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, write_kv, attend) -> torch.Tensor:
+    def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, write_kv, attend,
+                between_layers=None) -> torch.Tensor | None:
         """Embedding + every decoder layer -> hidden states [N, hidden] (before the final norm).
         `write_kv(kc, vc, k [N, nkv_l, hd], v)` stores the new tokens' KV in one layer's buffers;
-        `attend(q [N, nh_l, hd], kc, vc) -> [N, nh_l*hd]` is the (tree) attention."""
+        `attend(q [N, nh_l, hd], kc, vc) -> [N, nh_l*hd]` is the (tree) attention.
+        `between_layers(done, total) -> bool`: see `forward` (True: stop, return None)."""
         cfg, sh, comm = self.cfg, self.shard, self.comm
         N = tokens.shape[0]
         eps = cfg.rms_norm_eps
@@ -286,7 +298,8 @@ class Transformer(torch.nn.Module):
         x = self._embed(tokens)                                            # [N, hidden]
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)   # [N, 1, hd]
         sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
-        for lay in self.layers:
+        total = len(self.layers)
+        for i, lay in enumerate(self.layers):
             h = F.rms_norm(x, hshape, lay.ln1, eps)
             qkv = lin(h, lay.wqkv, lay.bqkv)                                # [N, (nh+2kv)*hd]
             qk = qkv[:, :qk_cols].view(N, nh_l + nkv_l, hd)
@@ -302,13 +315,16 @@ class Transformer(torch.nn.Module):
             d = lin(m, lay.wd)
             comm.all_reduce_(d)
             x.add_(d)
+            if between_layers is not None and between_layers(i + 1, total):
+                return None
         return x
 
     def _layers_small(self, tokens: torch.Tensor, positions: torch.Tensor, start: int,
-                      mask: torch.Tensor) -> torch.Tensor:
+                      mask: torch.Tensor, between_layers=None) -> torch.Tensor | None:
         """`_layers` for a decode-sized batch on the CPU (packed layout, float32): the same
         layer with the C ops of model/cpu_ops.py between the GEMMs (each residual add folded
-        into the next RMSNorm). tokens, positions [N] long; mask [N, start + N] bool."""
+        into the next RMSNorm). tokens, positions [N] long; mask [N, start + N] bool;
+        `between_layers` as in `forward` (True: stop, return None)."""
         cfg, sh, comm = self.cfg, self.shard, self.comm
         eps = cfg.rms_norm_eps
         nh_l, nkv_l = sh.nh_l, sh.nkv_l
@@ -316,7 +332,8 @@ class Transformer(torch.nn.Module):
         positions = positions.contiguous()
         x = self._embed(tokens).contiguous()                               # [N, hidden]
         pending = None                                                     # the last add
-        for lay in self.layers:
+        total = len(self.layers)
+        for i, lay in enumerate(self.layers):
             h = cpu_ops.add_rmsnorm(x, pending, lay.ln1, eps)
             qkv = lin(h, lay.wqkv, lay.bqkv)                                # [N, (nh+2kv)*hd]
             cpu_ops.rope_kv(qkv, positions, self.rope_cos, self.rope_sin, nh_l, nkv_l,
@@ -328,6 +345,8 @@ class Transformer(torch.nn.Module):
             d = lin(cpu_ops.silu_mul(lin(h, lay.wgu)), lay.wd)
             comm.all_reduce_(d)
             pending = d
+            if between_layers is not None and between_layers(i + 1, total):
+                return None
         return x if pending is None else x.add_(pending)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -431,7 +450,8 @@ class Transformer(torch.nn.Module):
         silu_mul, down GEMM, all-reduce (each GEMM + all-reduce one kernel, kernels.gemm_allreduce,
         when the comm has a fused_allreduce); the last residual add is fused with the final norm. In
         "pdl" mode QKV GEMM + rope_kv_write is one kernel (kernels.gemm_qkv_rope), and so is
-        gate|up GEMM + silu_mul (kernels.gemm_swiglu): 7 kernels per layer."""
+        gate|up GEMM + silu_mul (kernels.gemm_swiglu): 7 kernels per layer. 4-bit weights: gate|up
+        GEMM + silu_mul is one kernel (w4a16.gemm_swiglu), 8 kernels per layer."""
         from swiftspec_mpi.gpu import fused_ops, kernels, w4a16
 
         cfg, sh, comm = self.cfg, self.shard, self.comm
@@ -484,6 +504,8 @@ class Transformer(torch.nn.Module):
             fused_ops.add_rmsnorm(x, a, ln2, eps, out=h, pdl=pdl)
             if pdl and rp["gu"] and wgu.shape[0] % 16 == 0:
                 kernels.gemm_swiglu(h, wgu, out=m, pdl=True)               # gate|up GEMM + SwiGLU
+            elif self.quant4 and w4a16.swiglu_ok(h, wgu):
+                w4a16.gemm_swiglu(h, wgu, out=m, pdl=pdl)                  # the same, 4-bit weights
             else:
                 fused_ops.silu_mul(lin(rp["gu"], h, wgu), out=m, pdl=pdl)
             pending = lin_reduce(rp["down"], m, wd)

@@ -17,7 +17,7 @@ from swiftspec_mpi.core.errors import UserError
 
 FORMAT_NAME = "swiftspec-trace"
 FORMAT_VERSION = 1
-DEFAULT_EVENT_KINDS = ("prefill", "expand", "verify", "reroot", "send", "wait", "decode")
+DEFAULT_EVENT_KINDS = ("prefill", "expand", "verify", "reroot", "send", "wait", "decode", "abandon")
 ROLE_NAMES = {0: "verify", 1: "draft"}
 
 # field name -> (numpy dtype, fill value when the field is missing)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-EVENT_KINDS = ("prefill", "expand", "verify", "reroot", "send", "wait", "decode")
+EVENT_KINDS = ("prefill", "expand", "verify", "reroot", "send", "wait", "decode", "abandon")
 KIND = {name: i for i, name in enumerate(EVENT_KINDS)}
 ROLE_VERIFY, ROLE_DRAFT = 0, 1
 
