@@ -134,7 +134,11 @@ struct Chunk {
 // Partial Y tiles of the T tiles tile0 .. tile0 + T - 1 (those < n_tiles) over all of K, summed
 // over the block's warps, into res[t][n (16)][m (8 MB)] (shared, T * 128 * MB floats). red: shared
 // scratch [WARPS][T * 128 * MB]. All THREADS threads call it; ends with a barrier.
-template <int T, int U, int GS, int MB, bool EX>
+// SWI (the gate|up product of gemm_swiglu, W = [gate (I rows) | up (I rows)], I = 8 n_tiles): tile
+// j stands for gate rows 8j .. 8j + 7 (its rows 0..7) and up rows I + 8j .. I + 8j + 7 (rows
+// 8..15), each half 512 contiguous bytes a chunk in the tile-major layout when I % 16 == 0. A row's
+// sum does not depend on the tile it sits in, so each output has the bits of the plain product.
+template <int T, int U, int GS, int MB, bool EX, bool SWI = false>
 __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, long long ldx,
                                          const uint8_t* __restrict__ qw, const uint32_t* __restrict__ so,
                                          int M, int K, int n_tiles, int tile0, float* red, float* res) {
@@ -158,9 +162,11 @@ __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, lo
     const int tile = tile0 + t < n_tiles ? tile0 + t : tile0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = g + 8 * h;               // row in the tile
-      wp[t][h] = reinterpret_cast<const uint4*>(qw + (long long)tile * 16 * qrow) + (kw / 128) * UNIT_V + 4 * r + q;
-      sp[t][h] = so + (long long)tile * 16 * srow + (kw / 128) * 16 * SW + SW * r;
+      const long long n = SWI ? (h ? 8LL * n_tiles : 0LL) + 8LL * tile + g : 16LL * tile + g + 8 * h;
+      const long long nt = n / 16;           // the weight row's tile and its row in it
+      const int r = (int)(n % 16);
+      wp[t][h] = reinterpret_cast<const uint4*>(qw + nt * 16 * qrow) + (kw / 128) * UNIT_V + 4 * r + q;
+      sp[t][h] = so + nt * 16 * srow + (kw / 128) * 16 * SW + SW * r;
     }
   }
   const uint4* xp[MB];
@@ -328,7 +334,12 @@ __device__ __forceinline__ void w4_tiles(const __nv_bfloat16* __restrict__ x, lo
   __syncthreads();
 }
 
-template <int T, int U, int GS, int MB, bool EX>
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// Y = X W^T (SWI = false: Y [M, N]) or Y = bf16(bf16(silu(G)) * U) with [G | U] = X W^T rounded to
+// bf16 (SWI = true: Y [M, N / 2]; fused_ops.cu's silu_mul and its roundings, so the same bits as
+// silu_mul(gemm(X, W)) with the same variant).
+template <int T, int U, int GS, int MB, bool EX, bool SWI = false>
 __device__ __forceinline__ void gemm_body(const __nv_bfloat16* __restrict__ x, long long ldx,
                                           const uint8_t* __restrict__ qw, const uint32_t* __restrict__ so,
                                           __nv_bfloat16* __restrict__ y, long long ldy, int M, int N, int K) {
@@ -338,10 +349,18 @@ __device__ __forceinline__ void gemm_body(const __nv_bfloat16* __restrict__ x, l
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int n_tiles = N / 16;
   for (int tile0 = blockIdx.x * T; tile0 < n_tiles; tile0 += gridDim.x * T) {
-    w4_tiles<T, U, GS, MB, EX>(x, ldx, qw, so, M, K, n_tiles, tile0, red, res);
+    w4_tiles<T, U, GS, MB, EX, SWI>(x, ldx, qw, so, M, K, n_tiles, tile0, red, res);
     for (int e = threadIdx.x; e < T * TS; e += THREADS) {
       const int t = e / TS, n = (e % TS) / (8 * MB), m = e % (8 * MB);
-      if (m < M && tile0 + t < n_tiles) y[(long long)m * ldy + (tile0 + t) * 16 + n] = __float2bfloat16_rn(res[e]);
+      if (m >= M || tile0 + t >= n_tiles) continue;
+      if constexpr (SWI) {
+        if (n < 8) {                          // gate row n, its up row n + 8
+          const float gv = round_bf16(res[e]), uv = round_bf16(res[e + 8 * (8 * MB)]);
+          y[(long long)m * ldy + (tile0 + t) * 8 + n] = __float2bfloat16_rn(round_bf16(gv / (1.f + __expf(-gv))) * uv);
+        }
+      } else {
+        y[(long long)m * ldy + (tile0 + t) * 16 + n] = __float2bfloat16_rn(res[e]);
+      }
     }
   }
 }
@@ -361,6 +380,21 @@ __device__ __forceinline__ void gemm_body(const __nv_bfloat16* __restrict__ x, l
   W4_GEMM(1, GS, T, U, EX, MINB) W4_GEMM(2, GS, T, U, EX, MINB) W4_GEMM(4, GS, T, U, EX, MINB)
 #define W4_GEMM_ALL(T, U, EX, MINB) \
   W4_GEMM_MB(32, T, U, EX, MINB) W4_GEMM_MB(64, T, U, EX, MINB) W4_GEMM_MB(128, T, U, EX, MINB)
+// w4a16_swiglu_mb<MB>_g<GS>_t1_u<U>_e1: the gate|up product with the SwiGLU in its epilogue (W
+// [2I, K], Y [M, I]), for the variants default_config picks; grid = ceil(2I / 16) blocks.
+#define W4_SWIGLU(MB, GS, U, MINB)                                                                     \
+  extern "C" __global__ void __launch_bounds__(w4::THREADS, MINB)                                     \
+  w4a16_swiglu_mb##MB##_g##GS##_t1_u##U##_e1(const __nv_bfloat16* __restrict__ x, long long ldx,    \
+      const uint8_t* __restrict__ qw, const uint32_t* __restrict__ so, __nv_bfloat16* __restrict__ y,   \
+      long long ldy, int M, int N, int K) {                                                           \
+    w4::gemm_body<1, U, GS, MB, true, true>(x, ldx, qw, so, y, ldy, M, N, K);                        \
+  }
+#define W4_SWIGLU_ALL(U, MINB)                                                                         \
+  W4_SWIGLU(1, 32, U, MINB) W4_SWIGLU(2, 32, U, MINB) W4_SWIGLU(4, 32, U, MINB)                        \
+  W4_SWIGLU(1, 64, U, MINB) W4_SWIGLU(2, 64, U, MINB) W4_SWIGLU(4, 64, U, MINB)                        \
+  W4_SWIGLU(1, 128, U, MINB) W4_SWIGLU(2, 128, U, MINB) W4_SWIGLU(4, 128, U, MINB)
+W4_SWIGLU_ALL(1, 3)
+W4_SWIGLU_ALL(2, 2)
 W4_GEMM_ALL(1, 2, 0, 2)
 W4_GEMM_ALL(2, 2, 0, 1)
 W4_GEMM_ALL(1, 2, 1, 2)

@@ -180,6 +180,42 @@ def test_gemm_pdl_in_graph_equals_plain():
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("group", [32, 128])
+def test_gemm_swiglu_equals_silu_mul_after_gemm(group):
+    """The gate|up GEMV with the SwiGLU in its epilogue = fused_ops.silu_mul(gemm(x, w)) bit for
+    bit (Llama-3-8B, Llama-3.2-1B and a one-block gate|up; every M class; poisoned outputs), in a
+    graph with PDL too; shapes it does not take are refused."""
+    from swiftspec_mpi.gpu import fused_ops
+    gen = torch.Generator(device="cuda").manual_seed(11 + group)
+    for n, k in ((28672, 4096), (16384, 2048), (32, 256)):
+        w = w4a16.from_packed(random_packed(n, k, group, gen, "cuda"), "cuda")
+        for m in (1, 3, 8, 9, 16, 17, 32):
+            x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+            assert w4a16.swiglu_ok(x, w)
+            ref = fused_ops.silu_mul(w4a16.gemm(x, w))
+            out = torch.full((m, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+            w4a16.gemm_swiglu(x, w, out=out)
+            torch.cuda.synchronize()
+            assert torch.equal(out, ref), f"N={n} K={k} g={group} M={m}"
+    x = torch.randn(8, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    w = w4a16.from_packed(random_packed(28672, 4096, group, gen, "cuda"), "cuda")
+    x2, out = torch.empty_like(x), torch.empty(8, 14336, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.add(x, 0.0, out=x2)
+        w4a16.gemm_swiglu(x2, w, out=out, pdl=True)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused_ops.silu_mul(w4a16.gemm(x, w)))
+    odd = w4a16.from_packed(random_packed(48, 256, group, gen, "cuda"), "cuda")     # I = 24
+    assert not w4a16.swiglu_ok(x[:, :256], odd)
+    with pytest.raises(ValueError):
+        w4a16.gemm_swiglu(x[:, :256].contiguous(), odd)
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_linear_dispatch_prompt_rows():
     """More rows than the GEMV takes: dequantize + cuBLAS, the same function."""
     gen = torch.Generator(device="cuda").manual_seed(4)

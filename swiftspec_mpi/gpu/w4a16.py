@@ -20,6 +20,8 @@ bf16 activations on tensor cores, accumulates in float32 and applies each group'
 to its sum in float32 (default; or dequantizes each weight to bf16 first: VARIANTS):
 
     gemm(x [M, K], w)             -> [M, N] bf16, M <= MAX_ROWS (32), one launch (PDL optional)
+    gemm_swiglu(x, w)             -> bf16(bf16(silu(G)) * U), [G | U] = gemm(x, w): [M, N / 2], the
+                                     SwiGLU in the GEMV's epilogue (bits of silu_mul after gemm)
     gemm_allreduce(x, w, ar)      -> the same summed over the ranks of a DeviceAllReduce (M <= 16)
     dequantize(w)                 -> bf16 [N, K]: bf16(q * scale + offset), rounded once
     linear(x, w, b=None)          -> F.linear for any weight: this kind through gemm (M <= 32) or
@@ -52,6 +54,7 @@ TILE = 16                      # W rows of one MMA tile; N % TILE == 0
 VARIANTS = ((1, 2, 0), (2, 2, 0), (1, 2, 1), (2, 2, 1), (1, 4, 1), (1, 1, 1))
 _default = None                # None: the shape rule of default_config
 _ALLREDUCE_UE = ((2, 0), (2, 1), (1, 1))   # (U, E) of the fused all-reduce kernels (T = 1)
+_SWIGLU_UE = ((1, 1), (2, 1))              # (U, E) of the gate|up + SwiGLU kernels (T = 1)
 _THREADS = 256
 # nibble i of a device word holds relative k PERM[i]: pairs (i, i + 4) are k's (2i, 2i + 1)
 PERM = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -241,6 +244,50 @@ def gemm(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None = None, pdl: 
             ctypes.c_int64(out.stride(0)), ctypes.c_int32(m), ctypes.c_int32(n), ctypes.c_int32(k)]
     grid = -(-(n // TILE) // t)
     (launch_pdl if pdl else launch)(f, (grid, 1, 1), _THREADS, 0, torch.cuda.current_stream(dev).cuda_stream, args)
+    return out
+
+
+def swiglu_ok(x: torch.Tensor, w: W4A16Weight) -> bool:
+    """Whether `gemm_swiglu` takes x [M, K] and the gate|up weight w [2I, K]: M <= 32, a 16-byte
+    aligned x with row stride a multiple of 8, I % 16 == 0, and a kernel for the variant
+    `default_config` picks for [2I, K] (T = 1 and (U, E) in _SWIGLU_UE)."""
+    n, k = w.shape
+    if not (x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == k and x.stride(-1) == 1
+            and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 and n % 32 == 0):
+        return False
+    t, u, e = default_config(x.shape[0], n, k)
+    return t == 1 and (u, e) in _SWIGLU_UE
+
+
+def gemm_swiglu(x: torch.Tensor, w: W4A16Weight, out: torch.Tensor | None = None,
+                pdl: bool = False) -> torch.Tensor:
+    """The gate|up projection with the SwiGLU in its epilogue: out = bf16(bf16(silu(G)) * U) where
+    [G | U] = gemm(x, w) (bf16), bit for bit fused_ops.silu_mul(gemm(x, w)), in one launch and
+    without the [M, 2I] intermediate. Block j computes gate rows 8j..8j+7 and up rows I+8j..I+8j+7
+    (two half tiles, cuda/w4a16.cu `SWI`).
+
+    Args:
+      x:   [M, K] bfloat16, as for gemm; `swiglu_ok(x, w)` must hold.
+      w:   W4A16Weight [2I, K]: the gate rows [0, I) then the up rows [I, 2I) (cat_rows).
+      out: [M, I] bfloat16, last stride 1; allocated if None (written in full).
+      pdl: programmatic dependent launch.
+
+    Returns:
+      out: [M, I] bfloat16.
+    """
+    if not swiglu_ok(x, w):
+        raise ValueError(f"gemm_swiglu: x {tuple(x.shape)} w {w.shape}: see swiglu_ok")
+    m, n, k = x.shape[0], w.shape[0], w.shape[1]
+    if out is None:
+        out = torch.empty((m, n // 2), dtype=torch.bfloat16, device=x.device)
+    elif not (out.is_cuda and out.dtype == torch.bfloat16 and tuple(out.shape) == (m, n // 2) and out.stride(-1) == 1):
+        raise ValueError(f"out must be a [{m}, {n // 2}] bfloat16 CUDA tensor with last stride 1")
+    _, u, _ = default_config(m, n, k)
+    dev = _dev(x)
+    f = function(_SOURCE, "", f"w4a16_swiglu_mb{_mb(m)}_g{w.group}_t1_u{u}_e1", dev)
+    args = [ptr(x), ctypes.c_int64(x.stride(0)), ptr(w.qweight), ptr(w.so), ptr(out),
+            ctypes.c_int64(out.stride(0)), ctypes.c_int32(m), ctypes.c_int32(n), ctypes.c_int32(k)]
+    (launch_pdl if pdl else launch)(f, (n // TILE, 1, 1), _THREADS, 0, torch.cuda.current_stream(dev).cuda_stream, args)
     return out
 
 
