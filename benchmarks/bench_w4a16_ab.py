@@ -8,6 +8,7 @@ equals the baseline's bit for bit. Run from the repository root on the GPU:
     python3 benchmarks/bench_w4a16_ab.py 1,8 1/2/1,1/1/1    # M list, variants T/U/E (or 'all')
     BASE_LAYOUT=rows python3 benchmarks/bench_w4a16_ab.py ...  # a baseline of the row-major layout
                                                             # (before the tile-major one, 2026-12-03)
+    BASE_CFG=1/1/1 python3 benchmarks/bench_w4a16_ab.py ...    # the baseline's variant (default 1/2/1)
 
 Writes $OUT/ab.json (or /tmp/ab.json).
 """
@@ -33,6 +34,7 @@ groups_down = (128, 32)
 
 
 BASE_ROWS = os.environ.get("BASE_LAYOUT", "tiles") == "rows"
+BASE_CFG = tuple(int(v) for v in os.environ.get("BASE_CFG", "1/2/1").split("/"))   # the baseline's variant
 
 
 def base_weight(w):
@@ -45,10 +47,11 @@ def base_weight(w):
 
 def base_gemm(x, w, out, pdl=True):
     m, n, k = x.shape[0], w.shape[0], w.shape[1]
-    f = function("w4a16base", "", f"w4a16_gemm_mb{w4a16._mb(m)}_g{w.group}_t1_u2_e1", 0)
+    t, u, e = BASE_CFG
+    f = function("w4a16base", "", f"w4a16_gemm_mb{w4a16._mb(m)}_g{w.group}_t{t}_u{u}_e{e}", 0)
     args = [ptr(x), ctypes.c_int64(x.stride(0)), ptr(w.qweight), ptr(w.so), ptr(out),
             ctypes.c_int64(out.stride(0)), ctypes.c_int32(m), ctypes.c_int32(n), ctypes.c_int32(k)]
-    (launch_pdl if pdl else launch)(f, (n // 16, 1, 1), 256, 0, torch.cuda.current_stream().cuda_stream, args)
+    (launch_pdl if pdl else launch)(f, (-(-(n // 16) // t), 1, 1), 256, 0, torch.cuda.current_stream().cuda_stream, args)
     return out
 
 
