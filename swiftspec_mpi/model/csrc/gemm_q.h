@@ -438,10 +438,10 @@ void ssq_codes8_256(int kind, const uint8_t *c, int h, __m256i *lo, __m256i *hi)
     if (kind == SSQ_K6) {       /* lane byte j: bits 2j, 2j+1 = bits 4, 5 of the code of k+2j+t */
         const __m256i m2 = _mm256_set1_epi16(0x3030);
         const __m256i hb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + 64 + 16 * h)));
-        *lo = _mm256_or_si256(*lo, _mm256_and_si256(
-            _mm256_or_si256(_mm256_slli_epi16(hb, 4), _mm256_slli_epi16(hb, 8)), m2));
-        *hi = _mm256_or_si256(*hi, _mm256_and_si256(
-            _mm256_or_si256(_mm256_slli_epi16(hb, 2), _mm256_slli_epi16(hb, 6)), m2));
+        /* t: bits 4, 5 of byte 0 = j 0 (k+t), of byte 1 = j 2 (k+4+t); t >> 2 the same for j 1, 3 */
+        const __m256i t = _mm256_or_si256(_mm256_slli_epi16(hb, 4), _mm256_slli_epi16(hb, 8));
+        *lo = _mm256_or_si256(*lo, _mm256_and_si256(t, m2));
+        *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_srli_epi16(t, 2), m2));
     }
 }
 
@@ -466,11 +466,16 @@ void ssq_group8_256(int kind, const uint8_t *c, int G, const int8_t *xb, long K,
             memcpy(&a, xb + p * K + 8 * st, 4);
             memcpy(&b, xb + p * K + 8 * st + 4, 4);
             const __m256i xa = _mm256_set1_epi32(a), xc = _mm256_set1_epi32(b);
-            for (int h = 0; h < 2; h++)
-                s16[p][h] = _mm256_add_epi16(s16[p][h], _mm256_add_epi16(
-                    _mm256_maddubs_epi16(lo[h], xa), _mm256_maddubs_epi16(hi[h], xc)));
+            for (int h = 0; h < 2; h++) {
+                const __m256i prod = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xa),
+                                                      _mm256_maddubs_epi16(hi[h], xc));
+                if (flush == 1)         /* K6: widened at once (no int16 sum to keep) */
+                    s32[p][h] = _mm256_add_epi32(s32[p][h], _mm256_madd_epi16(prod, ones));
+                else
+                    s16[p][h] = _mm256_add_epi16(s16[p][h], prod);
+            }
         }
-        if ((st + 1) % flush == 0 || st + 1 == steps)
+        if (flush > 1 && ((st + 1) % flush == 0 || st + 1 == steps))
             for (int p = 0; p < 3; p++)
                 for (int h = 0; h < 2; h++) {
                     s32[p][h] = _mm256_add_epi32(s32[p][h], _mm256_madd_epi16(s16[p][h], ones));
