@@ -285,7 +285,8 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     for the next; else without pause; `stream`: sending the best `send_size` nodes after each
     expansion); after every verify result re-root and send the best `send_size` nodes at once
     (one tree per batch of results); at the end of the request send the acknowledgement (an
-    empty tree)."""
+    empty tree). A result that arrives during an expansion is seen between its layers, and the
+    expansion is abandoned when the re-root would drop all its leaves (abandon.LayerCheck)."""
     cfg, rec, clock, topo = ctx.cfg, ctx.recorder, ctx.clock, ctx.topo
     leader = topo.is_leader
     bs, w, k, m = cfg.verify_size, cfg.tree_width, cfg.tree_topk, send_size(cfg)
@@ -300,7 +301,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     rec.record(KIND["prefill"], request, 0, t0, clock.now(), len(prompt_ids), 0,
                comm_seconds(ctx.draft) - c0)
     owe_tree = True            # the verify group has not seen the current root yet
-    watch = ResultWatch(topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT), chan.unpack_result) \
+    result_in = ResultWatch(topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT), chan.unpack_result) \
         if leader else None
     group_size = topo.group.Get_size()
     seq = 0
@@ -333,7 +334,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
             leaves, to_send = None, None
             if ctx.stop_flag:
                 action = ACT_STOP
-            elif watch.arrived():   # (perhaps already during the last expansion: abandon.py)
+            elif result_in.arrived():   # (perhaps already during the last expansion: abandon.py)
                 action = ACT_RESULT
             elif owe_tree and draft.root_expanded() and (to_send := deep_enough()) is not None:
                 action = ACT_SEND
@@ -347,7 +348,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
                 else:   # paced out, or tree (or KV) full: wait for the next verdict
                     tw = clock.now()
                     try:
-                        wait_for(watch.req, cfg.peer_timeout, f"verify result from {verify_leader}",
+                        wait_for(result_in.req, cfg.peer_timeout, f"verify result from {verify_leader}",
                                  ctx.stop_flag, ctx.watch)
                         action = ACT_RESULT
                     except Interrupted:
@@ -365,7 +366,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
                                                            np.zeros(0, np.int32)), 0, TAG_TREE,
                                 cfg.peer_timeout, f"delivery of a tree to {verify_leader}", ctx.watch)
                 else:
-                    watch.rearm(topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT))
+                    result_in.rearm(topo.inter.Irecv(chan.result, source=0, tag=TAG_RESULT))
         ctx.bcast(control)
         action = int(control[0])
         # 2. every rank of the group applies it
@@ -391,7 +392,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
             if not leader:
                 leaves = draft.select()
             te, ce = clock.now(), comm_seconds(ctx.draft)
-            check = LayerCheck(draft, leaves, request, watch, group_size, ctx.bcast)
+            check = LayerCheck(draft, leaves, request, result_in, group_size, ctx.bcast)
             if not draft.expand(leaves, share, between_layers=check):   # a result came: re-root
                 rec.record(KIND["abandon"], request, n_expand, te, clock.now(), len(leaves),
                            check.layers_done, comm_seconds(ctx.draft) - ce)
