@@ -157,6 +157,8 @@ class DraftSide:
         free slots, which no mask shows and the next forward into them rewrites in every layer.
         A graphed model (CUDA graph: `forward_topk_logprobs`) runs its forward whole."""
         n = len(leaves)
+        if getattr(self.model, "forward_topk_logprobs", None) is not None:
+            between_layers = None        # a graphed forward runs whole: no check, no tree copy
         before = self.tree.copy() if between_layers is not None else None
         self.tree.assign_slots(leaves, self.kv_used)
         positions, mask = self.tree.masks(leaves, self.kv_used + n)
