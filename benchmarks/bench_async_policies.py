@@ -7,7 +7,8 @@ The first N prompts of the file (default benchmarks/prompts_specbench32.jsonl: t
 categories round-robin, so 26 = two of each) are cut into chunks of --chunk prompts. For each
 chunk every system runs once (`sync` on 2 ranks as one tensor-parallel group, `async` on 1 + 1
 ranks, one job per system and chunk, the system order rotated from chunk to chunk), so a change
-in the machine's load falls on all systems alike. Pass --run-args "--expansions D" to fix the
+in the machine's load falls on all systems alike. A system `async-POLICY:F` runs the policy
+with --floor-depth F (e.g. async-floor:3). Pass --run-args "--expansions D" to fix the
 draft expansions per step of `sync` (else each job's startup profile picks floor(t_target /
 t_draft), which moves with the machine's load); in `async` it also paces the draft to D
 expansions a step (without it the draft never pauses on CPUs). Greedy, chat template, the real
@@ -59,8 +60,11 @@ def job_command(system: str, prompts: Path, out: Path, args) -> list[str]:
            "--prompts", str(prompts), "--chat", "--max-new-tokens", str(args.max_new_tokens),
            "--dtype", args.dtype, "--verify-size", str(args.verify_size), "--out", str(out),
            "--overwrite", "--quiet", "--peer-timeout", "300"]
+    policy, _, floor_depth = policy.partition(":")
     if policy:
         cmd += ["--async-policy", policy]
+    if floor_depth:
+        cmd += ["--floor-depth", floor_depth]
     return cmd + args.run_args.split()
 
 

@@ -113,6 +113,7 @@ def test_toml_unknown_key_is_one_clear_error(tmp_path):
     (["--mode", "async"], "needs at least 2 MPI ranks"),
     (["--mode", "ar", "--draft-ranks", "1"], "--draft-ranks applies to --mode async only"),
     (["--mode", "sync", "--async-policy", "fresh"], "--async-policy applies to --mode async only"),
+    (["--mode", "sync", "--floor-depth", "3"], "--floor-depth applies to --mode async only"),
 ])
 def test_bad_values_fail_with_one_line(args, needle):
     proc = run(sys.executable, "-m", "swiftspec_mpi", "run", *args)
@@ -129,6 +130,12 @@ def test_async_policy_is_validated():
         assert validate_basic(RunConfig(mode="async", prompt="x", async_policy=policy), 2).async_policy == policy
     with pytest.raises(UserError, match="unknown async policy 'eager'; use --async-policy stream, remnant, fresh, deep, floor"):
         validate_basic(RunConfig(mode="async", prompt="x", async_policy="eager"), 2)
+    assert validate_basic(RunConfig(mode="async", prompt="x", async_policy="floor"), 2).floor_depth == 2
+    assert validate_basic(RunConfig(mode="async", prompt="x", async_policy="deep", floor_depth=3), 2).floor_depth == 3
+    with pytest.raises(UserError, match="--floor-depth applies to --async-policy deep or floor; drop it for remnant"):
+        validate_basic(RunConfig(mode="async", prompt="x", async_policy="remnant", floor_depth=3), 2)
+    with pytest.raises(UserError, match="--floor-depth must be an integer >= 1, got 0"):
+        validate_basic(RunConfig(mode="async", prompt="x", async_policy="floor", floor_depth=0), 2)
 
 
 @pytest.mark.parametrize("var,value,needle", [

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from engine_helpers import greedy_gaps, read_outputs, read_requests, read_root, run_swiftspec, write_prompts
-from swiftspec_mpi.core.config import ASYNC_POLICIES, DEFAULT_ASYNC_POLICY
-from swiftspec_mpi.engine.async_loop import MIN_DEPTH, POLICIES
+from swiftspec_mpi.core.config import ASYNC_POLICIES, DEFAULT_ASYNC_POLICY, DEFAULT_FLOOR_DEPTH, FLOORED_POLICIES
+from swiftspec_mpi.engine.async_loop import POLICIES
 
 pytestmark = pytest.mark.mpi
 
@@ -64,7 +64,8 @@ def ar_reference(pair, prompts_file, tmp_path_factory):
     ("sync", 1, []),
     ("sync", 2, []),                           # TP=2 for both models
     ("ar", 2, []),                             # TP=2 target
-] + [("async", n, ["--draft-ranks", str(n // 2), "--async-policy", policy])   # the default: above
+] + [("async", n, ["--draft-ranks", str(n // 2), "--async-policy", policy]   # the default: above
+      + (["--floor-depth", "3"] if policy == "floor" and n == 4 else []))
      for policy in ASYNC_POLICIES if policy != DEFAULT_ASYNC_POLICY for n in (2, 4)])
 def test_greedy_equals_ar(pair, prompts_file, tmp_path, ar_reference, mode, n, extra):
     out = _run(pair, prompts_file, tmp_path, mode, n, extra)
@@ -97,8 +98,10 @@ def test_greedy_equals_ar(pair, prompts_file, tmp_path, ar_reference, mode, n, e
                               else DEFAULT_ASYNC_POLICY]
             if policy.waits_fresh:   # `fresh`, `deep`: the tree built on the latest result
                 assert np.all(steps["tree_source"] == 0)
-            elif policy.floored:     # `floor`: another tree only when MIN_DEPTH levels deep
-                assert np.all(steps["tree_depth"][steps["tree_source"] != 0] >= MIN_DEPTH)
+            elif policy.floored:     # `floor`: another tree only when --floor-depth levels deep
+                floor = int(extra[extra.index("--floor-depth") + 1]) if "--floor-depth" in extra \
+                    else DEFAULT_FLOOR_DEPTH
+                assert np.all(steps["tree_depth"][steps["tree_source"] != 0] >= floor)
     if mode == "async":      # CPU ranks share no GPU: the draft never pauses unless asked
         assert json.loads(root["env_json"])["draft_pace"] == 0
 
@@ -106,6 +109,7 @@ def test_greedy_equals_ar(pair, prompts_file, tmp_path, ar_reference, mode, n, e
 def test_every_async_policy_has_rules():
     """The CLI's policy names and the engine's policy table are the same set."""
     assert set(POLICIES) == set(ASYNC_POLICIES) and DEFAULT_ASYNC_POLICY in POLICIES
+    assert {name for name, p in POLICIES.items() if p.floored} == set(FLOORED_POLICIES)
 
 
 def test_expansions_pace_the_async_draft(pair, prompts_file, tmp_path, ar_reference):

@@ -46,10 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                           "expansion), else the rest of the last one; remnant: the same, "
                                           "the draft sending only after each result; fresh: wait for the "
                                           "tree the draft re-rooted on the latest result (the paper's); "
-                                          "deep: fresh, the draft sending it once 2 levels deep; "
-                                          "floor: remnant while the tree at hand is 2 levels deep, "
+                                          "deep: fresh, the draft sending it once --floor-depth levels deep; "
+                                          "floor: remnant while the tree at hand is that deep, "
                                           "else deep. "
                                           "Default: " + DEFAULT_ASYNC_POLICY)
+    g.add_argument("--floor-depth", type=int, help="async, deep / floor: the levels under the root "
+                                                   "a tree must reach to be worth waiting for (capped "
+                                                   "at --verify-size - 1; default 2)")
     g.add_argument("--threads", type=int, help="torch threads per rank (default: the node's cores / "
                                                "ranks on the node; ranks are pinned to disjoint cores)")
     g.add_argument("--device", help="auto | cpu | cuda (GPU local_rank %% ngpus)")
@@ -110,7 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "quant", "head_bits", "dtype", "mode",
-               "draft_ranks", "async_policy", "threads", "device", "prompt", "prompts", "interactive", "serve", "serve_max_body",
+               "draft_ranks", "async_policy", "floor_depth", "threads", "device", "prompt", "prompts", "interactive", "serve", "serve_max_body",
                "serve_read_timeout", "chat", "max_new_tokens", "stop",
                "stop_token_ids", "ignore_eos", "temperature", "seed", "sampling_rule", "tree_width", "tree_topk",
                "verify_size", "expansions", "max_depth", "tree_capacity", "max_context", "out",

@@ -22,6 +22,8 @@ MODES = ("async", "sync", "ar")
 # deep; floor = remnant while the tree at hand is 2 levels deep, else deep
 ASYNC_POLICIES = ("stream", "remnant", "fresh", "deep", "floor")
 DEFAULT_ASYNC_POLICY = "remnant"
+FLOORED_POLICIES = ("deep", "floor")   # the policies with a depth floor (engine/async_loop.py POLICIES)
+DEFAULT_FLOOR_DEPTH = 2                 # their floor: levels under the root of a tree worth waiting for
 INTERACTIVE_CONTEXT = 4096    # default KV slots with --interactive / --serve (prompts unknown ahead)
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
@@ -63,6 +65,7 @@ class RunConfig:
     mode: str = "async"
     draft_ranks: int | None = None     # async: ranks in the draft group (default: 1, or world/4 from 8 ranks)
     async_policy: str | None = None    # async: one of ASYNC_POLICIES (None: DEFAULT_ASYNC_POLICY)
+    floor_depth: int | None = None     # deep / floor: the depth floor (None: DEFAULT_FLOOR_DEPTH)
     threads: int | None = None         # torch threads per rank (default: cores of the node / ranks on it)
     device: str = "auto"               # auto | cpu | cuda
     # prompts and stopping
@@ -277,9 +280,18 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         if cfg.async_policy not in ASYNC_POLICIES:
             raise UserError(f"unknown async policy '{cfg.async_policy}'; use --async-policy "
                             f"{', '.join(ASYNC_POLICIES)}")
+        if cfg.floor_depth is not None and cfg.async_policy not in FLOORED_POLICIES:
+            raise UserError(f"--floor-depth applies to --async-policy {' or '.join(FLOORED_POLICIES)}; "
+                            f"drop it for {cfg.async_policy}")
+        if cfg.floor_depth is None and cfg.async_policy in FLOORED_POLICIES:
+            cfg.floor_depth = DEFAULT_FLOOR_DEPTH
+        if cfg.floor_depth is not None and (not isinstance(cfg.floor_depth, int) or cfg.floor_depth < 1):
+            raise UserError(f"--floor-depth must be an integer >= 1, got {cfg.floor_depth}")
     else:
         if cfg.async_policy is not None:
             raise UserError(f"--async-policy applies to --mode async only; drop it for --mode {cfg.mode}")
+        if cfg.floor_depth is not None:
+            raise UserError(f"--floor-depth applies to --mode async only; drop it for --mode {cfg.mode}")
         if cfg.draft_ranks not in (None, 0):
             raise UserError(f"--draft-ranks applies to --mode async only; drop it for --mode {cfg.mode}")
         cfg.draft_ranks = 0

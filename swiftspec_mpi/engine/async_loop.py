@@ -24,10 +24,10 @@ draft paces itself is the async policy (--async-policy):
                                                          neither has a drafted node (deadline)
                                                 deep:    as fresh, but the draft sends that
                                                          tree only once its best bs nodes are
-                                                         MIN_DEPTH levels deep (or after
-                                                         MIN_DEPTH expansions since the result)
+                                                         F levels deep (or after F expansions
+                                                         since the result), F = --floor-depth
                                                 floor:   as remnant while the tree at hand is
-                                                         MIN_DEPTH deep, else as deep
+                                                         F deep, else as deep
 
 `fresh` is the paper's: the verify group waits for the draft's re-root round trip, so every
 tree it checks holds all the draft made up to the result. `remnant` never waits for the round trip
@@ -35,8 +35,9 @@ when the bonus token was drafted, but its tree holds none of the expansions of t
 verified (they come with the re-rooted tree, a step late). `deep` is `fresh` with a floor on the
 tree's depth: the bonus token often lands at the draft's frontier (or outside its tree), and the
 re-rooted tree is then a single level deep, so at most one draft token can be accepted; one more
-expansion (a fraction of a verify step) lifts it to two. `floor` waits only then: it goes on
-with the tree at hand (as `remnant`) while that is two levels deep. `stream` also never waits, and the
+expansion (a fraction of a verify step) lifts it to two (--floor-depth F: to F, 2 by default).
+`floor` waits only then: it goes on with the tree at hand (as `remnant`) while that is F levels
+deep. `stream` also never waits, and the
 draft sends its best subtree after every expansion, so the verify group starts each step on
 everything drafted up to the moment its result arrived.
 
@@ -71,15 +72,15 @@ from swiftspec_mpi.engine.sent_tree import reroot_sent_tree, tree_depth
 from swiftspec_mpi.trace.record import KIND, SOURCE, step_row
 
 ACT_EXPAND, ACT_SEND, ACT_RESULT, ACT_STOP = 1, 2, 3, 4
-MIN_DEPTH = 2    # `deep`, `floor`: the depth (levels under the root) of a tree worth waiting for
 
 
 @dataclass(frozen=True)
 class AsyncPolicy:
     """What an --async-policy does (the module docstring tells why)."""
     waits_fresh: bool   # the verify group waits for the tree the draft re-rooted on its latest result
-    floored: bool       # MIN_DEPTH floor: the draft sends a re-rooted tree once its best bs nodes are
-    #                     that deep, and the verify group goes on with a tree at hand only if it is
+    floored: bool       # a depth floor (--floor-depth): the draft sends a re-rooted tree once its best
+    #                     bs nodes are that deep, and the verify group goes on with a tree at hand only
+    #                     if it is
     streams: bool       # the draft sends its best subtree after every expansion
 
 
@@ -92,10 +93,11 @@ POLICIES = {            # the names of core.config.ASYNC_POLICIES
 }
 
 
-def depth_floor(policy: str, bs: int) -> int:
+def depth_floor(cfg) -> int:
     """The depth a re-rooted tree must reach before the draft sends it (0: at once), and the
-    least depth of a tree at hand the verify group goes on with (0: any)."""
-    return min(MIN_DEPTH, bs - 1) if POLICIES[policy].floored else 0
+    least depth of a tree at hand the verify group goes on with (0: any): cfg.floor_depth, at
+    most bs - 1, for the floored policies."""
+    return min(cfg.floor_depth, cfg.verify_size - 1) if POLICIES[cfg.async_policy].floored else 0
 
 
 def send_size(cfg) -> int:
@@ -111,9 +113,8 @@ class TreeInbox:
 
     def __init__(self, ctx: EngineContext, chan: LeaderChannel, request: int):
         self.ctx, self.chan, self.request = ctx, chan, request
-        policy, bs = ctx.cfg.async_policy, ctx.cfg.verify_size
-        self.wait_fresh = POLICIES[policy].waits_fresh
-        self.min_depth = depth_floor(policy, bs)     # (`deep` waits for the fresh tree anyway)
+        self.wait_fresh = POLICIES[ctx.cfg.async_policy].waits_fresh
+        self.min_depth = depth_floor(ctx.cfg)        # (`deep` waits for the fresh tree anyway)
         self.req = ctx.topo.inter.Irecv(chan.tree, source=0, tag=TAG_TREE)
         self.local = None          # (tokens, parents) rooted at the current root, best-first
         self.meta = NO_META        # the TreeMeta of the message self.local came from
@@ -156,7 +157,7 @@ class TreeInbox:
     def next_tree(self, committed: list[int], bs: int, wait_what: str):
         """-> (tokens int64[n <= bs], parents int32[n], nodes at hand) to verify now; blocks
         while the policy's tree is not at hand (`fresh`, `deep`: the one built on the latest
-        result; `floor`: that one unless the tree at hand is MIN_DEPTH deep; else any with at
+        result; `floor`: that one unless the tree at hand is depth_floor deep; else any with at
         least one drafted node)."""
         while self.req.Test():
             self._take(committed)
@@ -310,15 +311,15 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     paced = d > 0
     results, exp_at_result, exp_at_previous = 0, 0, 0   # see protocol.TreeMeta
 
-    floor = depth_floor(cfg.async_policy, bs)
+    floor = depth_floor(cfg)
     to_send = None             # the leader: the subtree deep_enough() found ready to send
 
     def deep_enough():
         """-> the best m nodes (tokens, parents) to send now, or None: with a depth floor (`deep`,
-        `floor`) only once the best bs of them (their prefix) reach `floor` levels or MIN_DEPTH
+        `floor`) only once the best bs of them (their prefix) reach `floor` levels or `floor`
         expansions were made since the result (a bound on the verify group's wait)."""
         sub = draft.best_subtree(m)
-        if floor == 0 or n_expand - exp_at_result >= MIN_DEPTH or tree_depth(sub[1][:bs]) >= floor:
+        if floor == 0 or n_expand - exp_at_result >= floor or tree_depth(sub[1][:bs]) >= floor:
             return sub
         return None
 
