@@ -47,7 +47,7 @@ from swiftspec_mpi.trace.analyze import summarize  # noqa: E402
 from swiftspec_mpi.trace.read import read_trace  # noqa: E402
 from swiftspec_mpi.trace.tree_sources import tree_source_summary  # noqa: E402
 
-SYSTEMS = ("sync", "async-stream", "async-remnant", "async-fresh", "async-deep", "async-floor")
+SYSTEMS = ("sync", "async-stream", "async-remnant", "async-fresh", "async-deep", "async-floor", "async-rate")
 
 
 def job_command(system: str, prompts: Path, out: Path, args) -> list[str]:

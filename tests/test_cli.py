@@ -132,7 +132,7 @@ def test_async_policy_is_validated():
         validate_basic(RunConfig(mode="async", prompt="x", async_policy="eager"), 2)
     assert validate_basic(RunConfig(mode="async", prompt="x", async_policy="floor"), 2).floor_depth == 2
     assert validate_basic(RunConfig(mode="async", prompt="x", async_policy="deep", floor_depth=3), 2).floor_depth == 3
-    with pytest.raises(UserError, match="--floor-depth applies to --async-policy deep or floor; drop it for remnant"):
+    with pytest.raises(UserError, match="--floor-depth applies to --async-policy deep or floor or rate; drop it for remnant"):
         validate_basic(RunConfig(mode="async", prompt="x", async_policy="remnant", floor_depth=3), 2)
     with pytest.raises(UserError, match="--floor-depth must be an integer >= 1, got 0"):
         validate_basic(RunConfig(mode="async", prompt="x", async_policy="floor", floor_depth=0), 2)

@@ -98,7 +98,8 @@ def test_greedy_equals_ar(pair, prompts_file, tmp_path, ar_reference, mode, n, e
                               else DEFAULT_ASYNC_POLICY]
             if policy.waits_fresh:   # `fresh`, `deep`: the tree built on the latest result
                 assert np.all(steps["tree_source"] == 0)
-            elif policy.floored:     # `floor`: another tree only when --floor-depth levels deep
+            elif policy.floored and not policy.weighs:   # `floor`: another tree only when
+                #                                      --floor-depth levels deep (`rate` weighs it)
                 floor = int(extra[extra.index("--floor-depth") + 1]) if "--floor-depth" in extra \
                     else DEFAULT_FLOOR_DEPTH
                 assert np.all(steps["tree_depth"][steps["tree_source"] != 0] >= floor)

@@ -1,9 +1,10 @@
-"""The verify leader's re-rooting of a sent tree agrees with the scheduler's own reroot."""
+"""The verify leader's re-rooting of a sent tree (tokens, parents, path log-probabilities) agrees
+with the scheduler's own reroot; the draft mass the `rate` policy weighs."""
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from swiftspec_mpi import _tree
-from swiftspec_mpi.engine.sent_tree import reroot_sent_tree
+from swiftspec_mpi.engine.sent_tree import draft_mass, reroot_scored
 
 
 def _grow(seed: int, rounds: int):
@@ -29,7 +30,7 @@ def _grow(seed: int, rounds: int):
 def test_reroot_sent_tree_matches_scheduler(seed, rounds, m):
     tree, rng = _grow(seed, rounds)
     nodes, parents = tree.best_subtree(m)
-    tokens = tree.tokens_of(nodes)
+    tokens, scores = tree.tokens_of(nodes), np.asarray(tree.score)[nodes]
     # walk a random path of the sent tree, then a bonus that is a child or absent
     path, cur = [], 0
     while True:
@@ -40,13 +41,13 @@ def test_reroot_sent_tree_matches_scheduler(seed, rounds, m):
         path.append(int(tokens[cur]))
     kids = np.flatnonzero(parents == cur)
     bonus = int(tokens[rng.choice(kids)]) if len(kids) and rng.random() < 0.6 else 999
-    got = reroot_sent_tree(tokens, parents, path + [bonus])
+    got = reroot_scored((tokens, parents, scores), path + [bonus])
     if bonus == 999:
         assert got is None
         return
     assert got is not None
-    new_tokens, new_parents = got
-    assert new_tokens[0] == bonus and new_parents[0] == -1
+    new_tokens, new_parents, new_scores = got
+    assert new_tokens[0] == bonus and new_parents[0] == -1 and new_scores[0] == 0.0
     assert all(0 <= p < i for i, p in enumerate(new_parents[1:], 1))
 
     def paths(toks, pars):
@@ -63,15 +64,20 @@ def test_reroot_sent_tree_matches_scheduler(seed, rounds, m):
     assert paths(new_tokens, new_parents) == expected      # same nodes, same best-first order
     # and they are exactly the sent nodes among the scheduler's survivors of the same reroot
     tree.reroot(np.array(path + [bonus], dtype=np.int64))
-    survivors = set(paths(tree.token, tree.parent))
-    assert set(expected) <= survivors
+    survivors = dict(zip(paths(tree.token, tree.parent), np.asarray(tree.score).tolist()))
+    assert set(expected) <= set(survivors)
+    # with the scheduler's path log-probabilities from the new root (rebased sums: float rounding)
+    for q, sc in zip(expected, new_scores.tolist()):
+        assert abs(survivors[q] - sc) <= 1e-9 * max(1.0, abs(sc))
 
 
 def test_walk_leaving_the_tree_is_none():
     tokens = np.array([5, 6, 7, 8], dtype=np.int64)
     parents = np.array([-1, 0, 0, 1], dtype=np.int32)
-    assert reroot_sent_tree(tokens, parents, [9]) is None
-    t, p = reroot_sent_tree(tokens, parents, [6])
-    assert t.tolist() == [6, 8] and p.tolist() == [-1, 0]
-    t, p = reroot_sent_tree(tokens, parents, [])
-    assert t.tolist() == [5, 6, 7, 8] and p.tolist() == [-1, 0, 0, 1]
+    scores = np.log([1.0, 0.5, 0.25, 0.4])
+    assert reroot_scored((tokens, parents, scores), [9]) is None
+    t, p, sc = reroot_scored((tokens, parents, scores), [6])
+    assert t.tolist() == [6, 8] and p.tolist() == [-1, 0] and np.allclose(np.exp(sc), [1.0, 0.8])
+    t, p, sc = reroot_scored((tokens, parents, scores), [])
+    assert t.tolist() == [5, 6, 7, 8] and p.tolist() == [-1, 0, 0, 1] and np.array_equal(sc, scores)
+    assert abs(draft_mass(scores) - (0.5 + 0.25 + 0.4)) < 1e-12

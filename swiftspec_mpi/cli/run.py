@@ -48,9 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                           "tree the draft re-rooted on the latest result (the paper's); "
                                           "deep: fresh, the draft sending it once --floor-depth levels deep; "
                                           "floor: remnant while the tree at hand is that deep, "
-                                          "else deep. "
+                                          "else deep; rate: floor's draft, waiting for its tree only "
+                                          "when the expected tokens per second favour it. "
                                           "Default: " + DEFAULT_ASYNC_POLICY)
-    g.add_argument("--floor-depth", type=int, help="async, deep / floor: the levels under the root "
+    g.add_argument("--floor-depth", type=int, help="async, deep / floor / rate: the levels under the root "
                                                    "a tree must reach to be worth waiting for (capped "
                                                    "at --verify-size - 1; default 2)")
     g.add_argument("--threads", type=int, help="torch threads per rank (default: the node's cores / "

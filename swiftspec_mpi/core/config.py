@@ -19,10 +19,11 @@ MODES = ("async", "sync", "ar")
 # how the async verify group picks its next tree (engine/async_loop.py): fresh = wait for the tree
 # the draft re-rooted on the latest result (the paper's); remnant = continue on the rest of the
 # last tree; stream = the draft sends after every expansion; deep = fresh, sent once 2 levels
-# deep; floor = remnant while the tree at hand is 2 levels deep, else deep
-ASYNC_POLICIES = ("stream", "remnant", "fresh", "deep", "floor")
+# deep; floor = remnant while the tree at hand is 2 levels deep, else deep; rate = floor's draft,
+# waiting for its tree only when the expected accepted tokens per second favour it
+ASYNC_POLICIES = ("stream", "remnant", "fresh", "deep", "floor", "rate")
 DEFAULT_ASYNC_POLICY = "remnant"
-FLOORED_POLICIES = ("deep", "floor")   # the policies with a depth floor (engine/async_loop.py POLICIES)
+FLOORED_POLICIES = ("deep", "floor", "rate")   # the policies with a depth floor (engine/async_loop.py POLICIES)
 DEFAULT_FLOOR_DEPTH = 2                 # their floor: levels under the root of a tree worth waiting for
 INTERACTIVE_CONTEXT = 4096    # default KV slots with --interactive / --serve (prompts unknown ahead)
 DTYPES = ("float32", "bfloat16", "float16")

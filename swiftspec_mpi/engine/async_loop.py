@@ -28,6 +28,9 @@ draft paces itself is the async policy (--async-policy):
                                                          since the result), F = --floor-depth
                                                 floor:   as remnant while the tree at hand is
                                                          F deep, else as deep
+                                                rate:    as floor, but wait only when the
+                                                         expected tokens per second favour it
+                                                         (rate_rule.py)
 
 `fresh` is the paper's: the verify group waits for the draft's re-root round trip, so every
 tree it checks holds all the draft made up to the result. `remnant` never waits for the round trip
@@ -37,7 +40,9 @@ tree's depth: the bonus token often lands at the draft's frontier (or outside it
 re-rooted tree is then a single level deep, so at most one draft token can be accepted; one more
 expansion (a fraction of a verify step) lifts it to two (--floor-depth F: to F, 2 by default).
 `floor` waits only then: it goes on with the tree at hand (as `remnant`) while that is F levels
-deep. `stream` also never waits, and the
+deep. `rate` weighs it instead: the tree at hand's expected accepted tokens (from the draft's
+path probabilities, sent with every tree) over a verify step, against the re-rooted tree's over
+a verify step plus the wait for it (engine/rate_rule.py). `stream` also never waits, and the
 draft sends its best subtree after every expansion, so the verify group starts each step on
 everything drafted up to the moment its result arrived.
 
@@ -68,7 +73,8 @@ from swiftspec_mpi.engine.context import EngineContext, comm_seconds, decide, ma
 from swiftspec_mpi.core.errors import PeerError
 from swiftspec_mpi.engine.protocol import (MSG_STOP, NO_META, TAG_RESULT, TAG_TREE, Interrupted, LeaderChannel,
                                            TreeMeta, send_within, wait_for)
-from swiftspec_mpi.engine.sent_tree import reroot_sent_tree, tree_depth
+from swiftspec_mpi.engine.rate_rule import ExpectedRate
+from swiftspec_mpi.engine.sent_tree import draft_mass, reroot_scored, tree_depth
 from swiftspec_mpi.trace.record import KIND, SOURCE, step_row
 
 ACT_EXPAND, ACT_SEND, ACT_RESULT, ACT_STOP = 1, 2, 3, 4
@@ -82,6 +88,8 @@ class AsyncPolicy:
     #                     bs nodes are that deep, and the verify group goes on with a tree at hand only
     #                     if it is
     streams: bool       # the draft sends its best subtree after every expansion
+    weighs: bool = False  # the verify group waits for the floored tree only when the expected
+    #                       accepted tokens per second favour it (rate_rule.py), not by depth
 
 
 POLICIES = {            # the names of core.config.ASYNC_POLICIES
@@ -90,6 +98,7 @@ POLICIES = {            # the names of core.config.ASYNC_POLICIES
     "fresh": AsyncPolicy(waits_fresh=True, floored=False, streams=False),
     "deep": AsyncPolicy(waits_fresh=True, floored=True, streams=False),
     "floor": AsyncPolicy(waits_fresh=False, floored=True, streams=False),
+    "rate": AsyncPolicy(waits_fresh=False, floored=True, streams=False, weighs=True),
 }
 
 
@@ -113,36 +122,43 @@ class TreeInbox:
 
     def __init__(self, ctx: EngineContext, chan: LeaderChannel, request: int):
         self.ctx, self.chan, self.request = ctx, chan, request
-        self.wait_fresh = POLICIES[ctx.cfg.async_policy].waits_fresh
+        policy = POLICIES[ctx.cfg.async_policy]
+        self.wait_fresh = policy.waits_fresh
         self.min_depth = depth_floor(ctx.cfg)        # (`deep` waits for the fresh tree anyway)
+        self.rate = ctx.scratch.setdefault("expected_rate", ExpectedRate()) if policy.weighs else None
         self.req = ctx.topo.inter.Irecv(chan.tree, source=0, tag=TAG_TREE)
-        self.local = None          # (tokens, parents) rooted at the current root, best-first
+        self.local = None          # (tokens, parents, scores) rooted at the current root, best-first
         self.meta = NO_META        # the TreeMeta of the message self.local came from
         self.source = SOURCE["remnant"]
         self.results_sent = 0      # verify results sent so far in this request
+        self.mass = 0.0            # draft mass of the tree next_tree gave (rate_rule.py)
         self.fresh_sent: dict[int, float] = {}   # results k -> job time the draft sent its first
+        self.result_sent_at: dict[int, float] = {}   # results k -> job time the k-th was sent
         self.acked = False         # tree built on k results; the draft's end-of-request ack arrived
 
-    def _note(self, meta: TreeMeta, n_tokens: int) -> None:
+    def _note(self, meta: TreeMeta, n_tokens: int, scores: np.ndarray | None = None) -> None:
         if n_tokens and meta.results not in self.fresh_sent:
             self.fresh_sent[meta.results] = meta.sent_s
+            sent = self.result_sent_at.get(meta.results)
+            if self.rate is not None and sent is not None and scores is not None:
+                self.rate.observe_fresh(meta.sent_s - sent, draft_mass(scores[:self.ctx.cfg.verify_size]))
 
     def _take(self, committed: list[int]) -> None:
         """Consume the arrived message; keep it if it re-roots onto the current root."""
         req_id, _seq, root_pos, tokens, parents = self.chan.unpack_tree()
-        meta = self.chan.tree_meta()
+        meta, scores = self.chan.tree_meta(), self.chan.tree_scores()
         self.req = self.ctx.topo.inter.Irecv(self.chan.tree, source=0, tag=TAG_TREE)
         if req_id != self.request:
             raise PeerError(f"tree for request {req_id} while verifying request {self.request}")
         if len(tokens) == 0:
             self.acked = True
             return
-        self._note(meta, len(tokens))
+        self._note(meta, len(tokens), scores)
         P = len(committed) - 1
         if root_pos > P or committed[root_pos] != tokens[0]:
             raise PeerError(f"draft tree rooted at position {root_pos} (token {tokens[0]}) does not "
                             f"match the committed sequence (length {len(committed)})")
-        fresh = reroot_sent_tree(tokens, parents, committed[root_pos + 1:])
+        fresh = reroot_scored((tokens, parents, scores), committed[root_pos + 1:])
         if fresh is not None and len(fresh[0]) > 1:
             self.local, self.meta = fresh, meta
             self.source = SOURCE["fresh"] if meta.results >= self.results_sent else SOURCE["rerooted"]
@@ -152,7 +168,12 @@ class TreeInbox:
             return False
         if self.source == SOURCE["fresh"]:
             return True
-        return not self.wait_fresh and tree_depth(self.local[1][:bs]) >= self.min_depth
+        if self.wait_fresh:
+            return False
+        if self.rate is not None and self.rate.ready():
+            since = self.ctx.clock.now() - self.result_sent_at.get(self.results_sent, self.ctx.clock.now())
+            return not self.rate.prefers_wait(draft_mass(self.local[2][:bs]), since)
+        return tree_depth(self.local[1][:bs]) >= self.min_depth
 
     def next_tree(self, committed: list[int], bs: int, wait_what: str):
         """-> (tokens int64[n <= bs], parents int32[n], nodes at hand) to verify now; blocks
@@ -164,17 +185,25 @@ class TreeInbox:
         while not self._ready(bs):
             wait_for(self.req, self.ctx.cfg.peer_timeout, wait_what, self.ctx.stop_flag, self.ctx.watch)
             self._take(committed)
+        self.mass = draft_mass(self.local[2][:bs])
         return self.local[0][:bs], self.local[1][:bs], len(self.local[0])
+
+    def observe_step(self, verify_s: float, accepted_draft: int) -> None:
+        """The `rate` rule's running figures: the step just verified (the tree next_tree gave)."""
+        if self.rate is not None:
+            self.rate.observe_verify(verify_s, self.mass, accepted_draft)
 
     def drafted(self) -> int:
         """Draft expansions the tree at hand holds from the verify group's previous step."""
         return self.meta.drafted_since(self.results_sent)
 
-    def advance(self, accepted: np.ndarray) -> None:
-        """The step committed `accepted` (draft tokens + bonus): keep what lies under them."""
-        self.local = reroot_sent_tree(self.local[0], self.local[1], accepted)
+    def advance(self, accepted: np.ndarray, sent_s: float) -> None:
+        """The step committed `accepted` (draft tokens + bonus), its result sent at job time
+        `sent_s`: keep what lies under them."""
+        self.local = reroot_scored(self.local, accepted)
         self.source = SOURCE["remnant"]
         self.results_sent += 1
+        self.result_sent_at[self.results_sent] = sent_s
 
     def drain_until_ack(self, committed: list[int]) -> None:
         """End of request: receive every tree still in flight, up to the draft's acknowledgement,
@@ -189,7 +218,7 @@ class TreeInbox:
                 self.acked = True
             else:
                 if req_id == self.request:
-                    self._note(self.chan.tree_meta(), len(tokens))
+                    self._note(self.chan.tree_meta(), len(tokens), self.chan.tree_scores())
                 self.req = self.ctx.topo.inter.Irecv(self.chan.tree, source=0, tag=TAG_TREE)
 
     def fill_fresh_waits(self, steps: list[tuple]) -> None:
@@ -259,6 +288,7 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
         rec.record(KIND["verify"], request, step, tv, t_end, len(tokens), a,
                    comm_seconds(ctx.target) - cv)
         if leader:
+            inbox.observe_step(t_end - tv, a - 1)
             result.steps.append(step_row(step, len(tokens), taken, tw, t_end, source,
                                          tree_depth(parents), nodes, drafted))
             ts = clock.now()
@@ -273,7 +303,7 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
                 inbox.fill_fresh_waits(result.steps)
             else:
                 committed.extend(int(t) for t in accepted)
-                inbox.advance(accepted)
+                inbox.advance(accepted, ts)
             if ctx.on_progress is not None:
                 ctx.on_progress()
         if done:
@@ -315,7 +345,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     to_send = None             # the leader: the subtree deep_enough() found ready to send
 
     def deep_enough():
-        """-> the best m nodes (tokens, parents) to send now, or None: with a depth floor (`deep`,
+        """-> the best m nodes (tokens, parents, scores) to send now, or None: with a depth floor (`deep`,
         `floor`) only once the best bs of them (their prefix) reach `floor` levels or `floor`
         expansions were made since the result (a bound on the verify group's wait)."""
         sub = draft.best_subtree(m)
@@ -323,9 +353,10 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
             return sub
         return None
 
-    def send_tree(tokens, parents):
+    def send_tree(tokens, parents, scores):
         meta = TreeMeta(results, n_expand, exp_at_result, exp_at_previous, clock.now())
-        send_within(topo.inter, chan.pack_tree(request, seq, draft.tree.root_pos, tokens, parents, meta=meta),
+        send_within(topo.inter, chan.pack_tree(request, seq, draft.tree.root_pos, tokens, parents, meta=meta,
+                                               scores=scores),
                     0, TAG_TREE, cfg.peer_timeout, f"delivery of a tree to {verify_leader}", ctx.watch)
 
     while True:
@@ -383,9 +414,9 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
             results, exp_at_previous, exp_at_result = results + 1, exp_at_result, n_expand
         elif action == ACT_SEND:
             ts = clock.now()
-            tokens, parents = to_send if to_send is not None else draft.best_subtree(m)
+            tokens, parents, scores = to_send if to_send is not None else draft.best_subtree(m)
             if leader:
-                send_tree(tokens, parents)
+                send_tree(tokens, parents, scores)
             rec.record(KIND["send"], request, seq, ts, clock.now(), len(tokens))
             owe_tree = False
             seq += 1
@@ -404,8 +435,8 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
             if stream and draft.root_expanded():   # the verify leader takes the newest
                 ts = clock.now()
                 if leader:
-                    tokens, parents = draft.best_subtree(m)
-                    send_tree(tokens, parents)
+                    tokens, parents, scores = draft.best_subtree(m)
+                    send_tree(tokens, parents, scores)
                     rec.record(KIND["send"], request, seq, ts, clock.now(), len(tokens))
                 owe_tree = False
                 seq += 1

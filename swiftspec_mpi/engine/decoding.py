@@ -200,11 +200,12 @@ class DraftSide:
                 return True
         return False
 
-    def best_subtree(self, bs: int) -> tuple[np.ndarray, np.ndarray]:
-        """The `bs` most likely nodes as a subtree: (tokens int64[n], parents int32[n]), n <= bs,
-        node 0 the root, parents before children (-1 for the root)."""
+    def best_subtree(self, bs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The `bs` most likely nodes as a subtree: (tokens int64[n], parents int32[n], scores
+        float64[n]), n <= bs, node 0 the root, parents before children (-1 for the root), scores
+        the nodes' path log-probabilities under the draft (0 at the root)."""
         nodes, parents = self.tree.best_subtree(bs)
-        return self.tree.tokens_of(nodes), parents
+        return self.tree.tokens_of(nodes), parents, np.asarray(self.tree.score)[nodes]
 
     def reroot(self, accepted: np.ndarray, share=None) -> int:
         """Re-root on the accepted tokens (draft tokens + bonus); move the surviving KV.

@@ -2,12 +2,13 @@
 
 Leader to leader (inter-communicator, async mode), fixed-size int64 buffers allocated once:
   TREE   draft -> verify : [TREE, request, seq, n, root_pos, results, expansions, exp_at_result,
-                            exp_at_previous, sent_us, tokens[m], parents[m]]  (n <= m)
+                            exp_at_previous, sent_us, tokens[m], parents[m], scores[m]]  (n <= m)
   RESULT verify -> draft : [RESULT, request, seq, a, done, accepted[bs]]
 A tree's `results` counts the verify results the draft had applied when it sent it (0 before the
 first); `expansions` is the draft's expansion count of the request at sending, `exp_at_result`
 and `exp_at_previous` that count when it applied its latest and the one before (TreeMeta);
-`sent_us` is the job clock at sending, in microseconds.
+`sent_us` is the job clock at sending, in microseconds; `scores` are the nodes' path
+log-probabilities under the draft (float64 bits, 0 at the root).
 Leader to its group (intra-communicator Bcast, when the group has > 1 rank): the same buffers,
 so group members mirror every decision of their leader and their state stays identical.
 
@@ -163,20 +164,22 @@ class LeaderChannel:
     def __init__(self, verify_size: int, send_size: int | None = None):
         self.bs = verify_size
         self.m = max(verify_size, send_size or verify_size)
-        self.tree = np.zeros(TREE_HEADER + 2 * self.m, dtype=np.int64)
+        self.tree = np.zeros(TREE_HEADER + 3 * self.m, dtype=np.int64)
         self.result = np.zeros(HEADER + verify_size, dtype=np.int64)
 
     # -- packing -------------------------------------------------------------------------------
     def pack_tree(self, request: int, seq: int, root_pos: int, tokens: np.ndarray,
                   parents: np.ndarray, out: np.ndarray | None = None,
-                  meta: TreeMeta = NO_META) -> np.ndarray:
-        """Into `out` (shaped like self.tree) or self.tree."""
+                  meta: TreeMeta = NO_META, scores: np.ndarray | None = None) -> np.ndarray:
+        """Into `out` (shaped like self.tree) or self.tree; `scores` float64[n] (None: zeros)."""
         n = len(tokens)
         b = self.tree if out is None else out
         b[:TREE_HEADER] = (MSG_TREE, request, seq, n, root_pos, meta.results, meta.expansions,
                            meta.exp_at_result, meta.exp_at_previous, round(meta.sent_s * 1e6))
         b[TREE_HEADER:TREE_HEADER + n] = tokens
         b[TREE_HEADER + self.m:TREE_HEADER + self.m + n] = parents
+        sc = b[TREE_HEADER + 2 * self.m:TREE_HEADER + 2 * self.m + n].view(np.float64)
+        sc[:] = 0.0 if scores is None else scores
         return b
 
     def unpack_tree(self, buf: np.ndarray | None = None) -> tuple[int, int, int, np.ndarray, np.ndarray]:
@@ -187,6 +190,12 @@ class LeaderChannel:
         n = int(b[3])
         return int(b[1]), int(b[2]), int(b[4]), b[TREE_HEADER:TREE_HEADER + n].copy(), \
             b[TREE_HEADER + self.m:TREE_HEADER + self.m + n].astype(np.int32)
+
+    def tree_scores(self, buf: np.ndarray | None = None) -> np.ndarray:
+        """-> the path log-probabilities float64[n] of the tree message in `buf` or self.tree."""
+        b = self.tree if buf is None else buf
+        n = int(b[3])
+        return b[TREE_HEADER + 2 * self.m:TREE_HEADER + 2 * self.m + n].view(np.float64).copy()
 
     def tree_meta(self, buf: np.ndarray | None = None) -> TreeMeta:
         """The TreeMeta of the tree message in `buf` or self.tree."""

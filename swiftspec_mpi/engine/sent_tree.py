@@ -14,10 +14,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def reroot_sent_tree(tokens: np.ndarray, parents: np.ndarray, walk: list[int] | np.ndarray):
+def subtree_under(tokens: np.ndarray, parents: np.ndarray, walk: list[int] | np.ndarray):
     """Follow `walk` (tokens, each a child of the previous node, starting below the root) and
-    return the subtree under the last node as (tokens int64[n'], parents int32[n']) in the same
-    best-first order with the new root first, or None when the walk leaves the tree.
+    return the subtree under the last node as (idx int64[n'], parents int32[n']): the indices of
+    its nodes in `tokens` in the same best-first order (the new root first) and their parents
+    as indices into idx; None when the walk leaves the tree.
 
     tokens int64[n], parents int32[n] (-1 for the root at index 0, parents before children)."""
     cur = 0
@@ -37,7 +38,29 @@ def reroot_sent_tree(tokens: np.ndarray, parents: np.ndarray, walk: list[int] | 
     remap[idx] = np.arange(len(idx))
     new_parents = np.where(parents[idx] >= 0, remap[np.maximum(parents[idx], 0)], -1).astype(np.int32)
     new_parents[0] = -1
-    return tokens[idx].astype(np.int64), new_parents
+    return idx, new_parents
+
+
+def reroot_scored(tree, walk: list[int] | np.ndarray):
+    """tree = (tokens int64[n], parents int32[n], scores float64[n]: path log-probabilities from
+    the root) -> the same three of the subtree under `walk` (subtree_under), the scores rebased
+    on the new root (0 there); None when the walk leaves the tree (or tree is None)."""
+    if tree is None:
+        return None
+    tokens, parents, scores = tree
+    sub = subtree_under(tokens, parents, walk)
+    if sub is None:
+        return None
+    idx, new_parents = sub
+    return tokens[idx].astype(np.int64), new_parents, scores[idx] - scores[idx[0]]
+
+
+def draft_mass(scores: np.ndarray) -> float:
+    """The draft's expected count of accepted draft tokens in a tree whose nodes have path
+    log-probabilities `scores` float64[n] (0 at the root, index 0): the sum of the non-root
+    nodes' path probabilities, i.e. what a target that agreed with the draft's distribution
+    would accept on average."""
+    return float(np.exp(scores[1:]).sum())
 
 
 def tree_depth(parents: np.ndarray) -> int:

@@ -51,7 +51,7 @@ def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, 
                 rec.record(KIND["expand"], request, step, te, clock.now(), len(leaves), 0,
                            comm_seconds(ctx.draft) - ce)
                 expanded += 1
-            tokens, parents = draft.best_subtree(bs)
+            tokens, parents, _scores = draft.best_subtree(bs)
         tv, cv = clock.now(), comm_seconds(ctx.target)
         logits = target.forward_tree(tokens, parents, greedy=acceptor.argmax_only)
         done, taken, path, accepted = decide(ctx, tokens, parents, logits, acceptor, tracker, result,
