@@ -22,7 +22,7 @@ MODES = ("async", "sync", "ar")
 # deep; floor = remnant while the tree at hand is 2 levels deep, else deep; rate = floor's draft,
 # waiting for its tree only when the expected accepted tokens per second favour it
 ASYNC_POLICIES = ("stream", "remnant", "fresh", "deep", "floor", "rate")
-DEFAULT_ASYNC_POLICY = "remnant"
+DEFAULT_ASYNC_POLICY = "rate"     # the best tok/s of the ablation (docs/benchmarks.md)
 FLOORED_POLICIES = ("deep", "floor", "rate")   # the policies with a depth floor (engine/async_loop.py POLICIES)
 DEFAULT_FLOOR_DEPTH = 2                 # their floor: levels under the root of a tree worth waiting for
 INTERACTIVE_CONTEXT = 4096    # default KV slots with --interactive / --serve (prompts unknown ahead)
