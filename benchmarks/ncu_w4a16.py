@@ -6,7 +6,7 @@
 
 Each argument SHAPE:PROJ (shapes and projections of bench_w4a16.SHAPES_GEMV, group 128) builds
 enough random weight copies to leave the 60 MB L2 (so the profiled launch streams from HBM, as in
-a step), then launches `w4a16.gemm` over them in turn (w4a16.default_config's variant, no PDL)
+a step), then launches `w4a16.gemm` over them in turn (--config's variant, no PDL)
 for --m rows: 8 warm-up launches, then --launches more (what --launch-skip / --launch-count pick).
 Without ncu it prints the mean µs a launch (CUDA events) and the share of the copy bandwidth.
 """
@@ -27,7 +27,11 @@ def main():
     ap.add_argument("targets", nargs="+", help="SHAPE:PROJ, e.g. llama-3-8b:qkv")
     ap.add_argument("--m", type=int, default=1)
     ap.add_argument("--launches", type=int, default=8)
+    ap.add_argument("--config", default="rule", help="T/U/E of the variant (one of w4a16.VARIANTS), or "
+                                                    "'rule': w4a16.default_config's")
     args = ap.parse_args()
+    if args.config != "rule":
+        w4a16.set_default(tuple(int(v) for v in args.config.split("/")))
     gen = torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth(1 << 30)
     for target in args.targets:
