@@ -34,10 +34,15 @@ def _cpu_runs_the_kernel():
 # int16 parts leave <= max|x| / 2^31 per input; the rest is float32 rounding of the per-group
 # scale and offset terms, which cancel partly (measured <= 1.2e-6 with an outlier channel)
 KERNEL_RTOL = 4e-6
-# the AVX2 byte path (4- and 6-bit records without AVX-512 VNNI): three int8 parts leave
-# <= max|x| / (8 127^3) ~ 6e-8 max|x| per input of a group, so a group whose max is a 300x
-# outlier channel puts up to ~1e-5 of sum |x| |W| on its outputs (measured <= 4.7e-6)
-KERNEL_RTOL_BYTES = 2e-5
+# the AVX2 byte path (4- and 6-bit records without AVX-512 VNNI): two int8 parts leave
+# <= max|x| / (4 127^2) ~ 1.6e-5 max|x| per input of a group, so a group whose max is a 300x
+# outlier channel puts up to ~5e-3 of its other inputs' |x| on each (measured <= 1.1e-3 of
+# sum |x| |W| on the outputs with groups of 64 and 128)
+KERNEL_RTOL_BYTES = 2e-3
+# a packed model's logits against its dequantized twin's (relative to the largest): the int16
+# parts leave float32-level differences; the byte path's two int8 parts measured <= 2.0e-4 on
+# the tiny models below (the real Qwen2.5-Coder 1.5B: 2.1e-4 against transformers)
+MODEL_RTOL, MODEL_RTOL_BYTES = 1e-5, 5e-4
 
 
 def _rtol(kind: str) -> float:
@@ -46,6 +51,13 @@ def _rtol(kind: str) -> float:
     from swiftspec_mpi.model import _cpu_gemm
     bytes_path = _cpu_gemm.quant_isa() == "avx2" and not kind.startswith("int8")
     return KERNEL_RTOL_BYTES if bytes_path else KERNEL_RTOL
+
+
+def _model_rtol() -> float:
+    """The bound for a packed model's logits against its dequantized twin on the instruction set
+    the packed GEMM runs now (the byte path on AVX2 without AVX-512 VNNI)."""
+    from swiftspec_mpi.model import _cpu_gemm
+    return MODEL_RTOL_BYTES if _cpu_gemm.quant_isa() == "avx2" else MODEL_RTOL
 
 
 def _deq(w) -> torch.Tensor:
@@ -241,7 +253,7 @@ def test_packed_gemm_matches_float64_every_m(kind, n, k, quant_isa):
 
 def test_packed_gemm_across_instruction_sets():
     """8-bit records give the same bits on AVX2 and AVX-512 VNNI (exact integer sums, the same
-    float32 steps per output); 4- and 6-bit records run the AVX2 byte path (three int8 parts of
+    float32 steps per output); 4- and 6-bit records run the AVX2 byte path (two int8 parts of
     the activations) there and the int16 path on AVX-512 VNNI, so they agree within its bound."""
     from swiftspec_mpi.model import _cpu_gemm
     if len(_isas()) < 2:
@@ -316,7 +328,7 @@ def test_tiny_model_packed_equals_dequantized(tmp_path):
     mask = chain_mask(0, len(ids))
     a = packed(ids, torch.arange(len(ids)), 0, mask)
     b = dense(ids, torch.arange(len(ids)), 0, mask)
-    assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
+    assert ((a - b).abs().max() / b.abs().max()).item() <= _model_rtol()
 
 
 def test_gguf_packed_chunks_column_shards_on_group_boundaries(tmp_path):
@@ -364,7 +376,7 @@ def test_tiny_hf_4bit_model_packed_equals_dequantized(tmp_path, layout):
     mask = chain_mask(0, len(ids))
     a = packed(ids, torch.arange(len(ids)), 0, mask)
     b = dense(ids, torch.arange(len(ids)), 0, mask)
-    assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
+    assert ((a - b).abs().max() / b.abs().max()).item() <= _model_rtol()
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
@@ -396,7 +408,7 @@ def test_dummy_int4_runs_packed_on_the_cpu():
     mask = chain_mask(0, len(ids))
     a = packed(ids, torch.arange(len(ids)), 0, mask)
     b = dense(ids, torch.arange(len(ids)), 0, mask)
-    assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
+    assert ((a - b).abs().max() / b.abs().max()).item() <= _model_rtol()
 
 
 @pytest.mark.mpi

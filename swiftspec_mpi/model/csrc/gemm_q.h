@@ -2,7 +2,7 @@
  * W = q * scale (+ offset) per group of G inputs; x, y, b float32. One set of record layouts, two
  * instruction sets: AVX-512 VNNI (vpdpwssd: 32 code x input products a µop, one register holds a
  * panel's 16 outputs) where the CPU has it, else AVX2 (vpmaddwd on each half of a record step
- * for 8-bit records; the byte path, vpmaddubsw with three int8 activation parts, for 4- and
+ * for 8-bit records; the byte path, vpmaddubsw with two int8 activation parts, for 4- and
  * 6-bit records: below, "AVX2 byte path").
  *
  * W blob: records of panels of 16 outputs, panel-major, then along K (outputs past N: zeros).
@@ -352,17 +352,21 @@ void ssq_scales_256(const SsqGeo *q, int sbg, const uint8_t *tail, int gg, __m25
     }
 }
 
+#define SSQ_XPARTS 2   /* int8 parts of the activations on the AVX2 byte path (below) */
+
 /* ------------------------------------------------------------------------------------------
  * AVX2 byte path (Q4, K4, K6 where the CPU lacks AVX-512 VNNI): the codes as unsigned bytes
- * times three int8 parts of the activations (vpmaddubsw: 32 byte products a µop, summed in pairs
- * into int16), instead of int16 codes times two int16 parts (vpmaddwd: 16 products a µop).
+ * times SSQ_XPARTS = 2 int8 parts of the activations (vpmaddubsw: 32 byte products a µop, summed
+ * in pairs into int16), instead of int16 codes times two int16 parts (vpmaddwd: 16 products a µop).
  *
- * Activations: each row's group of G inputs is split into three int8 parts, each scaled to its
- * own max, x ~ d1 b1 + d2 b2 + d3 b3 (b = round(r / d) in [-127, 127], d = max|r| / 127, r the
- * remainder of the parts before): at most max|x| / (8 127^3) ~ max|x| 6e-8 per input, against
- * max|x| / 2^31 for the two int16 parts (and max|x| / 65534 for one int16 part, which real models'
- * outlier channels turned into 1e-3 logit errors). The parts are stored in the order the code
- * bytes pair with: per 8 inputs k..k+7, bytes k, k+4, k+1, k+5 | k+2, k+6, k+3, k+7.
+ * Activations: each row's group of G inputs is split into two int8 parts, each scaled to its own
+ * max, x ~ d1 b1 + d2 b2 (b = round(r / d) in [-127, 127], d = max|r| / 127, r the remainder of
+ * the part before): at most max|x| / (4 127^2) ~ max|x| 1.6e-5 per input, against max|x| / 2^31
+ * for the two int16 parts. On the real Qwen2.5-Coder 1.5B the logits stay within 2.1e-4 of
+ * transformers' float32 ones (relative to the largest; bf16 weights alone move them more); a
+ * third part (6e-8 per input, 9e-6 on the logits) cost 1.2-1.5x the GEMM time on AVX2 at
+ * M = 1-2 (docs/benchmarks.md). The parts are stored in the order the code bytes pair with: per
+ * 8 inputs k..k+7, bytes k, k+4, k+1, k+5 | k+2, k+6, k+3, k+7.
  *
  * A 4-bit step (64 bytes, 8 k of 16 outputs), half h = outputs 8h..8h+7, 16-bit lane (o, t):
  *     lo = v & 0x0F per byte: (q[o][k+t], q[o][k+4+t])     hi = (v >> 4) & 0x0F: (k+2+t, k+6+t)
@@ -372,7 +376,7 @@ void ssq_scales_256(const SsqGeo *q, int sbg, const uint8_t *tail, int gg, __m25
  * int16 bounds: a lane gains at most 2 * 2 * 15 * 127 = 7620 a 4-bit step (4 steps: 30480) and
  * 2 * 2 * 63 * 127 = 32004 a K6 step, so the int16 sums are widened to int32 (vpmaddwd by 1)
  * every 4 steps (every K6 step): exact integer sums, as in the int16 path. Per group and part:
- *     acc[j] += float(S_p) * (d_p scale[j])  (p = 1, 2, 3),  then  + xsum * offset[j]
+ *     acc[j] += float(S_p) * (d_p scale[j])  (p = 1, 2),  then  + xsum * offset[j]
  * A row's result depends on that row only (not M, the threads or the neighbours). */
 /* max |v[k]| over k < G (G % 8 == 0). */
 static SSQ_AVX2 float ssq_absmax(const float *v, int G) {
@@ -405,25 +409,28 @@ static SSQ_AVX2 float ssq_int8_part(const float *v, int G, int8_t *b, float *res
     return d;
 }
 
-/* Row m's group g of x -> three int8 parts (xb [M, 3, K], the parts of a row K apart), their
- * scales xs [M, K/G, 3] and the float32 sum xsum [M, K/G] (as ssq_quantize_x sums it). */
+/* Row m's group g of x -> SSQ_XPARTS int8 parts (xb [M, SSQ_XPARTS, K], the parts of a row K
+ * apart), their scales xs [M, K/G, SSQ_XPARTS] and the float32 sum xsum [M, K/G] (as
+ * ssq_quantize_x sums it). */
 static SSQ_AVX2 void ssq_quantize_x8(const float *x, long ldx, int M, int K, int G, int8_t *xb,
                                      float *xs, float *xsum) {
     int KG = K / G;
-    float r1[128], r2[128], r3[128];
+    float rest[2][128];
     for (int m = 0; m < M; m++)
         for (int g = 0; g < KG; g++) {
             const float *xg = x + (long)m * ldx + (long)g * G;
-            int8_t *b = xb + (long)m * 3 * K + (long)g * G;
+            int8_t *b = xb + (long)m * SSQ_XPARTS * K + (long)g * G;
             __m256 acc = _mm256_setzero_ps();
             for (int k = 0; k < G; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(xg + k));
             float t[8], s = 0.0f;
             _mm256_storeu_ps(t, acc);
             for (int j = 0; j < 8; j++) s += t[j];
-            float *d = xs + 3 * ((long)m * KG + g);
-            d[0] = ssq_int8_part(xg, G, b, r1);
-            d[1] = ssq_int8_part(r1, G, b + K, r2);
-            d[2] = ssq_int8_part(r2, G, b + 2L * K, r3);
+            float *d = xs + SSQ_XPARTS * ((long)m * KG + g);
+            const float *v = xg;
+            for (int p = 0; p < SSQ_XPARTS; p++) {      /* part p from the remainder of part p - 1 */
+                d[p] = ssq_int8_part(v, G, b + p * (long)K, rest[p % 2]);
+                v = rest[p % 2];
+            }
             xsum[(long)m * KG + g] = s;
         }
 }
@@ -453,15 +460,15 @@ void ssq_group8_256(int kind, const uint8_t *c, int G, const int8_t *xb, long K,
                     const __m256 *sf, __m256 *acc0, __m256 *acc1) {
     const int flush = kind == SSQ_K6 ? 1 : 4;         /* steps an int16 sum can take */
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i s32[3][2], s16[3][2];
-    for (int p = 0; p < 3; p++)
+    __m256i s32[SSQ_XPARTS][2], s16[SSQ_XPARTS][2];
+    for (int p = 0; p < SSQ_XPARTS; p++)
         for (int h = 0; h < 2; h++) s32[p][h] = s16[p][h] = _mm256_setzero_si256();
     const int steps = G / 8;
     for (int st = 0; st < steps; st++, c += SSQ_STEP_BYTES(kind)) {
         __m256i lo[2], hi[2];
         ssq_codes8_256(kind, c, 0, &lo[0], &hi[0]);
         ssq_codes8_256(kind, c, 1, &lo[1], &hi[1]);
-        for (int p = 0; p < 3; p++) {
+        for (int p = 0; p < SSQ_XPARTS; p++) {
             int32_t a, b;
             memcpy(&a, xb + p * K + 8 * st, 4);
             memcpy(&b, xb + p * K + 8 * st + 4, 4);
@@ -476,21 +483,21 @@ void ssq_group8_256(int kind, const uint8_t *c, int G, const int8_t *xb, long K,
             }
         }
         if (flush > 1 && ((st + 1) % flush == 0 || st + 1 == steps))
-            for (int p = 0; p < 3; p++)
+            for (int p = 0; p < SSQ_XPARTS; p++)
                 for (int h = 0; h < 2; h++) {
                     s32[p][h] = _mm256_add_epi32(s32[p][h], _mm256_madd_epi16(s16[p][h], ones));
                     s16[p][h] = _mm256_setzero_si256();
                 }
     }
-    for (int p = 0; p < 3; p++) {
+    for (int p = 0; p < SSQ_XPARTS; p++) {
         *acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[p][0]), sf[2 * p], *acc0);
         *acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[p][1]), sf[2 * p + 1], *acc1);
     }
 }
 
 /* Panels [p0, p1) for rows [0, M). bytes = 0: xp is the int16 parts [M, 2, K], xs [M, K/G, 2];
- * bytes = 1 (the byte path below, 4- and 6-bit kinds): xp the int8 parts [M, 3, K], xs
- * [M, K/G, 3]. xsum [M, K/G]. */
+ * bytes = 1 (the byte path below, 4- and 6-bit kinds): xp the int8 parts [M, SSQ_XPARTS, K], xs
+ * [M, K/G, SSQ_XPARTS]. xsum [M, K/G]. */
 static inline __attribute__((always_inline)) SSQ_AVX2
 void ssq_panels_256(const int kind, const int bytes, const SsqGeo *q, const uint8_t *W, int K,
                     int N, int p0, int p1, const void *xp, const float *xs, const float *xsum,
@@ -517,13 +524,13 @@ void ssq_panels_256(const int kind, const int bytes, const SsqGeo *q, const uint
                 ssq_prefetch_group(q, sbg, codes, tail, gg);
                 for (int i = 0; bytes && i < mb; i++) {
                     const long gi = (long)(m0 + i) * KG + g;
-                    __m256 sf[6];
-                    for (int e = 0; e < 3; e++) {
-                        const __m256 d = _mm256_broadcast_ss(xs + 3 * gi + e);
+                    __m256 sf[2 * SSQ_XPARTS];
+                    for (int e = 0; e < SSQ_XPARTS; e++) {
+                        const __m256 d = _mm256_broadcast_ss(xs + SSQ_XPARTS * gi + e);
                         sf[2 * e] = _mm256_mul_ps(d, sc[0]);
                         sf[2 * e + 1] = _mm256_mul_ps(d, sc[1]);
                     }
-                    ssq_group8_256(kind, codes, G, xb + (long)(m0 + i) * 3 * K + (long)g * G, K,
+                    ssq_group8_256(kind, codes, G, xb + (long)(m0 + i) * SSQ_XPARTS * K + (long)g * G, K,
                                    sf, &acc0[i], &acc1[i]);
                     if (has_off) {
                         const __m256 xt = _mm256_broadcast_ss(xsum + gi);
@@ -687,9 +694,9 @@ static int ssq_gemm(const uint8_t *W, int kind, int has_off, int G, int K, int N
         K % G || ((kind == SSQ_K4 || kind == SSQ_K6) && (K % SSQ_SB || SSQ_SB % G)))
         return -2;
     SsqGeo q = ssq_geo(kind, has_off, G, K);
-    const int bytes = ssq_bytes(isa, kind), np = bytes ? 3 : 2;
-    /* the parts: int8 [M, 3, K] (byte path) or int16 [M, 2, K]; scales [M, KG, np]; sums [M, KG] */
-    void *xp = malloc((bytes ? 3 : 4) * (size_t)M * (size_t)K + 64);
+    const int bytes = ssq_bytes(isa, kind), np = bytes ? SSQ_XPARTS : 2;
+    /* the parts: int8 [M, SSQ_XPARTS, K] (byte path) or int16 [M, 2, K]; scales [M, KG, np]; sums [M, KG] */
+    void *xp = malloc((bytes ? SSQ_XPARTS : 4) * (size_t)M * (size_t)K + 64);
     float *xs = (float *)malloc(sizeof(float) * (np + 1) * (size_t)M * (size_t)KG + 64);
     if (!xp || !xs) { free(xp); free(xs); return -1; }
     float *xsum = xs + np * (size_t)M * KG;
