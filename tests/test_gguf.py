@@ -275,23 +275,41 @@ def test_header_parser_matches_gguf_reader(tiny_qwen):
         assert info.shape == tuple(reversed(t.shape.tolist()))
 
 
-def test_tiny_model_logits_match_transformers_gguf(tiny_llama):
+# A packed model's logits against transformers' float32 ones, relative to the largest: the issue
+# of record for the packed CPU path allows 1e-3. The int16 activation parts (AVX-512 VNNI) leave
+# float32-level differences; the AVX2 byte path's two int8 parts about 1.6e-5 of a group's largest
+# input per input, measured 4.5e-4 on SmolLM2-135M, 2.1e-4 on Qwen2.5-Coder 1.5B. The dequantized
+# path (`quant="none"`) is checked in absolute terms, as tightly as float32 allows.
+PACKED_LOGITS_RTOL = 1e-3
+
+
+def _logits_rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("quant", ["auto", "none"])
+def test_tiny_model_logits_match_transformers_gguf(tiny_llama, quant):
     """The whole path (loader + Transformer) against transformers' GGUF loader, which has its
-    own dequantization and its own Q/K un-permutation."""
+    own dequantization and its own Q/K un-permutation: packed (the default for a GGUF file on the
+    CPU) and dequantized to float32."""
     import transformers
     import accelerate  # noqa: F401  (transformers loads GGUF files through it)
     from swiftspec_mpi.model.load import load_model
     from swiftspec_mpi.model.transformer import chain_mask
 
     path = tiny_llama[0]
-    model, _ = load_model(path, max_slots=32)
+    model, _ = load_model(path, max_slots=32, quant=quant)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         os.fspath(path.parent), gguf_file=path.name, dtype=torch.float32)
     ids = torch.tensor([5, 77, 256, 3, 200, 100, 42, 259, 7])
     ours = model(ids, torch.arange(len(ids)), 0, chain_mask(0, len(ids)))
     with torch.no_grad():
         ref = hf(ids[None]).logits[0].float()
-    assert (ours - ref).abs().max().item() <= 1e-4
+    if quant == "none":
+        assert (ours - ref).abs().max().item() <= 1e-4
+    else:
+        assert _logits_rel(ours, ref) <= PACKED_LOGITS_RTOL
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
 def test_unsupported_tensor_type_refused_by_name(tmp_path):
@@ -382,18 +400,22 @@ def smollm2_hf_model(smollm2_gguf):
         os.fspath(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
 
 
-def test_smollm2_logits_match_transformers(smollm2_gguf, smollm2_hf_model):
+@pytest.mark.parametrize("quant", ["auto", "none"])
+def test_smollm2_logits_match_transformers(smollm2_gguf, smollm2_hf_model, quant):
     from swiftspec_mpi.model.load import load_model
     from swiftspec_mpi.model.transformer import chain_mask
 
-    model, tok = load_model(smollm2_gguf, max_slots=128)
+    model, tok = load_model(smollm2_gguf, max_slots=128, quant=quant)
     assert model.cfg.tie_word_embeddings and model.cfg.arch == "llama"
     ids = tok.encode(tok.apply_chat_template("Write a haiku about the sea."))
     n = len(ids)
     ours = model(torch.tensor(ids), torch.arange(n), 0, chain_mask(0, n))
     with torch.no_grad():
         ref = smollm2_hf_model(torch.tensor([ids])).logits[0].float()
-    assert (ours - ref).abs().max().item() <= 1e-3
+    if quant == "none":
+        assert (ours - ref).abs().max().item() <= 1e-3
+    else:
+        assert _logits_rel(ours, ref) <= PACKED_LOGITS_RTOL
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
