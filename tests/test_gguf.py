@@ -275,10 +275,10 @@ def test_header_parser_matches_gguf_reader(tiny_qwen):
         assert info.shape == tuple(reversed(t.shape.tolist()))
 
 
-# A packed model's logits against transformers' float32 ones, relative to the largest: the issue
-# of record for the packed CPU path allows 1e-3. The int16 activation parts (AVX-512 VNNI) leave
+# A packed model's logits against transformers' float32 ones, relative to the largest: the packed
+# CPU path's accuracy bound is 1e-3. The int16 activation parts (AVX-512 VNNI) leave
 # float32-level differences; the AVX2 byte path's two int8 parts about 1.6e-5 of a group's largest
-# input per input, measured 4.5e-4 on SmolLM2-135M, 2.1e-4 on Qwen2.5-Coder 1.5B. The dequantized
+# input per input, measured 4.4e-4 on SmolLM2-135M, 2.0e-4 on Qwen2.5-Coder 1.5B. The dequantized
 # path (`quant="none"`) is checked in absolute terms, as tightly as float32 allows.
 PACKED_LOGITS_RTOL = 1e-3
 
