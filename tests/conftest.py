@@ -32,6 +32,12 @@ if _ROOT not in sys.path:  # run from a checkout without `pip install -e .`
 STRICT_ENV = "SWIFTSPEC_TEST_STRICT"
 
 
+def max_rel_diff(a, b) -> float:
+    """max |a - b| over max |b|: how far tensor a (ours) is from b (the reference), relative to
+    b's largest entry (the measure the logit checks bound)."""
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
 def strict() -> bool:
     """SWIFTSPEC_TEST_STRICT=1: the skips CI must never take fail instead (0 or unset: skip)."""
     value = os.environ.get(STRICT_ENV, "0").strip()

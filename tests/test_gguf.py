@@ -16,7 +16,7 @@ import torch
 
 import gguf
 
-from conftest import need_registry_model
+from conftest import max_rel_diff, need_registry_model
 from swiftspec_mpi.core.errors import CheckpointError, UserError
 Q = gguf.GGMLQuantizationType
 
@@ -283,10 +283,6 @@ def test_header_parser_matches_gguf_reader(tiny_qwen):
 PACKED_LOGITS_RTOL = 1e-3
 
 
-def _logits_rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((ours - ref).abs().max() / ref.abs().max()).item()
-
-
 @pytest.mark.parametrize("quant", ["auto", "none"])
 def test_tiny_model_logits_match_transformers_gguf(tiny_llama, quant):
     """The whole path (loader + Transformer) against transformers' GGUF loader, which has its
@@ -308,7 +304,7 @@ def test_tiny_model_logits_match_transformers_gguf(tiny_llama, quant):
     if quant == "none":
         assert (ours - ref).abs().max().item() <= 1e-4
     else:
-        assert _logits_rel(ours, ref) <= PACKED_LOGITS_RTOL
+        assert max_rel_diff(ours, ref) <= PACKED_LOGITS_RTOL
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
@@ -415,7 +411,7 @@ def test_smollm2_logits_match_transformers(smollm2_gguf, smollm2_hf_model, quant
     if quant == "none":
         assert (ours - ref).abs().max().item() <= 1e-3
     else:
-        assert _logits_rel(ours, ref) <= PACKED_LOGITS_RTOL
+        assert max_rel_diff(ours, ref) <= PACKED_LOGITS_RTOL
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
