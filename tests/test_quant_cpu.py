@@ -45,19 +45,22 @@ KERNEL_RTOL_BYTES = 2e-3
 MODEL_RTOL, MODEL_RTOL_BYTES = 1e-5, 5e-4
 
 
-def _rtol(kind: str) -> float:
-    """The bound for a GEMM of `kind` ('int4/...', 'int6/...', 'int8/...') on the instruction set
-    the packed GEMM runs now."""
+def _byte_path(kind: str = "int4") -> bool:
+    """Whether records of `kind` ('int4/...', 'int6/...', 'int8/...') run the AVX2 byte path on the
+    instruction set the packed GEMM runs now (4- and 6-bit records on AVX2 without AVX-512 VNNI)."""
     from swiftspec_mpi.model import _cpu_gemm
-    bytes_path = _cpu_gemm.quant_isa() == "avx2" and not kind.startswith("int8")
-    return KERNEL_RTOL_BYTES if bytes_path else KERNEL_RTOL
+    return _cpu_gemm.quant_isa() == "avx2" and not kind.startswith("int8")
+
+
+def _rtol(kind: str) -> float:
+    """The bound for a GEMM of `kind` on the instruction set the packed GEMM runs now."""
+    return KERNEL_RTOL_BYTES if _byte_path(kind) else KERNEL_RTOL
 
 
 def _model_rtol() -> float:
-    """The bound for a packed model's logits against its dequantized twin on the instruction set
-    the packed GEMM runs now (the byte path on AVX2 without AVX-512 VNNI)."""
-    from swiftspec_mpi.model import _cpu_gemm
-    return MODEL_RTOL_BYTES if _cpu_gemm.quant_isa() == "avx2" else MODEL_RTOL
+    """The bound for a packed model's logits against its dequantized twin (4-bit layers) on the
+    instruction set the packed GEMM runs now."""
+    return MODEL_RTOL_BYTES if _byte_path() else MODEL_RTOL
 
 
 def _deq(w) -> torch.Tensor:
