@@ -45,4 +45,4 @@ test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 clean:
-	rm -rf build dist *.egg-info swiftspec_mpi/*.so swiftspec_mpi/*/*.so swiftspec_mpi/model/_cpu_gemm.c scheduler/*.c
+	rm -rf build dist *.egg-info swiftspec_mpi/*.so swiftspec_mpi/*/*.so swiftspec_mpi/packed/_cpu_gemm.c scheduler/*.c

@@ -35,11 +35,11 @@ def main():
     ap.add_argument("--n", default="1,8", help="tokens per step (N * H / Hkv rows per KV head: <= 32)")
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
-    from swiftspec_mpi.gpu import kernels
+    from swiftspec_mpi.checkpoints.load import dummy_model
     from swiftspec_mpi.core.comm import SingleComm
+    from swiftspec_mpi.gpu import kernels
     from swiftspec_mpi.gpu.graphs import GraphedModel
-    from swiftspec_mpi.model.dummy import dummy_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.network.transformer import chain_mask
 
     from swiftspec_mpi.gpu import tree_attention as attention_module
     default_rule = attention_module.tree_attention_config

@@ -29,7 +29,7 @@ INNER_K_TILES = 8
 
 
 def _shape(name: str) -> dict:
-    from swiftspec_mpi.model.dummy import SHAPES
+    from swiftspec_mpi.checkpoints.dummy import SHAPES
     c = SHAPES[name]
     return dict(vocab=c.vocab_size, dim=c.hidden_size, inter=c.intermediate_size, layers=c.num_layers,
                 heads=c.num_heads, kv=c.num_kv_heads, head_dim=c.head_dim, theta=c.rope_theta,

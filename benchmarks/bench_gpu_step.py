@@ -97,11 +97,11 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
     with the torch elementwise ops ("graph_nofuse_N") and, if `fused` and available, with the
     fused kernels and cuBLAS GEMMs ("graph_N") and with the PDL chain ("graph_pdl_N", the
     default); plus each one's max relative logit difference to the torch-ops graph."""
-    from swiftspec_mpi.gpu import fused_ops
+    from swiftspec_mpi.checkpoints.load import dummy_model
     from swiftspec_mpi.core.comm import SingleComm
+    from swiftspec_mpi.gpu import fused_ops
     from swiftspec_mpi.gpu.graphs import GraphedModel, graphs_supported, logits_topk_logprobs
-    from swiftspec_mpi.model.dummy import dummy_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.network.transformer import chain_mask
     model, _ = dummy_model(shape, SingleComm(), context + 128, torch.bfloat16, "cuda")
     weight_gb = model.weight_bytes() / 1e9
     step_gb = model.step_read_bytes() / 1e9     # what a step streams: not an untied embedding table
@@ -157,7 +157,7 @@ def ours(shape: str, context: int, sizes: list[int], fused: bool = True) -> dict
 def hf(shape: str, context: int) -> float:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from swiftspec_mpi.model.dummy import SHAPES
+    from swiftspec_mpi.checkpoints.dummy import SHAPES
     c = SHAPES[shape]
     cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
                       intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,

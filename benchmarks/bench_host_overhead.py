@@ -28,10 +28,10 @@ def main():
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--n", default="1,8")
     a = ap.parse_args()
+    from swiftspec_mpi.checkpoints.load import dummy_model
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.gpu.graphs import GraphedModel
-    from swiftspec_mpi.model.dummy import dummy_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.network.transformer import chain_mask
     L = a.context
     model, _ = dummy_model(a.shape, SingleComm(), L + 128, torch.bfloat16, "cuda")
     model.forward(torch.randint(0, 1000, (L,), device="cuda"), torch.arange(L, device="cuda"), 0,

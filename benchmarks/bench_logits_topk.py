@@ -26,11 +26,11 @@ def main():
     ap.add_argument("--shapes", default="llama-3.2-1b,llama-3-8b")
     ap.add_argument("--context", type=int, default=1024)
     a = ap.parse_args()
-    from swiftspec_mpi.gpu import graphs as cuda_graphs, fused_ops
+    from swiftspec_mpi.checkpoints.load import dummy_model
     from swiftspec_mpi.core.comm import SingleComm
+    from swiftspec_mpi.gpu import graphs as cuda_graphs, fused_ops
     from swiftspec_mpi.gpu.graphs import GraphedModel
-    from swiftspec_mpi.model.dummy import dummy_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.network.transformer import chain_mask
 
     V = 128256
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")

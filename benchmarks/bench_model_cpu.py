@@ -41,7 +41,7 @@ PROMPT = "Write a Python function that merges two sorted lists into one sorted l
 
 
 def _ours(folder, dtype, max_slots):
-    from swiftspec_mpi.model.load import load_model
+    from swiftspec_mpi.checkpoints.load import load_model
     model, tok = load_model(folder, max_slots=max_slots, dtype=dtype)
     return model, tok
 
@@ -58,7 +58,7 @@ def steps_ours(model, prompt_ids):
     """Generator: prefill on the first next(), then one greedy decode step per next(),
     yielding (step seconds, token)."""
     import torch
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.network.transformer import chain_mask
 
     p = len(prompt_ids)
     logits = model(torch.tensor(prompt_ids), torch.arange(p), 0, chain_mask(0, p),
@@ -198,20 +198,20 @@ def load_child(path, dtype_name, how):
     "get_into": every GGUF tensor dequantized by GGUFSource.get_into into preallocated tensors
     of the model dtype (the loader's own overhead if Transformer.load_weights used get_into)."""
     import torch
-    from swiftspec_mpi.model.load import load_model, load_tokenizer
-    from swiftspec_mpi.model.transformer import Transformer
+    from swiftspec_mpi.checkpoints.load import load_model, load_tokenizer
+    from swiftspec_mpi.network.transformer import Transformer
 
     dtype = getattr(torch, dtype_name)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.time()
     if how == "hinted":
-        from swiftspec_mpi.model.gguf_loader import GGUFSource
+        from swiftspec_mpi.checkpoints.gguf_loader import GGUFSource
         load_tokenizer(path)
         with GGUFSource(path, dtype=dtype) as src:
             model = Transformer(src.config, max_slots=256, dtype=dtype)
             model.load_weights(src)
     elif how == "get_into":
-        from swiftspec_mpi.model.gguf_loader import GGUFSource
+        from swiftspec_mpi.checkpoints.gguf_loader import GGUFSource
         load_tokenizer(path)
         with GGUFSource(path) as src:
             dsts = {n: torch.empty(src.shape(n), dtype=dtype) for n in src.names()}
@@ -231,7 +231,7 @@ def load_child(path, dtype_name, how):
 def load_rss(args):
     """Table of peak RSS while loading: GGUF (as ranks load it now, and with the dtype hint) and
     the prepared folder; `before` = RSS after the imports, before any file is read."""
-    from swiftspec_mpi.model import registry
+    from swiftspec_mpi.checkpoints import registry
     rows = ["| checkpoint | dtype | how | load s | weights GiB | RSS before GiB | peak RSS GiB "
             "| peak / weights | (peak - before) / weights |", "|---|---|---|" + "---:|" * 6]
     for name in args.models:
@@ -278,7 +278,7 @@ def main() -> int:
     if args.load_rss:
         load_rss(args)
         return 0
-    from swiftspec_mpi.model import registry
+    from swiftspec_mpi.checkpoints import registry
 
     if args.profile:
         name = args.models[0]

@@ -38,7 +38,7 @@ LLAMA_PY = ROOT / ".cache" / "llama_cpp" / "venv" / "bin" / "python"
 
 
 def prompt_ids(path: str, target: str) -> list[list[int]]:
-    from swiftspec_mpi.model.load import load_tokenizer
+    from swiftspec_mpi.checkpoints.load import load_tokenizer
     tok = load_tokenizer(target)
     rows = [json.loads(line) for line in open(path) if line.strip()]
     return [tok.encode(tok.apply_chat_template(r["prompt"])) for r in rows]
@@ -49,8 +49,8 @@ def prompt_ids(path: str, target: str) -> list[list[int]]:
 def worker_ours(args) -> dict:
     import torch
 
-    from swiftspec_mpi.model.load import load_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.checkpoints.load import load_model
+    from swiftspec_mpi.network.transformer import chain_mask
     import resource
     torch.set_num_threads(args.threads)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -172,18 +172,18 @@ def run_e2e(args, prompts_file: str) -> dict:
 def bench_kernels(threads: int) -> str:
     import torch
 
-    from swiftspec_mpi.model import cpu_linear, cpu_quant, quant
+    from swiftspec_mpi.packed import cpu_linear, cpu_quant, int4
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
     shapes = {"qkv": (2048, 1536), "o": (1536, 1536), "gate|up": (17920, 1536), "down": (1536, 8960)}
     w4, wb = {}, {}
     for name, (n, k) in shapes.items():
-        w = quant.PackedInt4(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
+        w = int4.PackedInt4(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
                              torch.rand(n, k // 32, generator=gen) * 0.02,
                              -torch.rand(n, k // 32, generator=gen) * 0.1, 32)
         w4[name] = cpu_quant.QuantLinear(n, k)
         w4[name].load(0, n, [(0, w)])
-        wb[name] = cpu_linear.PackedWeight.from_dense(quant.dequantize(w), torch.bfloat16)
+        wb[name] = cpu_linear.PackedWeight.from_dense(int4.dequantize(w), torch.bfloat16)
     lines = [f"one Qwen2.5-1.5B layer (qkv, o, gate|up, down), {threads} threads, best of 7, ms",
              "", "| M | 4-bit | bf16 | bf16 / 4-bit | 4-bit M / 4-bit 1 | bf16 M / bf16 1 |",
              "|---|---|---|---|---|---|"]
@@ -226,7 +226,7 @@ def main() -> int:
         args.system = args.worker
         print(json.dumps(worker_ours(args)))
         return 0
-    from swiftspec_mpi.model import registry
+    from swiftspec_mpi.checkpoints import registry
     args.target = args.target or str(registry.ensure_gguf(registry.DEFAULT_TARGET, print))
     args.draft = args.draft or str(registry.ensure_gguf(registry.DEFAULT_DRAFT, print))
     systems = ["q4", "bf16"]

@@ -7,7 +7,7 @@
  *          k6  GGUF Q6_K in its two levels (6.625 bits)          bf16  bf16 panels
  * Needs no Python, no model files: for a quiet machine where the real benchmark cannot run.
  *
- *   gcc -O3 -fopenmp -I swiftspec_mpi/model/csrc benchmarks/bench_q4_kernel.c -o /tmp/bq -lm
+ *   gcc -O3 -fopenmp -I swiftspec_mpi/packed/csrc benchmarks/bench_q4_kernel.c -o /tmp/bq -lm
  *   taskset -c 0,1 /tmp/bq 2 [isa]  # threads; isa 1 AVX2, 2 AVX-512 VNNI (default: the best)
  */
 #include <stdio.h>

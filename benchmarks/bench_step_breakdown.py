@@ -46,9 +46,9 @@ def main():
     ap.add_argument("--n", type=int, default=1, help="tokens per step (tree size)")
     ap.add_argument("--json", help="also write the raw numbers here")
     a = ap.parse_args()
-    from swiftspec_mpi.gpu import fused_ops, kernels
+    from swiftspec_mpi.checkpoints.load import dummy_model
     from swiftspec_mpi.core.comm import SingleComm
-    from swiftspec_mpi.model.dummy import dummy_model
+    from swiftspec_mpi.gpu import fused_ops, kernels
     if not (kernels.available() and fused_ops.enabled() and fused_ops.gemm_mode() == "pdl"):
         raise SystemExit("needs the fused kernels and the default SWIFTSPEC_FUSED_GEMM=pdl")
     copy_bw, read_bw = bandwidths()

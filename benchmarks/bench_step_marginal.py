@@ -45,11 +45,11 @@ def main():
     ap.add_argument("--quant", default="int4", choices=("int4", "none"))
     ap.add_argument("--context", type=int, default=1024)
     a = ap.parse_args()
+    from swiftspec_mpi.checkpoints.load import dummy_model
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.gpu import fused_ops, kernels, w4a16
     from swiftspec_mpi.gpu.graphs import GraphedModel
-    from swiftspec_mpi.model.dummy import dummy_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.network.transformer import chain_mask
 
     projections = ([(w4a16, "gemm"), (w4a16, "gemm_swiglu")] if a.quant == "int4" else
                    [(kernels, "gemm_rowparallel"), (kernels, "gemm_qkv_rope"), (kernels, "gemm_swiglu")])

@@ -20,9 +20,9 @@ def main():
     ap.add_argument("--sizes", default="1,2,4,8,16")
     ap.add_argument("--reps", type=int, default=7)
     a = ap.parse_args()
-    from swiftspec_mpi.model import registry
-    from swiftspec_mpi.model.load import load_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.checkpoints import registry
+    from swiftspec_mpi.checkpoints.load import load_model
+    from swiftspec_mpi.network.transformer import chain_mask
     torch.set_num_threads(a.threads)
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
     model, _ = load_model(registry.resolve_model(a.model), max_slots=a.context + 64, dtype=dt)

@@ -47,11 +47,11 @@ def main():
     ap.add_argument("--bs", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
+    from swiftspec_mpi.checkpoints.load import dummy_model
     from swiftspec_mpi.core.comm import SingleComm
-    from swiftspec_mpi.gpu.graphs import PROMPT_GRAPH_MAX, GraphedModel
     from swiftspec_mpi.engine.decoding import _prefill, prompt_bucket, prompt_buckets
-    from swiftspec_mpi.model.dummy import dummy_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.gpu.graphs import PROMPT_GRAPH_MAX, GraphedModel
+    from swiftspec_mpi.network.transformer import chain_mask
     lengths = [int(v) for v in a.lengths.split(",")]
     S = max(lengths) + 64
     model, _ = dummy_model(a.shape, SingleComm(), S, torch.bfloat16, "cuda")

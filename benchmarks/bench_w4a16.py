@@ -53,7 +53,7 @@ def torch_int4_weight(n: int, k: int, group: int, gen):
 
 def bench_gemv(args) -> dict:
     from swiftspec_mpi.gpu import w4a16
-    from swiftspec_mpi.model.quant import PackedInt4
+    from swiftspec_mpi.packed.int4 import PackedInt4
     bw = copy_bandwidth(2 << 30) / 1e12
     print(f"copy bandwidth {bw:.2f} TB/s\n")
     res = {"copy_tbs": bw, "rows": []}
@@ -136,11 +136,11 @@ def bench_gemv(args) -> dict:
 
 def bench_step(args) -> dict:
     from bench_gpu_step import cuda_time, tree_mask      # the same folder: the bf16 step's timers
+    from swiftspec_mpi.checkpoints.load import dummy_model
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.gpu import w4a16
     from swiftspec_mpi.gpu.graphs import GraphedModel
-    from swiftspec_mpi.model.dummy import dummy_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.network.transformer import chain_mask
     bw = copy_bandwidth(2 << 30) / 1e12
     print(f"copy bandwidth {bw:.2f} TB/s\n")
     ctx = args.context

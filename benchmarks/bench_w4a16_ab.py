@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels_gpu import copy_bandwidth, graph_time_us
 from swiftspec_mpi.gpu import w4a16
 from swiftspec_mpi.gpu.launch import function, launch, launch_pdl, ptr
-from swiftspec_mpi.model.quant import PackedInt4  # noqa: E402
+from swiftspec_mpi.packed.int4 import PackedInt4  # noqa: E402
 
 L2 = 60 << 20
 shapes = [("8b", "qkv", 6144, 4096), ("8b", "o", 4096, 4096), ("8b", "gate_up", 28672, 4096), ("8b", "down", 4096, 14336),

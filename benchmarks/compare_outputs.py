@@ -34,9 +34,9 @@ def main():
             continue
         print(f"request {r}: first difference at token {i}: {oa[i:i+3]} vs {ob[i:i+3]}")
         if a.target:
+            from swiftspec_mpi.checkpoints.load import dummy_model
             from swiftspec_mpi.core.comm import SingleComm
-            from swiftspec_mpi.model.dummy import dummy_model
-            from swiftspec_mpi.model.transformer import chain_mask
+            from swiftspec_mpi.network.transformer import chain_mask
             dev = "cuda" if torch.cuda.is_available() else "cpu"
             dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[a.dtype]
             seq = pa + oa[:i]

@@ -4,7 +4,7 @@
 
 MODEL: registry names (default: smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b). For each,
 transformers loads the GGUF file (it dequantizes to float32), then our model loads it twice:
-`quant="auto"` (packed 4-/6-/8-bit weights on the CPU GEMM of `model/csrc/gemm_q.h`) and
+`quant="auto"` (packed 4-/6-/8-bit weights on the CPU GEMM of `packed/csrc/gemm_q.h`) and
 `quant="none"` (dequantized to float32). One forward over the chat-templated prompt; printed per
 mode: the largest absolute logit difference, the largest |logit| of the reference, their ratio
 (the check `tests/test_quant_cpu.py` and `tests/test_gguf.py` apply) and whether every
@@ -24,9 +24,9 @@ def compare(name: str, prompt: str) -> None:
     import accelerate  # noqa: F401  (transformers loads GGUF files through it)
     import transformers
 
-    from swiftspec_mpi.model import registry
-    from swiftspec_mpi.model.load import load_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.checkpoints import registry
+    from swiftspec_mpi.checkpoints.load import load_model
+    from swiftspec_mpi.network.transformer import chain_mask
 
     path = registry.ensure_gguf(name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(

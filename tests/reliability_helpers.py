@@ -317,7 +317,7 @@ def _install_fault(spec: str) -> None:
         from swiftspec_mpi.engine import decoding as mod
         owner, attr = mod.TargetSide, "forward_tree"
     elif where == "load":
-        from swiftspec_mpi.model import load as mod
+        from swiftspec_mpi.checkpoints import load as mod
         owner, attr = mod, "load_model"
     elif where == "validate":
         from swiftspec_mpi.cli import job as mod   # run_job calls the name it imported

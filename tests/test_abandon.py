@@ -20,11 +20,11 @@ from engine_helpers import MPIEXEC, env_for_tests, read_outputs, read_root, writ
 from swiftspec_mpi.core.config import ASYNC_POLICIES
 from swiftspec_mpi.engine import abandon
 from swiftspec_mpi.engine.decoding import DraftSide
-from swiftspec_mpi.model import cpu_linear
-from swiftspec_mpi.model.config import ModelConfig
-from swiftspec_mpi.model.hf_loader import SafetensorsSource
-from swiftspec_mpi.model.tiny import random_weights, write_hf_folder
-from swiftspec_mpi.model.transformer import Transformer
+from swiftspec_mpi.packed import cpu_linear
+from swiftspec_mpi.network.config import ModelConfig
+from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource
+from swiftspec_mpi.checkpoints.tiny import random_weights, write_hf_folder
+from swiftspec_mpi.network.transformer import Transformer
 
 VOCAB = 97
 NODE_ARRAYS = ("token", "parent", "depth", "logprob", "score", "kv_slot", "state", "expanded")

@@ -20,7 +20,7 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from swiftspec_mpi.model import tiny
+    from swiftspec_mpi.checkpoints import tiny
     return tiny.write_tiny_pair(str(tmp_path_factory.mktemp("tiny")), seed=0)
 
 
@@ -97,7 +97,7 @@ def test_tokenizer_fallback_matches_engine(pair, monkeypatch):
     text = "The vertices of a triangle are at points (0, 0), (-1, 1), and (3, 3). Area?"
     engine = hfb.load_tokenizer(pair[0])
     assert type(engine).__name__ == "TextTokenizer"
-    monkeypatch.setitem(sys.modules, "swiftspec_mpi.model.tokenizer", None)   # import fails
+    monkeypatch.setitem(sys.modules, "swiftspec_mpi.checkpoints.tokenizer", None)   # import fails
     hf = hfb.load_tokenizer(pair[0])
     assert type(hf).__name__ != "TextTokenizer"
     for chat in (False, True):

@@ -215,13 +215,13 @@ def test_a_cpu_gemm_that_does_not_import_fails_loudly(tmp_path):
         "import importlib.abc, sys\n"
         "class Block(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'swiftspec_mpi.model._cpu_gemm':\n"
+        "        if name == 'swiftspec_mpi.packed._cpu_gemm':\n"
         "            raise ImportError('planted: _cpu_gemm does not load')\n"
         "sys.meta_path.insert(0, Block())\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", "import swiftspec_mpi.model.transformer"],
+    proc = subprocess.run([sys.executable, "-c", "import swiftspec_mpi.network.transformer"],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode != 0 and "planted: _cpu_gemm does not load" in proc.stderr, proc.stderr
-    proc = subprocess.run([sys.executable, "-c", "import swiftspec_mpi.model.transformer"],
+    proc = subprocess.run([sys.executable, "-c", "import swiftspec_mpi.network.transformer"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import skip_or_fail
-from swiftspec_mpi.model import cpu_linear
+from swiftspec_mpi.packed import cpu_linear
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""The C layer ops of the CPU decode path (model/cpu_ops.py, csrc/layer_ops.h) against torch."""
+"""The C layer ops of the CPU decode path (packed/cpu_ops.py, csrc/layer_ops.h) against torch."""
 import math
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import skip_or_fail
-from swiftspec_mpi.model import cpu_linear, cpu_ops
+from swiftspec_mpi.packed import cpu_linear, cpu_ops
 
 
 @pytest.fixture(autouse=True)

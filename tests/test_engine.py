@@ -157,7 +157,7 @@ def test_bfloat16_on_cpu_async_equals_ar(pair, prompts_file, tmp_path):
 
 
 def test_stop_token_and_stop_string_end_all_modes_alike(pair, prompts_file, tmp_path, ar_reference):
-    from swiftspec_mpi.model.load import load_tokenizer
+    from swiftspec_mpi.checkpoints.load import load_tokenizer
     tok = load_tokenizer(pair[0])
     stop_id = ar_reference[0][20]                  # ends request 0 at (the first occurrence of) it
     texts = [tok.decode(o) for o in ar_reference]
@@ -215,8 +215,8 @@ def test_sampling_matches_target_distribution(pair, tmp_path):
     target's own distribution (one request per sample; seeds differ per request index)."""
     import torch
 
-    from swiftspec_mpi.model.load import load_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.checkpoints.load import load_model
+    from swiftspec_mpi.network.transformer import chain_mask
     T, R = 0.7, 300
     prompt = "Write a story about a dragon"
     prompts = write_prompts(tmp_path / "same.jsonl", [prompt] * R)
@@ -259,8 +259,8 @@ def test_greedy_gaps_tells_a_greedy_output_from_a_wrong_token(pair, tmp_path):
     assert all(m >= 0 for _, m in gaps)
     import torch
 
-    from swiftspec_mpi.model.load import load_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.checkpoints.load import load_model
+    from swiftspec_mpi.network.transformer import chain_mask
     ids = req["prompt_ids"] + req["output_ids"][:5]
     model, _ = load_model(pair[0], max_slots=len(ids) + 1)
     worst = int(model(torch.tensor(ids), torch.arange(len(ids)), 0, chain_mask(0, len(ids)))[-1].argmin())

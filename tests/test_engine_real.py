@@ -15,7 +15,7 @@ pytestmark = pytest.mark.mpi
 
 
 def _prepared(name):
-    from swiftspec_mpi.model import registry
+    from swiftspec_mpi.checkpoints import registry
     need_registry_model(name)
     return str(registry.resolve_model(name))
 

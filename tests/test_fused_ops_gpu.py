@@ -120,8 +120,8 @@ def test_rope_kv_write(gen, N, nh, nkv, D):
 def test_rope_kv_write_matches_model_tables_and_skips_bad_slots(gen):
     """The model's own rope tables (llama3 scaling, bf16) and positions near the end of them;
     a slot outside the cache is not written (no out-of-bounds write)."""
-    from swiftspec_mpi.model.dummy import SHAPES
-    from swiftspec_mpi.model.transformer import Transformer
+    from swiftspec_mpi.checkpoints.dummy import SHAPES
+    from swiftspec_mpi.network.transformer import Transformer
     cfg = SHAPES["llama-3.2-1b"].with_layers(1)
     m = Transformer(cfg, max_slots=256, dtype=BF, device="cuda")
     nh, nkv, D, N = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 8
@@ -342,8 +342,8 @@ def test_forward_graphable_fused_matches_forward(shape, comm, rowpar, monkeypatc
     monkeypatch.setattr(fused_ops, "_gemm_mode", rowpar)
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.gpu.graphs import GraphedModel
-    from swiftspec_mpi.model.dummy import SHAPES, RandomSource
-    from swiftspec_mpi.model.transformer import Transformer, chain_mask
+    from swiftspec_mpi.checkpoints.dummy import SHAPES, RandomSource
+    from swiftspec_mpi.network.transformer import Transformer, chain_mask
     cfg = SHAPES[shape].with_layers(2)
     c = SingleComm() if comm is None else _ShardComm(*comm)
     S = 1536
@@ -426,8 +426,8 @@ def test_pdl_mode_is_as_accurate_as_cublas(shape, monkeypatch):
     700-token prefix, an 8-node tree, error of each bf16 path vs float32 within 1.25x of the
     other's (plus 1e-3 of the logit scale)."""
     from swiftspec_mpi.core.comm import SingleComm
-    from swiftspec_mpi.model.dummy import SHAPES, RandomSource
-    from swiftspec_mpi.model.transformer import Transformer, chain_mask
+    from swiftspec_mpi.checkpoints.dummy import SHAPES, RandomSource
+    from swiftspec_mpi.network.transformer import Transformer, chain_mask
     cfg = SHAPES[shape].with_layers(4)
     S, prefix, dev = 1024, 700, "cuda"
     src = RandomSource(cfg, dev, BF, seed=11)
@@ -485,8 +485,8 @@ def test_model_with_fused_allreduce_equals_plain(monkeypatch):
     from swiftspec_mpi.gpu import nccl_shim
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.gpu.graphs import GraphedModel
-    from swiftspec_mpi.model.dummy import SHAPES, RandomSource
-    from swiftspec_mpi.model.transformer import Transformer, chain_mask
+    from swiftspec_mpi.checkpoints.dummy import SHAPES, RandomSource
+    from swiftspec_mpi.network.transformer import Transformer, chain_mask
     from swiftspec_mpi.gpu.nccl_comm import NcclGroupComm
     if nccl_shim.nccl_include_dir() is None:
         pytest.skip("no NCCL >= 2.28 headers")

@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from reliability_helpers import gguf_data_start, gguf_spans, safetensors_header_end, write_tiny_gguf
-from swiftspec_mpi.model import load as checkpoint, gguf_loader
+from swiftspec_mpi.checkpoints import gguf_loader, load as checkpoint
 from swiftspec_mpi.core.errors import CheckpointError
 from swiftspec_mpi.cli.validate import check_weight_files
 

@@ -1,4 +1,4 @@
-"""GGUF loading (swiftspec_mpi.model.gguf_loader).
+"""GGUF loading (swiftspec_mpi.checkpoints.gguf_loader).
 
 Tiny GGUF files written here with gguf.GGUFWriter (quantized with gguf.quants) check the name
 mapping, dequantization, slicing, the llama Q/K un-permutation (against llama.cpp's own permute
@@ -31,7 +31,7 @@ _CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}
 
 def _byte_alphabet() -> list[str]:
     """GPT-2's byte alphabet, byte 0 first (the table the GGUF tokenizer builder spells with)."""
-    from swiftspec_mpi.model.gguf_tokenizer import bytes_to_unicode
+    from swiftspec_mpi.checkpoints.gguf_tokenizer import bytes_to_unicode
     table = bytes_to_unicode()
     return [table[b] for b in range(256)]
 
@@ -161,7 +161,7 @@ def tiny_qwen(tmp_path_factory):
 
 @pytest.mark.parametrize("which", ["tiny_llama", "tiny_qwen"])
 def test_tiny_roundtrip_names_values_permutation(which, request):
-    from swiftspec_mpi.model.gguf_loader import GGUFSource
+    from swiftspec_mpi.checkpoints.gguf_loader import GGUFSource
 
     path, ref = request.getfixturevalue(which)
     with GGUFSource(path) as src:
@@ -176,7 +176,7 @@ def test_tiny_roundtrip_names_values_permutation(which, request):
 
 def test_tiny_llama_permutation_really_undone(tiny_llama):
     """Q/K come back in HF row order: F16 storage is near-lossless, so compare to the source."""
-    from swiftspec_mpi.model.gguf_loader import GGUFSource
+    from swiftspec_mpi.checkpoints.gguf_loader import GGUFSource
 
     path, ref = tiny_llama
     with GGUFSource(path) as src:
@@ -189,7 +189,7 @@ def test_tiny_llama_permutation_really_undone(tiny_llama):
 
 
 def test_tiny_config(tiny_llama, tiny_qwen):
-    from swiftspec_mpi.model.gguf_loader import GGUFSource
+    from swiftspec_mpi.checkpoints.gguf_loader import GGUFSource
 
     tokens, _ = tiny_tokens()
     with GGUFSource(tiny_llama[0]) as src:
@@ -220,7 +220,7 @@ def test_tiny_config(tiny_llama, tiny_qwen):
     ("model.norm.weight", 0, 3, 9),
 ])
 def test_tiny_slices_equal_full_tensor_slices(tiny_llama, name, dim, start, stop):
-    from swiftspec_mpi.model.gguf_loader import GGUFSource
+    from swiftspec_mpi.checkpoints.gguf_loader import GGUFSource
 
     with GGUFSource(tiny_llama[0]) as src:
         full = src.get(name)
@@ -231,7 +231,7 @@ def test_tiny_slices_equal_full_tensor_slices(tiny_llama, name, dim, start, stop
 
 
 def test_tiny_dtype_hint(tiny_llama):
-    from swiftspec_mpi.model.gguf_loader import GGUFSource
+    from swiftspec_mpi.checkpoints.gguf_loader import GGUFSource
 
     name = "model.layers.0.mlp.up_proj.weight"
     with GGUFSource(tiny_llama[0]) as f32, GGUFSource(tiny_llama[0], dtype=torch.bfloat16) as bf:
@@ -243,7 +243,7 @@ def test_tiny_dtype_hint(tiny_llama):
 def test_tiny_get_into(tiny_llama):
     """Dequantizing straight into a destination: any dtype, strided views (the model's
     transposed [in, out] stores), permuted row slices; a wrong shape is refused."""
-    from swiftspec_mpi.model.gguf_loader import GGUFSource
+    from swiftspec_mpi.checkpoints.gguf_loader import GGUFSource
 
     q = "model.layers.1.self_attn.q_proj.weight"
     with GGUFSource(tiny_llama[0]) as src:
@@ -262,7 +262,7 @@ def test_tiny_get_into(tiny_llama):
 
 
 def test_header_parser_matches_gguf_reader(tiny_qwen):
-    from swiftspec_mpi.model.gguf_loader import read_header
+    from swiftspec_mpi.checkpoints.gguf_loader import read_header
 
     h = read_header(tiny_qwen[0])
     reader = gguf.GGUFReader(tiny_qwen[0])
@@ -290,8 +290,8 @@ def test_tiny_model_logits_match_transformers_gguf(tiny_llama, quant):
     CPU) and dequantized to float32."""
     import transformers
     import accelerate  # noqa: F401  (transformers loads GGUF files through it)
-    from swiftspec_mpi.model.load import load_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.checkpoints.load import load_model
+    from swiftspec_mpi.network.transformer import chain_mask
 
     path = tiny_llama[0]
     model, _ = load_model(path, max_slots=32, quant=quant)
@@ -309,7 +309,7 @@ def test_tiny_model_logits_match_transformers_gguf(tiny_llama, quant):
 
 
 def test_unsupported_tensor_type_refused_by_name(tmp_path):
-    from swiftspec_mpi.model.gguf_loader import GGUFSource
+    from swiftspec_mpi.checkpoints.gguf_loader import GGUFSource
 
     path = tmp_path / "iq.gguf"
     write_tiny_gguf(path, "llama", raw_zero={"blk.0.ffn_up.weight": Q.IQ4_NL})
@@ -320,7 +320,7 @@ def test_unsupported_tensor_type_refused_by_name(tmp_path):
 # ------------------------------------------------------------------------------ tiny: tokenizer
 
 def test_tiny_tokenizer(tiny_llama):
-    from swiftspec_mpi.model.gguf_tokenizer import tokenizer_from_gguf
+    from swiftspec_mpi.checkpoints.gguf_tokenizer import tokenizer_from_gguf
 
     tokens, _ = tiny_tokens()
     tok = tokenizer_from_gguf(tiny_llama[0])
@@ -337,7 +337,7 @@ def test_tiny_tokenizer(tiny_llama):
 
 
 def test_unknown_pre_tokenizer_refused(tmp_path):
-    from swiftspec_mpi.model.gguf_tokenizer import build_tokenizer
+    from swiftspec_mpi.checkpoints.gguf_tokenizer import build_tokenizer
 
     tokens, types = tiny_tokens()
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "made-up",
@@ -352,7 +352,7 @@ def test_unknown_pre_tokenizer_refused(tmp_path):
 # ------------------------------------------------------------------------------ bad files
 
 def test_truncated_and_garbage_files_raise_checkpoint_error(tiny_llama, tmp_path):
-    from swiftspec_mpi.model.gguf_loader import GGUFSource
+    from swiftspec_mpi.checkpoints.gguf_loader import GGUFSource
 
     data = tiny_llama[0].read_bytes()
     header_end = data.find(b"output_norm.weight") + 200    # inside the tensor table / data
@@ -378,7 +378,7 @@ def test_truncated_and_garbage_files_raise_checkpoint_error(tiny_llama, tmp_path
 # ------------------------------------------------------------------------------ real SmolLM2
 
 def _registry_gguf(name: str):
-    from swiftspec_mpi.model import registry
+    from swiftspec_mpi.checkpoints import registry
     need_registry_model(name)
     return registry.ensure_gguf(name)
 
@@ -398,8 +398,8 @@ def smollm2_hf_model(smollm2_gguf):
 
 @pytest.mark.parametrize("quant", ["auto", "none"])
 def test_smollm2_logits_match_transformers(smollm2_gguf, smollm2_hf_model, quant):
-    from swiftspec_mpi.model.load import load_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.checkpoints.load import load_model
+    from swiftspec_mpi.network.transformer import chain_mask
 
     model, tok = load_model(smollm2_gguf, max_slots=128, quant=quant)
     assert model.cfg.tie_word_embeddings and model.cfg.arch == "llama"
@@ -430,7 +430,7 @@ TOKENIZER_STRINGS = [
 
 def test_smollm2_tokenizer_matches_transformers(smollm2_gguf):
     import transformers
-    from swiftspec_mpi.model.gguf_tokenizer import tokenizer_from_gguf
+    from swiftspec_mpi.checkpoints.gguf_tokenizer import tokenizer_from_gguf
 
     ours = tokenizer_from_gguf(smollm2_gguf)
     hf = transformers.AutoTokenizer.from_pretrained(os.fspath(smollm2_gguf.parent),
@@ -448,7 +448,7 @@ def test_qwen_tokenizer_matches_transformers():
     """Qwen2.5 (qwen2 pre-tokenizer). Ours adds the upstream NFC normalizer, which transformers'
     GGUF tokenizer lacks: they agree on NFC text (all of these), differ on decomposed text."""
     import transformers
-    from swiftspec_mpi.model.gguf_tokenizer import tokenizer_from_gguf
+    from swiftspec_mpi.checkpoints.gguf_tokenizer import tokenizer_from_gguf
 
     path = _registry_gguf("qwen2.5-coder-0.5b")
     ours = tokenizer_from_gguf(path)

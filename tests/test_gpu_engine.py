@@ -92,8 +92,8 @@ def test_graphed_kernel_path_matches_torch_path():
     from swiftspec_mpi.gpu import kernels
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.gpu.graphs import GraphedModel
-    from swiftspec_mpi.model.dummy import RandomSource, SHAPES
-    from swiftspec_mpi.model.transformer import Transformer, chain_mask
+    from swiftspec_mpi.checkpoints.dummy import RandomSource, SHAPES
+    from swiftspec_mpi.network.transformer import Transformer, chain_mask
     if not kernels.available():
         pytest.skip("fused kernels unavailable (CuPy / nvcc)")
     cfg = SHAPES["llama-3.2-1b"].with_layers(2)
@@ -132,8 +132,8 @@ def test_graphed_argmax_and_topk_equal_reads_of_the_logits(in_graph_copy, monkey
     from swiftspec_mpi.gpu import graphs as cuda_graphs, kernels
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.gpu.graphs import GraphedModel, logits_argmax, logits_topk_logprobs
-    from swiftspec_mpi.model.dummy import RandomSource, SHAPES
-    from swiftspec_mpi.model.transformer import Transformer, chain_mask
+    from swiftspec_mpi.checkpoints.dummy import RandomSource, SHAPES
+    from swiftspec_mpi.network.transformer import Transformer, chain_mask
     if not kernels.available():
         pytest.skip("fused kernels unavailable (CuPy / nvcc)")
     cfg = SHAPES["llama-3.2-1b"].with_layers(2)
@@ -172,8 +172,8 @@ def test_graphed_model_prompts_and_freeze():
     from swiftspec_mpi.gpu import kernels
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.gpu.graphs import GraphedModel
-    from swiftspec_mpi.model.dummy import RandomSource, SHAPES
-    from swiftspec_mpi.model.transformer import Transformer, chain_mask
+    from swiftspec_mpi.checkpoints.dummy import RandomSource, SHAPES
+    from swiftspec_mpi.network.transformer import Transformer, chain_mask
     if not kernels.available():
         pytest.skip("fused kernels unavailable (CuPy / nvcc)")
     cfg = SHAPES["llama-3.2-1b"].with_layers(2)

@@ -1,5 +1,5 @@
-"""AWQ and GPTQ checkpoints into the packed 4-bit kind (model/hf_quant.py, the 4-bit side of
-model/hf_loader.py), their tensor-parallel shards, and random 4-bit dummy weights.
+"""AWQ and GPTQ checkpoints into the packed 4-bit kind (checkpoints/hf_quant.py, the 4-bit side of
+checkpoints/hf_loader.py), their tensor-parallel shards, and random 4-bit dummy weights.
 
 The reference dequantization here is written from the formats' published formulas, element by
 element over the raw int32 words, and fed random words (every bit pattern), so it checks the
@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from swiftspec_mpi.core.errors import CheckpointError, UserError
-from swiftspec_mpi.model import dummy, hf_quant, load, quant, tiny
-from swiftspec_mpi.model.hf_loader import SafetensorsSource, logical_shapes
-from swiftspec_mpi.model.transformer import chain_mask
+from swiftspec_mpi.checkpoints import dummy, hf_quant, load, tiny
+from swiftspec_mpi.packed import int4
+from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource, logical_shapes
+from swiftspec_mpi.network.transformer import chain_mask
 
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]       # AutoAWQ: nibble i of a word <- column order[i]
 
@@ -70,7 +71,7 @@ def test_awq_word_layout_by_hand():
     assert int(t["qzeros"][0, 0]) == 0x33333333
 
 
-@pytest.mark.parametrize("group", quant.GROUP_SIZES)
+@pytest.mark.parametrize("group", int4.GROUP_SIZES)
 @pytest.mark.parametrize("n", [8, 40, 136])
 def test_awq_random_words_dequantize_bit_exactly(group, n):
     gen = torch.Generator().manual_seed(group * 1000 + n)
@@ -79,13 +80,13 @@ def test_awq_random_words_dequantize_bit_exactly(group, n):
     s = random_scales(k // group, n, gen=gen)
     w = hf_quant.to_packed(hf_quant.HFQuant("awq", group, False, False), qw, qz, s)
     assert w.shape == (n, k) and w.nbytes() == n * k // 2 + 8 * n * k // group
-    got = quant.dequantize(w).numpy()
+    got = int4.dequantize(w).numpy()
     want = ref_awq(qw, qz, s, group)
     assert np.array_equal(got, want)      # every value (a zero may differ in sign only)
 
 
 @pytest.mark.parametrize("plus_one", [True, False], ids=["gptq", "gptq_v2"])
-@pytest.mark.parametrize("group", quant.GROUP_SIZES)
+@pytest.mark.parametrize("group", int4.GROUP_SIZES)
 @pytest.mark.parametrize("n", [8, 44, 136])
 def test_gptq_random_words_dequantize_bit_exactly(plus_one, group, n):
     gen = torch.Generator().manual_seed(group * 1000 + n + plus_one)
@@ -95,7 +96,7 @@ def test_gptq_random_words_dequantize_bit_exactly(plus_one, group, n):
     s = random_scales(k // group, n, gen=gen)
     g_idx = (torch.arange(k) // group).to(torch.int32)
     w = hf_quant.to_packed(hf_quant.HFQuant("gptq", group, plus_one, False), qw, qz, s, g_idx)
-    got = quant.dequantize(w).numpy()
+    got = int4.dequantize(w).numpy()
     want = ref_gptq(qw, qz, s, g_idx, plus_one)
     assert np.array_equal(got, want)      # every value (a zero may differ in sign only)
 
@@ -118,17 +119,17 @@ def test_writers_round_trip_through_the_reader(layout):
     """Round to nearest, pack, read back: exactly (codes - zeros) * scales, close to W."""
     method, sym, plus_one = tiny.QUANT_LAYOUTS[layout]
     w = torch.randn(48, 256, generator=torch.Generator().manual_seed(1))
-    codes, zeros, scales = hf_quant.quantize_rtn(w, 64, sym=sym)
+    codes, zeros, scales = int4.quantize_rtn(w, 64, sym=sym)
     t = (hf_quant.pack_awq(codes, zeros, scales) if method == "awq" else
          hf_quant.pack_gptq(codes, zeros, scales, zero_plus_one=plus_one))
     back = hf_quant.to_packed(hf_quant.HFQuant(method, 64, plus_one, False), t["qweight"],
                               t["qzeros"], t["scales"], t.get("g_idx"))
     want = (codes.float() - zeros.float().repeat_interleave(64, 1)) * \
         scales.float().repeat_interleave(64, 1)
-    assert torch.equal(quant.dequantize(back), want)
+    assert torch.equal(int4.dequantize(back), want)
     step = scales.float().repeat_interleave(64, 1)
     # round to nearest (symmetric: the largest weight of a group may clamp, one step)
-    assert ((quant.dequantize(back) - w).abs() <= step * (1.0 if sym else 0.5) + 1e-6).all()
+    assert ((int4.dequantize(back) - w).abs() <= step * (1.0 if sym else 0.5) + 1e-6).all()
 
 
 @pytest.mark.parametrize("qc,needle", [
@@ -177,20 +178,20 @@ def test_source_shards_equal_slices_of_the_whole(quantized_pairs, layout):
     name = "model.layers.1.mlp.down_proj.weight"
     assert src.is_packed(name) and name in src.names() and src.shape(name) == (64, 192)
     whole = src.get_packed(name)
-    dense = quant.dequantize(whole)
+    dense = int4.dequantize(whole)
     assert torch.equal(src.get(name), dense)
     for a, b in [(0, 64), (3, 17), (8, 40), (61, 64)]:        # outputs: any rows
         part = src.get_packed(name, 0, a, b)
-        assert torch.equal(quant.dequantize(part), dense[a:b])
+        assert torch.equal(int4.dequantize(part), dense[a:b])
         assert torch.equal(src.get(name, 0, a, b), dense[a:b])
     for a, b in [(0, 96), (96, 192), (32, 64)]:                # inputs: whole groups
-        assert torch.equal(quant.dequantize(src.get_packed(name, 1, a, b)), dense[:, a:b])
+        assert torch.equal(int4.dequantize(src.get_packed(name, 1, a, b)), dense[:, a:b])
     assert torch.equal(src.get(name, 1, 40, 100), dense[:, 40:100])   # dequantized: anywhere
     with pytest.raises(UserError, match=r"inputs \[16:96\) of model\.layers\.1\.mlp\.down_proj "
                                         r"cut its 4-bit groups of 32"):
         src.get_packed(name, 1, 16, 96)
     # the column-parallel fused QKV of a rank, stacked from its shards
-    qkv = quant.cat_rows([src.get_packed(f"model.layers.0.self_attn.{p}_proj.weight", 0, 0, 16)
+    qkv = int4.cat_rows([src.get_packed(f"model.layers.0.self_attn.{p}_proj.weight", 0, 0, 16)
                           for p in ("q", "k", "v")])
     assert qkv.shape == (48, 64) and qkv.group == 32
 
@@ -234,7 +235,7 @@ def test_tensor_parallel_shards_cover_each_layer_on_group_boundaries(quantized_p
     """Every rank of a group of 2 takes its shards as the Transformer cuts them (column-parallel
     rows of q/k/v and gate/up, row-parallel inputs of o_proj and down_proj in whole groups);
     put back together they are the whole layer, bit for bit."""
-    from swiftspec_mpi.model.shard import TPShard
+    from swiftspec_mpi.network.shard import TPShard
     src = SafetensorsSource(quantized_pairs[layout][0])
     cfg, hd = src.config, src.config.head_dim
     shards = [TPShard(cfg, r, 2) for r in range(2)]
@@ -245,28 +246,28 @@ def test_tensor_parallel_shards_cover_each_layer_on_group_boundaries(quantized_p
             ("self_attn.o_proj", 1, [sh.q_rows for sh in shards]),
             ("mlp.down_proj", 1, [sh.ff for sh in shards])):
         name = p + proj + ".weight"
-        whole = quant.dequantize(src.get_packed(name))
-        parts = [quant.dequantize(src.get_packed(name, dim, a, b)) for a, b in ranges]
+        whole = int4.dequantize(src.get_packed(name))
+        parts = [int4.dequantize(src.get_packed(name, dim, a, b)) for a, b in ranges]
         assert torch.equal(torch.cat(parts, dim), whole), proj
     for sh in shards:                                   # this rank's KV heads, run by run
         for a, b in sh.kv_runs(hd):
             w = src.get_packed(p + "self_attn.k_proj.weight", 0, a, b)
-            assert torch.equal(quant.dequantize(w),
+            assert torch.equal(int4.dequantize(w),
                                src.get(p + "self_attn.k_proj.weight")[a:b])
 
 
 def test_packed_chunks_cover_the_slice_in_row_order(quantized_pairs, monkeypatch):
-    from swiftspec_mpi.model import hf_loader
+    from swiftspec_mpi.checkpoints import hf_loader
     monkeypatch.setattr(hf_loader, "_CHUNK_BYTES", 16 * 96)         # 16-32 rows a block
     src = SafetensorsSource(quantized_pairs["gptq"][0])
     for proj, dim, a, b in (("up", None, 0, None), ("up", 0, 16, 180), ("down", 1, 64, 192)):
         name = f"model.layers.0.mlp.{proj}_proj.weight"
         whole = src.get(name)
         chunks = list(src.packed_chunks(name, dim, a, b))
-        assert all(isinstance(w, quant.PackedInt4) for _, w in chunks)
+        assert all(isinstance(w, int4.PackedInt4) for _, w in chunks)
         assert [off for off, _ in chunks] == list(np.cumsum([0] + [w.shape[0] for _, w in chunks])[:-1])
         assert all(off % 16 == 0 for off, _ in chunks)
-        got = torch.cat([quant.dequantize(w) for _, w in chunks])
+        got = torch.cat([int4.dequantize(w) for _, w in chunks])
         want = whole if dim is None else whole[a:b] if dim == 0 else whole[:, a:b]
         assert torch.equal(got, want)
     emb = list(src.packed_chunks("model.embed_tokens.weight", 0, 0, 100))    # dense rows
@@ -308,14 +309,14 @@ def test_truncated_and_mismatched_packed_tensors_are_named(quantized_pairs, tmp_
 
 def test_tensor_parallel_degrees_that_cut_a_group_are_refused():
     cfg = tiny.tiny_config(intermediate=192)              # 4 heads of 16, MLP 192
-    quant.check_tp_groups(cfg, 32, 2, "the target")        # o_proj 32 | down 96 per rank: whole
+    int4.check_tp_groups(cfg, 32, 2, "the target")        # o_proj 32 | down 96 per rank: whole
     with pytest.raises(UserError, match=r"groups of 32 inputs.*group of 4 ranks would cut its "
                                         r"o_proj at input 16.*use a group of 2 ranks, or run it with --quant none"):
-        quant.check_tp_groups(cfg, 32, 4, "the target")
+        int4.check_tp_groups(cfg, 32, 4, "the target")
     big = dummy.SHAPES["qwen2.5-1.5b"]                     # 12 heads of 128, MLP 8960
-    quant.check_tp_groups(big, 128, 2, "the target")
+    int4.check_tp_groups(big, 128, 2, "the target")
     with pytest.raises(UserError, match=r"down_proj at input 2240"):
-        quant.check_tp_groups(big, 128, 4, "the target")
+        int4.check_tp_groups(big, 128, 4, "the target")
 
 
 def test_packed_group_follows_the_quant_flag(quantized_pairs, tmp_path):
@@ -340,7 +341,7 @@ def test_dummy_int4_weights():
     w.check()
     assert w.shape == (896, 2432) and w.group == dummy.RandomPackedSource.GROUP == 128
     assert torch.equal(w.qweight, src.get_packed(name, 1, 0, 2432).qweight)   # deterministic
-    d = quant.dequantize(w)
+    d = int4.dequantize(w)
     assert 0.015 < d.std() < 0.03 and abs(d.mean()) < 0.01
     assert torch.equal(w.scale, w.scale.half().float())          # float16 values, as in AWQ
     with pytest.raises(UserError, match=r"groups of 128"):
@@ -351,7 +352,7 @@ def test_dummy_int4_weights():
 _RSS_SCRIPT = r"""
 import os, sys, json
 import torch
-from swiftspec_mpi.model.hf_loader import SafetensorsSource
+from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource
 
 def status(key):
     for line in open("/proc/self/status"):
@@ -375,7 +376,7 @@ def test_loading_peak_rss_stays_near_the_packed_bytes(tmp_path):
     packed) loads into PackedInt4 with the process's peak RSS growing at most 1.2x the packed
     bytes."""
     from safetensors.torch import save_file
-    from swiftspec_mpi.model.config import ModelConfig
+    from swiftspec_mpi.network.config import ModelConfig
     gen = torch.Generator().manual_seed(0)
     H, I, L, g = 1024, 4096, 12, 128
     cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=H, intermediate_size=I,

@@ -12,7 +12,7 @@ import pytest
 from engine_helpers import read_outputs, run_swiftspec
 from reliability_helpers import copy_model, edit_config, error_lines, run_job
 from swiftspec_mpi.core.errors import EXIT_USER_ERROR
-from swiftspec_mpi.model import tiny
+from swiftspec_mpi.checkpoints import tiny
 
 WALL_S = 30.0
 

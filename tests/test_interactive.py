@@ -188,7 +188,7 @@ def test_bad_lines_of_every_kind_between_good_prompts(tiny_pair, batch_ar, tmp_p
 def test_chat_session_carries_the_conversation_and_reset_starts_over(tiny_pair, tmp_path):
     """ar with --chat: the second turn's prompt holds the first turn and its reply; after /reset
     the same first prompt gives the same prompt and output as at the start."""
-    from swiftspec_mpi.model.tokenizer import TextTokenizer
+    from swiftspec_mpi.checkpoints.tokenizer import TextTokenizer
     out = tmp_path / "chat.h5"
     stdin = "Hi there\nAnd then?\n/reset\nHi there\n/exit\nnot read\n"
     r = session(1, ["--target", tiny_pair[0], "--mode", "ar", "--chat", "--max-new-tokens", str(NEW),

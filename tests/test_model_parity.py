@@ -11,9 +11,9 @@ import torch
 import transformers
 
 from conftest import skip_or_fail
-from swiftspec_mpi.model.hf_loader import SafetensorsSource
-from swiftspec_mpi.model.transformer import Transformer, chain_mask
-from swiftspec_mpi.model.config import ModelConfig
+from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource
+from swiftspec_mpi.network.transformer import Transformer, chain_mask
+from swiftspec_mpi.network.config import ModelConfig
 
 TOL = 1e-4
 VOCAB = 97
@@ -175,7 +175,7 @@ def test_config_formats_round_trip(tmp_path):
 def test_packed_bf16_weights_match_rounded_reference(pair):
     """--dtype bfloat16 on CPU: weights stored bf16 in the packed panels, all math in float32.
     Equals HF in float32 on the same weights rounded to bf16 (norms and biases stay float32)."""
-    from swiftspec_mpi.model import cpu_linear
+    from swiftspec_mpi.packed import cpu_linear
     if not cpu_linear.has_avx2():
         skip_or_fail("this CPU lacks AVX2 + FMA, the packed CPU kernel's instructions")
     hf, _, folder = pair

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from engine_helpers import MPIEXEC
-from swiftspec_mpi.model.hf_loader import SafetensorsSource
-from swiftspec_mpi.model.transformer import Transformer
-from swiftspec_mpi.model.config import ModelConfig
-from swiftspec_mpi.model.tiny import random_weights, write_hf_folder
+from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource
+from swiftspec_mpi.network.transformer import Transformer
+from swiftspec_mpi.network.config import ModelConfig
+from swiftspec_mpi.checkpoints.tiny import random_weights, write_hf_folder
 
 pytestmark = pytest.mark.mpi
 

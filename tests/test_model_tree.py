@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swiftspec_mpi.model.hf_loader import SafetensorsSource
-from swiftspec_mpi.model.transformer import Transformer, chain_mask
-from swiftspec_mpi.model.config import ModelConfig
-from swiftspec_mpi.model.tiny import random_weights, write_hf_folder
+from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource
+from swiftspec_mpi.network.transformer import Transformer, chain_mask
+from swiftspec_mpi.network.config import ModelConfig
+from swiftspec_mpi.checkpoints.tiny import random_weights, write_hf_folder
 
 TOL = 1e-5
 VOCAB = 101

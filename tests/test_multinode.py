@@ -304,7 +304,7 @@ def test_smollm2_across_nodes_equals_one_node_ar(netns_cluster, knobs, submit_di
     """The real SmolLM2-135M (opt-in: -m slow): async with the draft (the model's first 12
     layers) on node1 and the verify rank on node2, and ar with TP=3 over the three nodes (9
     heads, 3 KV heads: 3 ways), each equal to the one-node ar output token for token."""
-    from swiftspec_mpi.model import registry
+    from swiftspec_mpi.checkpoints import registry
     need_registry_model("smollm2-135m")      # skips only where neither the cache nor the index has it
     target = str(registry.resolve_model("smollm2-135m"))
     c = netns_cluster

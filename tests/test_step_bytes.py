@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from swiftspec_mpi.core.comm import SingleComm  # noqa: E402
-from swiftspec_mpi.model.dummy import SHAPES, RandomSource  # noqa: E402
-from swiftspec_mpi.model.transformer import Transformer  # noqa: E402
+from swiftspec_mpi.checkpoints.dummy import SHAPES, RandomSource  # noqa: E402
+from swiftspec_mpi.network.transformer import Transformer  # noqa: E402
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -28,10 +28,10 @@ import sys
 import time
 from pathlib import Path
 
+from swiftspec_mpi.checkpoints import registry
 from swiftspec_mpi.core.errors import EXIT_RUNTIME_ERROR, UserError
 from swiftspec_mpi.gpu.sharing import describe as describe_gpu_sharing
 from swiftspec_mpi.gpu.sharing import time_sliced
-from swiftspec_mpi.model import registry
 from swiftspec_mpi.trace.analyze import fmt_number
 
 OUR_SYSTEMS = ("ar", "sync", "async")

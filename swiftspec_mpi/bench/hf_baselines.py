@@ -17,7 +17,7 @@ How steps and times are measured (no guessing from totals):
 - step times are the target forward's start and end on the job clock (t = 0 when the system
   starts); `seconds` runs from the call to `generate` to its return (prompt ids in, ids out).
 Prompt ids come from our own trace when bench has one, else from the engine's tokenizer
-(`swiftspec_mpi.model.tokenizer.TextTokenizer`: same ids, chat template and EOS set as `swiftspec run`);
+(`swiftspec_mpi.checkpoints.tokenizer.TextTokenizer`: same ids, chat template and EOS set as `swiftspec run`);
 generation stops at that same EOS set.
 A short untimed warm-up generation runs before the first request (one-off lazy inits).
 The models' own generation_config.json (sampling defaults, repetition penalty...) is replaced
@@ -92,7 +92,7 @@ def load_tokenizer(folder: str):
     without it, transformers' PreTrainedTokenizerFast over tokenizer.json (not AutoTokenizer:
     for some model types it rebuilds the pre-tokenizer and splits text differently)."""
     try:
-        from swiftspec_mpi.model.tokenizer import TextTokenizer
+        from swiftspec_mpi.checkpoints.tokenizer import TextTokenizer
     except ImportError:
         TextTokenizer = None
     if TextTokenizer is not None:
@@ -118,7 +118,7 @@ def load_tokenizer(folder: str):
 
 
 def _is_engine_tokenizer(tok) -> bool:
-    return type(tok).__module__ == "swiftspec_mpi.model.tokenizer"
+    return type(tok).__module__ == "swiftspec_mpi.checkpoints.tokenizer"
 
 
 def tokenizer_eos(tok) -> list[int]:

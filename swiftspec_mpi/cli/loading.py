@@ -14,18 +14,18 @@ import mpi4py
 import torch
 from mpi4py import MPI
 
+from swiftspec_mpi.checkpoints import load as checkpoint
+from swiftspec_mpi.checkpoints.load import dummy_model
+from swiftspec_mpi.cli.validate import interactive_room, kv_element_bytes
 from swiftspec_mpi.core import config as C
 from swiftspec_mpi.core import switches
-from swiftspec_mpi.core.errors import UserError
 from swiftspec_mpi.core.comm import MpiGroupComm, SingleComm
+from swiftspec_mpi.core.errors import UserError
 from swiftspec_mpi.engine.async_loop import exchange_profile
 from swiftspec_mpi.engine.decoding import draft_topk, prompt_bucket, prompt_buckets, verify_forward
 from swiftspec_mpi.gpu.graphs import PROMPT_GRAPH_MAX, GraphedModel, graphs_supported
-from swiftspec_mpi.model import load as checkpoint
-from swiftspec_mpi.model.dummy import dummy_model
-from swiftspec_mpi.model.transformer import chain_mask
+from swiftspec_mpi.network.transformer import chain_mask
 from swiftspec_mpi.trace.record import ROLE_DRAFT
-from swiftspec_mpi.cli.validate import interactive_room, kv_element_bytes
 
 
 def choose_device(cfg, topo) -> str:

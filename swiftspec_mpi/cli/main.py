@@ -23,7 +23,7 @@ SUBCOMMANDS = {
                 "summarize HDF5 traces: tokens/s, acceptance, time per role, plots, Perfetto export"),
     "bench": ("swiftspec_mpi.bench.compare",
               "run the same prompts through ar/sync/async and HF baselines; Markdown table"),
-    "tiny-checkpoint": ("swiftspec_mpi.model.tiny",
+    "tiny-checkpoint": ("swiftspec_mpi.checkpoints.tiny",
                         "write a small random target/draft pair (HF format, real tokenizer) to DIR"),
     "models": ("swiftspec_mpi.cli.models",
                "list or prepare the embedded real models (fetch, verify sha256, convert cache)"),

@@ -71,7 +71,7 @@ def _expand(reg, names: list[str]) -> list[str]:
 
 
 def main(args) -> int:
-    from swiftspec_mpi.model import registry as reg
+    from swiftspec_mpi.checkpoints import registry as reg
 
     cmd = args.models_command
     if cmd == "list":

@@ -12,13 +12,13 @@ import re
 import socket
 import sys
 
+from swiftspec_mpi.checkpoints import gguf_loader, registry
+from swiftspec_mpi.checkpoints import load as checkpoint
+from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource, logical_shapes
+from swiftspec_mpi.checkpoints.load import dummy_tokenizer, shape_config
 from swiftspec_mpi.core import config as C
 from swiftspec_mpi.core import switches
 from swiftspec_mpi.core.errors import CheckpointError, UserError
-from swiftspec_mpi.model import gguf_loader, registry
-from swiftspec_mpi.model import load as checkpoint
-from swiftspec_mpi.model.dummy import dummy_tokenizer, shape_config
-from swiftspec_mpi.model.hf_loader import SafetensorsSource, logical_shapes
 
 
 def prepare_config(flags: dict, config_path: str | None, world_size: int,
@@ -99,8 +99,8 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
 def check_packed(cfg: C.RunConfig, path: str, mcfg, tp: int, role: str) -> None:
     """UserError when --quant does not fit the checkpoint (or the dummy shape's layers do not
     take whole groups of random packed weights), or when a tensor-parallel group of `tp` ranks
-    would cut its 4-bit groups (model.quant.check_tp_groups)."""
-    from swiftspec_mpi.model.quant import check_tp_groups
+    would cut its 4-bit groups (packed.int4.check_tp_groups)."""
+    from swiftspec_mpi.packed.int4 import check_tp_groups
     group = checkpoint.packed_group(path, cfg.quant, cfg.load_format)
     if group is None:
         return
@@ -257,7 +257,7 @@ def _on_cpu(cfg: C.RunConfig) -> bool:
 
 def check_quant(cfg: C.RunConfig) -> None:
     """--quant int4 on the GPU runs packed 4-bit projections through the W4A16 kernels: it needs
-    --dtype bfloat16 (AWQ/GPTQ checkpoints or random packed weights: model.load.gpu_packed, which
+    --dtype bfloat16 (AWQ/GPTQ checkpoints or random packed weights: checkpoints.load.gpu_packed, which
     refuses GGUF files there). On the CPU, resolve_quant."""
     if cfg.quant != "int4" or _on_cpu(cfg):
         return
@@ -270,8 +270,8 @@ def resolve_quant(cfg: C.RunConfig) -> None:
     when none does; auto stays for a mix), so the trace's config says which was used. On the CPU
     quantized checkpoints (GGUF Q4/Q5/Q6/Q8 kinds, AWQ, GPTQ) run packed on CPUs with AVX2 + FMA
     (model.cpu_quant); on the GPU AWQ/GPTQ checkpoints run packed with --dtype bfloat16
-    (model.load.gpu_packed), other checkpoints dequantized. int4 on a dense checkpoint is
-    refused (model.load.packed_group)."""
+    (checkpoints.load.gpu_packed), other checkpoints dequantized. int4 on a dense checkpoint is
+    refused (checkpoints.load.packed_group)."""
     if cfg.quant == "none":
         return
     models = [p for p in (cfg.target, cfg.draft) if p is not None]
@@ -282,7 +282,7 @@ def resolve_quant(cfg: C.RunConfig) -> None:
             raise UserError("--quant int4: a model has no 4-bit weights the GPU can run packed; "
                             "use --quant auto")
     else:
-        from swiftspec_mpi.model import cpu_linear          # imports torch: after the cheap checks
+        from swiftspec_mpi.packed import cpu_linear          # imports torch: after the cheap checks
         if not cpu_linear.has_avx2():
             if cfg.quant == "int4":
                 raise UserError("--quant int4: packed weights run on CPUs with AVX2 + FMA, which "

@@ -60,7 +60,7 @@ class RunConfig:
     draft: str | None = None
     draft_layers: int | None = None    # truncate the draft to its first N layers (self-speculation)
     load_format: str = "auto"          # auto | dummy (random weights at the checkpoint's shape)
-    quant: str = "auto"                # auto | int4 | none: packed 4-bit weights (model/quant.py)
+    quant: str = "auto"                # auto | int4 | none: packed 4-bit weights (packed/int4.py)
     head_bits: int = 16                # 16 | 4: the LM head as loaded, or packed 4-bit at load (GPU int4)
     # parallel layout
     mode: str = "async"

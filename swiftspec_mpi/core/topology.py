@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from swiftspec_mpi.core import switches
-from swiftspec_mpi.trace.record import ROLE_DRAFT, ROLE_VERIFY
+from swiftspec_mpi.core.roles import ROLE_DRAFT, ROLE_VERIFY
 
 INTERCOMM_TAG = 7117
 

@@ -14,7 +14,7 @@ import torch
 
 from swiftspec_mpi import _tree
 from swiftspec_mpi.gpu.graphs import logits_argmax, logits_topk_logprobs
-from swiftspec_mpi.model.transformer import chain_mask
+from swiftspec_mpi.network.transformer import chain_mask
 
 
 def prompt_bucket(n: int, max_slots: int) -> int:
@@ -330,7 +330,7 @@ class OutputTracker:
 
     def __init__(self, result, tokenizer, eos_ids, max_new_tokens: int, stop: list[str],
                  stream: bool, sink=None, abandoned=None):
-        from swiftspec_mpi.model.tokenizer import StreamDecoder
+        from swiftspec_mpi.checkpoints.tokenizer import StreamDecoder
         self.sink = sink        # callable(text piece, logprob entries of the tokens it completes)
                                 # instead of stdout (an HTTP response; --serve)
         self.abandoned = abandoned   # callable() -> True when nobody reads the answer any more

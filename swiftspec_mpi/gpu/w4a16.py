@@ -1,7 +1,7 @@
 """4-bit weights on the GPU: the W4A16 kernels of cuda/w4a16.cu on torch tensors, and their weight kind.
 
 `W4A16Weight` is one linear layer's packed 4-bit weight in the kernels' device layout, repacked at
-load time from the loaders' `swiftspec_mpi.model.quant.PackedInt4` (W = q * scale + offset per
+load time from the loaders' `swiftspec_mpi.packed.int4.PackedInt4` (W = q * scale + offset per
 group of 32, 64 or 128 inputs):
 
     qweight  uint8 [N, K / 2]    the codes, tile-major: the 16 rows of a tile and 128 k's of a chunk
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from swiftspec_mpi.gpu.launch import function, launch, launch_pdl, ptr, sm_count
-from swiftspec_mpi.model.quant import PackedInt4, unpack_codes
+from swiftspec_mpi.packed.int4 import PackedInt4, unpack_codes
 
 MAX_ROWS = 32                  # rows M of gemm (m-blocks of 8: 1, 2 or 4)
 MAX_ALLREDUCE_ROWS = 16        # rows M of gemm_allreduce (the DeviceAllReduce window's 16 rows)
@@ -344,5 +344,5 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None, pdl: bool = False)
 
 def reference(x: torch.Tensor, w: PackedInt4) -> torch.Tensor:
     """float64 x @ dequantize(w)^T on the CPU (the tests' reference)."""
-    from swiftspec_mpi.model.quant import dequantize as dq
+    from swiftspec_mpi.packed.int4 import dequantize as dq
     return x.double().cpu() @ dq(w).double().cpu().T

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from swiftspec_mpi.core.roles import ROLE_DRAFT, ROLE_VERIFY  # noqa: F401  (the trace's role column)
+
 EVENT_KINDS = ("prefill", "expand", "verify", "reroot", "send", "wait", "decode", "abandon")
 KIND = {name: i for i, name in enumerate(EVENT_KINDS)}
-ROLE_VERIFY, ROLE_DRAFT = 0, 1
 
 EVENT_DTYPE = np.dtype([("rank", "<i4"), ("role", "i1"), ("request", "<i4"), ("step", "<i4"),
                         ("kind", "i1"), ("t_start", "<f8"), ("t_end", "<f8"),

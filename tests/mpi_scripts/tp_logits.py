@@ -20,7 +20,7 @@ def scenario(model) -> list:
     """Deterministic sequence of forwards exercising every call shape; returns their logits."""
     import torch
 
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.network.transformer import chain_mask
     from tree_masks import tree_mask
     V = model.cfg.vocab_size
     g = torch.Generator().manual_seed(1234)
@@ -63,8 +63,8 @@ def main() -> int:
     from mpi4py import MPI
 
     from swiftspec_mpi.core.comm import MpiGroupComm
-    from swiftspec_mpi.model.hf_loader import SafetensorsSource
-    from swiftspec_mpi.model.transformer import Transformer
+    from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource
+    from swiftspec_mpi.network.transformer import Transformer
 
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD

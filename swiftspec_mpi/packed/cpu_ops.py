@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from swiftspec_mpi.model import _cpu_gemm
+from swiftspec_mpi.packed import _cpu_gemm
 
 MAX_ROWS = 64   # the largest batch the layer runs with these ops (the scratch is per row)
 

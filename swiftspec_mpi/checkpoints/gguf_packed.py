@@ -50,7 +50,7 @@ def read_chunks(src, name: str, dim: int | None = None, start: int = 0,
     group boundaries (CheckpointError naming the fix)."""
     import torch
 
-    from swiftspec_mpi.model import gguf_quant
+    from swiftspec_mpi.checkpoints import gguf_quant
     info = src._info(name)
     shape, rows, cols = src._plan(name, dim, start, stop)
     if len(info.shape) != 2:

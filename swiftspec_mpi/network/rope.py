@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from swiftspec_mpi.model.config import ModelConfig
+from swiftspec_mpi.network.config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:

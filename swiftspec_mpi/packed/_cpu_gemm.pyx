@@ -1,6 +1,6 @@
 # cython: language_level=3
 """Thin Cython binding of csrc/gemm_avx2.h (float32/bf16 panels) and csrc/gemm_q.h (packed
-4-/8-bit records), the CPU decode GEMMs; see model/cpu_linear.py and model/cpu_quant.py for the
+4-/8-bit records), the CPU decode GEMMs; see packed/cpu_linear.py and packed/cpu_quant.py for the
 tensor-level API, shapes and layouts."""
 
 cdef extern from "gemm_avx2.h":
@@ -76,7 +76,7 @@ cdef extern from "layer_ops.h":
 
 def add_rmsnorm(size_t x, long ldx, size_t a, long lda, size_t w, float eps, size_t out, long ldo,
                 int M, int H):
-    """x += a (a = 0: none); out = rmsnorm(x) * w, on raw float32 addresses (model/cpu_ops.py)."""
+    """x += a (a = 0: none); out = rmsnorm(x) * w, on raw float32 addresses (packed/cpu_ops.py)."""
     with nogil:
         sso_add_rmsnorm(<float *>x, ldx, <const float *>a, lda, <const float *>w, eps,
                         <float *>out, ldo, M, H)
@@ -84,7 +84,7 @@ def add_rmsnorm(size_t x, long ldx, size_t a, long lda, size_t w, float eps, siz
 
 def rope_kv(size_t qkv, long ldqkv, size_t pos, size_t cos_t, size_t sin_t, long P, int M,
             int nh, int nkv, int hd, size_t kc, size_t vc, long start):
-    """RoPE on qkv's q and k heads in place, k and v into the cache (model/cpu_ops.py)."""
+    """RoPE on qkv's q and k heads in place, k and v into the cache (packed/cpu_ops.py)."""
     cdef int rc
     with nogil:
         rc = sso_rope_kv(<float *>qkv, ldqkv, <const int64_t *>pos, <const float *>cos_t,
@@ -95,7 +95,7 @@ def rope_kv(size_t qkv, long ldqkv, size_t pos, size_t cos_t, size_t sin_t, long
 
 def attention(size_t q, long ldq, int M, int nh, int nkv, int hd, size_t kc, size_t vc, int S,
               size_t mask, long ldm, size_t out, long ldo, float scale, int n_threads):
-    """Masked grouped-query attention of M rows over S slots (model/cpu_ops.py)."""
+    """Masked grouped-query attention of M rows over S slots (packed/cpu_ops.py)."""
     cdef int rc
     with nogil:
         rc = sso_attention(<const float *>q, ldq, M, nh, nkv, hd, <const float *>kc,
@@ -106,6 +106,6 @@ def attention(size_t q, long ldq, int M, int nh, int nkv, int hd, size_t kc, siz
 
 
 def silu_mul(size_t gu, long ldg, int M, int I, size_t out, long ldo):
-    """out = silu(gu[:, :I]) * gu[:, I:] (model/cpu_ops.py)."""
+    """out = silu(gu[:, :I]) * gu[:, I:] (packed/cpu_ops.py)."""
     with nogil:
         sso_silu_mul(<const float *>gu, ldg, M, I, <float *>out, ldo)

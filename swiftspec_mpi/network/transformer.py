@@ -34,13 +34,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from swiftspec_mpi.model import cpu_linear, cpu_ops, cpu_quant
 from swiftspec_mpi.core.comm import SingleComm
-from swiftspec_mpi.model.config import ModelConfig
-from swiftspec_mpi.model.layer import Layer
-from swiftspec_mpi.model.rope import rope_inv_freq
-from swiftspec_mpi.model.shard import TPShard
-from swiftspec_mpi.model.weight_loading import load_weights
+from swiftspec_mpi.network.config import ModelConfig
+from swiftspec_mpi.network.layer import Layer
+from swiftspec_mpi.network.rope import rope_inv_freq
+from swiftspec_mpi.network.shard import TPShard
+from swiftspec_mpi.network.weight_loading import load_weights
+from swiftspec_mpi.packed import cpu_linear, cpu_ops, cpu_quant
 
 # (n_new * group) at or below which GQA is folded into the query-length dimension (no KV copy,
 # additive float mask shared by all layers); above it SDPA's own GQA path with the bool mask.
@@ -130,7 +130,7 @@ class Transformer(torch.nn.Module):
             sin[:, :self._half] = -sin[:, :self._half]
             self.rope_cos = cos.to(**kw)
             self.rope_sin = sin.to(**kw)
-        # one Layer per decoder layer (model/layer.py), filled by load_weights
+        # one Layer per decoder layer (network/layer.py), filled by load_weights
         self.layers: list[Layer] = []
         self.embed = None   # [vocab, hidden] (a transposed view of a [hidden, vocab] store when
         self.norm = None    # the head is tied on CPU; None when a tied packed head serves the
@@ -141,7 +141,7 @@ class Transformer(torch.nn.Module):
     # ------------------------------------------------------------------------------ loading
     def load_weights(self, source) -> None:
         """Read this rank's shard from a TensorSource (`get(name, dim, start, stop)`), one tensor
-        at a time, straight into the fused per-layer buffers (model/weight_loading.py). Shapes
+        at a time, straight into the fused per-layer buffers (network/weight_loading.py). Shapes
         are checked against the config; a mismatch raises CheckpointError naming the tensor."""
         load_weights(self, source)
         self.loaded = True
@@ -152,7 +152,7 @@ class Transformer(torch.nn.Module):
         embedding table stays as loaded (a tied head's bf16 table still serves the lookup)."""
         if not self.quant4:
             raise ValueError("a 4-bit LM head runs with the GPU's 4-bit projections (quant 'int4' on CUDA)")
-        from swiftspec_mpi.model import packed_layers
+        from swiftspec_mpi.network import packed_layers
         self.head = packed_layers.quantize_head(self.head, self.device)
         self._forget_gemm_choices()                 # the head's kernel is chosen anew
 
@@ -322,7 +322,7 @@ class Transformer(torch.nn.Module):
     def _layers_small(self, tokens: torch.Tensor, positions: torch.Tensor, start: int,
                       mask: torch.Tensor, between_layers=None) -> torch.Tensor | None:
         """`_layers` for a decode-sized batch on the CPU (packed layout, float32): the same
-        layer with the C ops of model/cpu_ops.py between the GEMMs (each residual add folded
+        layer with the C ops of packed/cpu_ops.py between the GEMMs (each residual add folded
         into the next RMSNorm). tokens, positions [N] long; mask [N, start + N] bool;
         `between_layers` as in `forward` (True: stop, return None)."""
         cfg, sh, comm = self.cfg, self.shard, self.comm

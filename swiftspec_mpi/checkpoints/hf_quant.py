@@ -1,5 +1,5 @@
 """AWQ and GPTQ layers of Hugging Face checkpoints: their `quantization_config`, their tensor
-layouts, and the exact conversion of each layer into the packed 4-bit kind (`quant.PackedInt4`).
+layouts, and the exact conversion of each layer into the packed 4-bit kind (`packed.int4.PackedInt4`).
 
 A linear layer `P.weight` (nn.Linear's [out, in] = [N, K]) of a quantized folder is stored as
 int32 words (little-endian; nibble j = bits 4j..4j+3), with group g along the input:
@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from swiftspec_mpi.model.quant import GROUP_SIZES, PackedInt4
+from swiftspec_mpi.packed.int4 import GROUP_SIZES, PackedInt4
 
 if TYPE_CHECKING:
     import torch
@@ -229,25 +229,7 @@ def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
 
 
 # ------------------------------------------------------------------------------ writing
-def quantize_rtn(w: torch.Tensor, group: int, sym: bool = False):
-    """Round-to-nearest 4-bit quantization of a float weight [N, K] in groups of `group` inputs,
-    as AutoAWQ (asymmetric, min/max) and GPTQ without calibration (sym: zero 8) compute it.
-    -> (codes uint8 [N, K], zeros uint8 [N, K / group], scales float16 [N, K / group]);
-    W ~ (codes - zeros) * scales."""
-    import torch
-    n, k = w.shape
-    wg = w.float().reshape(n, k // group, group)
-    if sym:
-        scales = (wg.abs().amax(-1) * 2 / 15).clamp(min=1e-5).half()
-        zeros = torch.full_like(scales, 8, dtype=torch.float32)
-    else:
-        hi, lo = wg.amax(-1), wg.amin(-1)
-        scales = ((hi - lo) / 15).clamp(min=1e-5).half()
-        zeros = (-torch.round(lo / scales.float())).clamp(0, 15)
-    codes = (torch.round(wg / scales.float().unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp(0, 15)
-    return codes.reshape(n, k).to(torch.uint8), zeros.to(torch.uint8), scales
-
-
+# (the codes come from packed.int4.quantize_rtn)
 def _words(nibbles: torch.Tensor) -> torch.Tensor:
     """uint8 [R, C, 8] (0..15) -> int32 [R, C], nibble j at bits 4j (two's complement words)."""
     import torch

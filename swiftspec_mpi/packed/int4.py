@@ -122,6 +122,25 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     return c[..., 0] | (c[..., 1] << 4)
 
 
+def quantize_rtn(w: torch.Tensor, group: int, sym: bool = False):
+    """Round-to-nearest 4-bit quantization of a float weight [N, K] in groups of `group` inputs,
+    as AutoAWQ (asymmetric, min/max) and GPTQ without calibration (sym: zero 8) compute it.
+    -> (codes uint8 [N, K], zeros uint8 [N, K / group], scales float16 [N, K / group]);
+    W ~ (codes - zeros) * scales."""
+    import torch
+    n, k = w.shape
+    wg = w.float().reshape(n, k // group, group)
+    if sym:
+        scales = (wg.abs().amax(-1) * 2 / 15).clamp(min=1e-5).half()
+        zeros = torch.full_like(scales, 8, dtype=torch.float32)
+    else:
+        hi, lo = wg.amax(-1), wg.amin(-1)
+        scales = ((hi - lo) / 15).clamp(min=1e-5).half()
+        zeros = (-torch.round(lo / scales.float())).clamp(0, 15)
+    codes = (torch.round(wg / scales.float().unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp(0, 15)
+    return codes.reshape(n, k).to(torch.uint8), zeros.to(torch.uint8), scales
+
+
 def dequantize(w: PackedInt4) -> torch.Tensor:
     """The reference dequantization: float32 [N, K], W = q * scale + offset per group."""
     import torch
@@ -162,7 +181,7 @@ def cat_rows(parts: list[PackedInt4]) -> PackedInt4:
 
 def row_parallel_splits(cfg, tp: int) -> dict[str, list[int]]:
     """The input offsets where a tensor-parallel group of `tp` ranks cuts the row-parallel
-    layers of ModelConfig `cfg` (as model.shard.TPShard shards them: o_proj by query heads,
+    layers of ModelConfig `cfg` (as network.shard.TPShard shards them: o_proj by query heads,
     down_proj in chunks of ceil(intermediate / tp)): {"o_proj": [...], "down_proj": [...]}."""
     per_rank_q = cfg.num_heads // tp * cfg.head_dim
     chunk = -(-cfg.intermediate_size // tp)

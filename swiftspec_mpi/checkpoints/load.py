@@ -9,6 +9,9 @@ file), build the sharded `Transformer` and the `TextTokenizer`.
     load_model(path, comm=None, max_slots=4096, dtype=torch.float32, device="cpu",
                num_layers=None, quant="auto") -> (Transformer, TextTokenizer)
 
+`--load-format dummy` (random weights, dummy.py) has the same three by shape name or path:
+shape_config(spec), dummy_tokenizer(spec), dummy_model(spec, comm, max_slots, dtype, device).
+
 Quantized checkpoints (GGUF Q4_0/Q4_1/Q4_K, with Q5_0/Q5_1/Q6_K/Q8_0 beside them; AWQ and GPTQ
 folders) run packed on the CPU by default (quant "auto" or "int4"): each matrix stays in its
 packed kind, read a few MiB at a time through the source's `packed_chunks` (cpu_quant,
@@ -22,8 +25,9 @@ from __future__ import annotations
 
 import os
 
+from swiftspec_mpi.checkpoints.dummy import SHAPES, RandomPackedSource, RandomSource
 from swiftspec_mpi.core.errors import CheckpointError, UserError
-from swiftspec_mpi.model.config import ModelConfig
+from swiftspec_mpi.network.config import ModelConfig
 
 
 def _kind(path) -> str:
@@ -45,13 +49,13 @@ def _kind(path) -> str:
 def read_model_config(path) -> ModelConfig:
     """The ModelConfig of a checkpoint without reading any weights."""
     if _kind(path) == "gguf":
-        from swiftspec_mpi.model import gguf_loader
+        from swiftspec_mpi.checkpoints import gguf_loader
         src = gguf_loader.GGUFSource(os.fspath(path))
         try:
             return src.config
         finally:
             src.close()
-    from swiftspec_mpi.model.hf_loader import read_config_json
+    from swiftspec_mpi.checkpoints.hf_loader import read_config_json
     return ModelConfig.from_hf_dict(read_config_json(os.fspath(path)))
 
 
@@ -64,10 +68,9 @@ def packed_group(path, quant: str, load_format: str = "auto") -> int | None:
     if quant == "none":
         return None
     if load_format == "dummy":
-        from swiftspec_mpi.model.dummy import RandomPackedSource
         return RandomPackedSource.GROUP if quant == "int4" else None
     if _kind(path) == "gguf":
-        from swiftspec_mpi.model import gguf_loader, gguf_packed
+        from swiftspec_mpi.checkpoints import gguf_loader, gguf_packed
         src = gguf_loader.GGUFSource(os.fspath(path))
         try:
             group = gguf_packed.file_group(src)
@@ -78,7 +81,7 @@ def packed_group(path, quant: str, load_format: str = "auto") -> int | None:
                             "matrices); give a quantized GGUF file (Q4_0, Q4_1, Q4_K_M, ...) or "
                             "use --quant auto")
         return group
-    from swiftspec_mpi.model.hf_loader import read_quantization
+    from swiftspec_mpi.checkpoints.hf_loader import read_quantization
     q = read_quantization(os.fspath(path))
     if q is None:
         if quant == "int4":
@@ -97,18 +100,18 @@ def packed_group(path, quant: str, load_format: str = "auto") -> int | None:
 def load_tokenizer(path):
     """The TextTokenizer of a checkpoint (HF folder's tokenizer files, or the GGUF's own)."""
     if _kind(path) == "gguf":
-        from swiftspec_mpi.model.gguf_tokenizer import tokenizer_from_gguf
+        from swiftspec_mpi.checkpoints.gguf_tokenizer import tokenizer_from_gguf
         return tokenizer_from_gguf(os.fspath(path))
-    from swiftspec_mpi.model.tokenizer import TextTokenizer
+    from swiftspec_mpi.checkpoints.tokenizer import TextTokenizer
     return TextTokenizer.from_hf_folder(path)
 
 
 def open_source(path):
     """The TensorSource of a checkpoint (SafetensorsSource or GGUFSource); caller closes it."""
     if _kind(path) == "gguf":
-        from swiftspec_mpi.model import gguf_loader
+        from swiftspec_mpi.checkpoints import gguf_loader
         return gguf_loader.GGUFSource(os.fspath(path))
-    from swiftspec_mpi.model.hf_loader import SafetensorsSource
+    from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource
     return SafetensorsSource(path)
 
 
@@ -150,7 +153,7 @@ def gpu_packed(path, quant: str, load_format: str = "auto") -> bool:
 def _runs_packed(path, quant: str, on_cpu: bool) -> bool:
     """Whether checkpoint `path` keeps its packed weights under `--quant quant`: on the CPU in
     cpu_quant's records (needs AVX2 + FMA), on the GPU as W4A16 weights (gpu_packed)."""
-    from swiftspec_mpi.model import cpu_linear
+    from swiftspec_mpi.packed import cpu_linear
     if not on_cpu:
         return gpu_packed(path, quant)
     if packed_group(path, quant) is None:
@@ -171,7 +174,7 @@ def load_model(path, comm=None, max_slots: int = 4096, dtype=None, device="cpu",
     On the GPU, packed AWQ/GPTQ weights need dtype bfloat16 (else they run dequantized)."""
     import torch
 
-    from swiftspec_mpi.model.transformer import Transformer
+    from swiftspec_mpi.network.transformer import Transformer
     dtype = torch.float32 if dtype is None else dtype
     tokenizer = load_tokenizer(path)
     source = open_source(path)
@@ -194,3 +197,47 @@ def load_model(path, comm=None, max_slots: int = 4096, dtype=None, device="cpu",
     finally:
         source.close()
     return model, tokenizer
+
+
+# ------------------------------------------------------------------ --load-format dummy
+def shape_config(spec: str) -> ModelConfig:
+    """A named shape, or the config.json/GGUF metadata of a checkpoint path."""
+    if spec in SHAPES:
+        return SHAPES[spec]
+    try:
+        return read_model_config(spec)
+    except UserError:
+        raise UserError(f"--load-format dummy: '{spec}' is neither a known shape "
+                        f"({', '.join(SHAPES)}) nor a checkpoint path") from None
+
+
+def dummy_model(spec: str, comm, max_slots: int, dtype, device, num_layers=None, quant: str = "none"):
+    """-> (Transformer with random weights at the shape of `spec`, tokenizer of `spec` if it is a
+    checkpoint, else the bundled tiny tokenizer: prompts then map to ids < 4k, valid for any
+    vocabulary). quant "int4": the layers' projections packed 4-bit (RandomPackedSource), run by the
+    W4A16 kernels on the GPU and by cpu_quant's packed layers on the CPU."""
+    from swiftspec_mpi.network.transformer import Transformer
+    cfg = shape_config(spec)
+    if num_layers is not None:
+        cfg = cfg.with_layers(num_layers)
+    int4 = quant == "int4"
+    model = Transformer(cfg, comm=comm, max_slots=max_slots, dtype=dtype, device=device,
+                        quant="int4" if int4 else "none")
+    model.load_weights((RandomPackedSource if int4 else RandomSource)(cfg, device=device, dtype=dtype))
+    return model, dummy_tokenizer(spec)
+
+
+def dummy_tokenizer(spec: str):
+    """The tokenizer for --load-format dummy runs of `spec`: the checkpoint's own when `spec` is a
+    checkpoint path, else the small tokenizer shipped in swiftspec_mpi/data (tiny_tokenizer.json)."""
+    if spec not in SHAPES:
+        try:
+            return load_tokenizer(spec)
+        except UserError:
+            pass
+    from tokenizers import Tokenizer
+
+    from swiftspec_mpi.checkpoints.tokenizer import TextTokenizer
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "tiny_tokenizer.json")
+    tok = Tokenizer.from_file(path)
+    return TextTokenizer(tok, (tok.token_to_id("<|endoftext|>"),))

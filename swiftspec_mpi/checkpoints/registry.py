@@ -353,8 +353,8 @@ def prepare_folder(gguf_file: Path, dest: Path, dtype: str = "bfloat16", sha256:
     """Convert a GGUF to an HF folder at `dest` (written to a temp dir, then renamed)."""
     import torch
 
-    from swiftspec_mpi.model.gguf_loader import GGUFSource
-    from swiftspec_mpi.model.gguf_tokenizer import gguf_tokenizer_files
+    from swiftspec_mpi.checkpoints.gguf_loader import GGUFSource
+    from swiftspec_mpi.checkpoints.gguf_tokenizer import gguf_tokenizer_files
 
     if dtype not in _DTYPES:
         raise UserError(f"unsupported cache dtype {dtype!r}; use one of {', '.join(_DTYPES)}")

@@ -3,15 +3,15 @@ step of models whose real weights cannot reach the machine. Tokens/s measured wi
 weights is step time only: acceptance of random models means nothing.
 
 `--target` / `--draft` then name a shape below (or a checkpoint whose config.json gives the
-shape). The weights are generated directly on the model's device, shard by shard, through the
-same `Transformer.load_weights` path as real checkpoints.
+shape: load.shape_config). The weights are generated directly on the model's device, shard by
+shard, through the same `Transformer.load_weights` path as real checkpoints (load.dummy_model).
 """
 from __future__ import annotations
 
 import hashlib
 
 from swiftspec_mpi.core.errors import UserError
-from swiftspec_mpi.model.config import ModelConfig
+from swiftspec_mpi.network.config import ModelConfig
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -42,18 +42,6 @@ SHAPES = {
     "qwen2.5-1.5b": _qwen(151936, 1536, 8960, 28, 12, 2, True),
     "qwen2.5-7b": _qwen(152064, 3584, 18944, 28, 28, 4, False),
 }
-
-
-def shape_config(spec: str) -> ModelConfig:
-    """A named shape, or the config.json/GGUF metadata of a checkpoint path."""
-    if spec in SHAPES:
-        return SHAPES[spec]
-    from swiftspec_mpi.model import load as checkpoint
-    try:
-        return checkpoint.read_model_config(spec)
-    except UserError:
-        raise UserError(f"--load-format dummy: '{spec}' is neither a known shape "
-                        f"({', '.join(SHAPES)}) nor a checkpoint path") from None
 
 
 class RandomSource:
@@ -98,7 +86,7 @@ class RandomPackedSource(RandomSource):
     def get_packed(self, name: str, dim=None, start: int = 0, stop=None):
         import torch
 
-        from swiftspec_mpi.model.quant import PackedInt4
+        from swiftspec_mpi.packed.int4 import PackedInt4
         shape = list(self.shapes[name])
         if dim is not None:
             shape[dim] = (shape[dim] if stop is None else stop) - start
@@ -124,38 +112,3 @@ class RandomPackedSource(RandomSource):
         any other matrix (the CPU's packed layers, cpu_quant, load it)."""
         yield 0, (self.get_packed(name, dim, start, stop) if self.is_packed(name)
                   else self.get(name, dim, start, stop).float())
-
-
-def dummy_model(spec: str, comm, max_slots: int, dtype, device, num_layers=None, quant: str = "none"):
-    """-> (Transformer with random weights at the shape of `spec`, tokenizer of `spec` if it is a
-    checkpoint, else the bundled tiny tokenizer: prompts then map to ids < 4k, valid for any
-    vocabulary). quant "int4": the layers' projections packed 4-bit (RandomPackedSource), run by the
-    W4A16 kernels on the GPU and by cpu_quant's packed layers on the CPU."""
-    from swiftspec_mpi.model.transformer import Transformer
-    cfg = shape_config(spec)
-    if num_layers is not None:
-        cfg = cfg.with_layers(num_layers)
-    int4 = quant == "int4"
-    model = Transformer(cfg, comm=comm, max_slots=max_slots, dtype=dtype, device=device,
-                        quant="int4" if int4 else "none")
-    model.load_weights((RandomPackedSource if int4 else RandomSource)(cfg, device=device, dtype=dtype))
-    return model, dummy_tokenizer(spec)
-
-
-def dummy_tokenizer(spec: str):
-    """The tokenizer for --load-format dummy runs of `spec`: the checkpoint's own when `spec` is a
-    checkpoint path, else the small tokenizer shipped in swiftspec_mpi/data (tiny_tokenizer.json)."""
-    if spec not in SHAPES:
-        from swiftspec_mpi.model import load as checkpoint
-        try:
-            return checkpoint.load_tokenizer(spec)
-        except UserError:
-            pass
-    import os
-
-    from tokenizers import Tokenizer
-
-    from swiftspec_mpi.model.tokenizer import TextTokenizer
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "tiny_tokenizer.json")
-    tok = Tokenizer.from_file(path)
-    return TextTokenizer(tok, (tok.token_to_id("<|endoftext|>"),))

@@ -4,7 +4,7 @@ down, vocab-parallel head)."""
 from __future__ import annotations
 
 from swiftspec_mpi.core.errors import UserError
-from swiftspec_mpi.model.config import ModelConfig
+from swiftspec_mpi.network.config import ModelConfig
 
 
 class TPShard:

@@ -1,5 +1,5 @@
 """`GGUFSource`: the TensorSource of a llama.cpp GGUF file (its header parser, config and tensors;
-the tokenizer the file embeds is rebuilt by model/gguf_tokenizer.py).
+the tokenizer the file embeds is rebuilt by checkpoints/gguf_tokenizer.py).
 
     GGUFSource(path, dtype=None)  config: ModelConfig (from the GGUF metadata); names() -> HF
                               names; get(name, dim=None, start=0, stop=None) -> float32 (or
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from swiftspec_mpi.checkpoints.gguf_config import FIX, config_from_header
 from swiftspec_mpi.core.errors import CheckpointError
-from swiftspec_mpi.model.gguf_config import FIX, config_from_header
 
 
 # ggml types we dequantize (all through gguf.quants); anything else is refused by name
@@ -380,14 +380,14 @@ class GGUFSource:
 
     def is_packed(self, name: str) -> bool:
         """True when tensor `name` has a packed 4-/8-bit form (gguf_packed.packed_group)."""
-        from swiftspec_mpi.model import gguf_packed
+        from swiftspec_mpi.checkpoints import gguf_packed
         return gguf_packed.packed_group(self.ggml_type(name)) is not None
 
     def packed_chunks(self, name: str, dim: int | None = None, start: int = 0,
                       stop: int | None = None):
         """(row offset, rows) covering the slice of matrix `name` in row order, packed where
         its type has a packed kind, else float32 (gguf_packed.read_chunks)."""
-        from swiftspec_mpi.model import gguf_packed
+        from swiftspec_mpi.checkpoints import gguf_packed
         yield from gguf_packed.read_chunks(self, name, dim, start, stop)
         _trim_heap()
 

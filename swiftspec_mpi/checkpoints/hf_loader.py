@@ -9,7 +9,7 @@ The TensorSource protocol (GGUFSource implements the same):
   and, for sources that hold 4-bit layers:
     quant                                     # what they are (hf_quant.HFQuant here), None if dense
     is_packed(name) -> bool                   # `name` ("...q_proj.weight") is stored 4-bit
-    get_packed(name, dim=None, start=0, stop=None) -> quant.PackedInt4
+    get_packed(name, dim=None, start=0, stop=None) -> int4.PackedInt4
                                               # its [N, K] or the slice of outputs (dim 0) or of
                                               # inputs (dim 1, on group boundaries)
     packed_chunks(name, dim=None, start=0, stop=None)
@@ -34,13 +34,13 @@ import os
 from typing import TYPE_CHECKING
 
 from swiftspec_mpi.core.errors import CheckpointError, UserError
-from swiftspec_mpi.model.config import ModelConfig
+from swiftspec_mpi.network.config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
 
-    from swiftspec_mpi.model.hf_quant import HFQuant
-    from swiftspec_mpi.model.quant import PackedInt4
+    from swiftspec_mpi.checkpoints.hf_quant import HFQuant
+    from swiftspec_mpi.packed.int4 import PackedInt4
 
 _FIX = "re-download or re-convert the checkpoint"
 _CHUNK_BYTES = 8 << 20       # packed_chunks: bytes of packed (or float32) rows per block
@@ -62,7 +62,7 @@ def read_config_json(folder: str) -> dict:
 def read_quantization(folder: str, raw: dict | None = None) -> HFQuant | None:
     """The checkpoint's 4-bit layout from config.json's `quantization_config` (None: dense);
     CheckpointError for a method, bit width or group size that does not load."""
-    from swiftspec_mpi.model import hf_quant
+    from swiftspec_mpi.checkpoints import hf_quant
     raw = read_config_json(folder) if raw is None else raw
     try:
         return hf_quant.parse_config(raw.get("quantization_config"),
@@ -75,7 +75,7 @@ def logical_shapes(folder: str, shapes: dict) -> dict:
     """Tensor name -> shape of a folder's files, with each AWQ/GPTQ layer's stored tensors
     (checked against each other) folded into its `P.weight`: [N, K]. CheckpointError naming the
     tensor for a truncated one or a group size that does not divide the input."""
-    from swiftspec_mpi.model import hf_quant
+    from swiftspec_mpi.checkpoints import hf_quant
     quant = read_quantization(folder)
     if quant is None:
         return shapes
@@ -185,7 +185,7 @@ class SafetensorsSource:
         return out
     def _layer_shape(self, prefix: str) -> tuple[int, int, dict]:
         """(N, K, suffix -> shape) of a 4-bit layer, its stored tensors checked together."""
-        from swiftspec_mpi.model import hf_quant
+        from swiftspec_mpi.checkpoints import hf_quant
         shapes = {}
         for part in ("qweight", "qzeros", "scales", "g_idx"):
             if f"{prefix}.{part}" in self._where:
@@ -204,7 +204,7 @@ class SafetensorsSource:
         [start, stop); an act-order layer is read whole."""
         import torch
 
-        from swiftspec_mpi.model import hf_quant
+        from swiftspec_mpi.checkpoints import hf_quant
         quant = self.quant
         n, k, shapes = self._layer_shape(prefix)
         g, awq = quant.group, quant.method == "awq"
@@ -249,7 +249,7 @@ class SafetensorsSource:
                    stop: int | None = None) -> PackedInt4:
         """A 4-bit layer `P.weight` (or its slice along dim 0 = outputs, dim 1 = inputs) as
         PackedInt4 [rows, cols]. An input slice must fall on group boundaries (UserError)."""
-        from swiftspec_mpi.model import quant
+        from swiftspec_mpi.packed import int4
         if not self.is_packed(name):
             raise CheckpointError(f"{self.folder}: tensor {name!r} is not a 4-bit layer")
         prefix = name[:-len(".weight")]
@@ -266,8 +266,8 @@ class SafetensorsSource:
         if dim is None:
             return w
         if dim == 0:
-            return quant.take_rows(w, off, off + length)
-        return quant.take_cols(w, off, off + length)
+            return int4.take_rows(w, off, off + length)
+        return int4.take_cols(w, off, off + length)
 
     def packed_chunks(self, name: str, dim: int | None = None, start: int = 0,
                       stop: int | None = None):
@@ -292,13 +292,14 @@ class SafetensorsSource:
     def _dequantized(self, name: str, dim, start: int, stop) -> torch.Tensor:
         """float32 [N, K] (or its slice) of a 4-bit layer: exactly its reference
         dequantization."""
-        from swiftspec_mpi.model import hf_quant, quant
+        from swiftspec_mpi.checkpoints import hf_quant
+        from swiftspec_mpi.packed import int4
         w, off, length, part = self._read_layer(name[:-len(".weight")], dim, start, stop)
         if w is None:
             dense = hf_quant.dequantize_gptq(part["qweight"], part["qzeros"], part["scales"],
                                              part["g_idx"], self.quant.zero_plus_one)
         else:
-            dense = quant.dequantize(w)
+            dense = int4.dequantize(w)
         return dense if dim is None else dense.narrow(dim, off, length).contiguous()
 
     def _path(self, name: str) -> str:

@@ -2,7 +2,7 @@
 
     to_packed(raw uint8 [R, row_bytes], qtype name, K) -> PackedInt4 | PackedInt8 | None
 
-4-bit types become `quant.PackedInt4` (group 32), the other block types `quant_int8.PackedInt8`
+4-bit types become `int4.PackedInt4` (group 32), the other block types `int8.PackedInt8`
 (Q6_K: group 16, else 32); None for types neither holds exactly (F32/F16/BF16 and the 2-, 3-
 and 5-bit K-quants), which the caller keeps dense in float32. Per block (ggml's layouts, as
 gguf.quants reads them):
@@ -19,7 +19,7 @@ gguf.quants reads them):
           -> int8 q - 32, scale = d * sc
 
 The scale and offset are the very float32 products gguf.quants.dequantize forms, so
-quant.dequantize / quant_int8.dequantize of the result equal the reference bit for bit (tests
+int4.dequantize / int8.dequantize of the result equal the reference bit for bit (tests
 compare every type on blocks from gguf's own writer, or built by the layout where gguf cannot
 quantize the type).
 """
@@ -28,8 +28,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from swiftspec_mpi.model.quant import PackedInt4, SuperScales, pack_codes
-from swiftspec_mpi.model.quant_int8 import PackedInt8
+from swiftspec_mpi.packed.int4 import PackedInt4, SuperScales, pack_codes
+from swiftspec_mpi.packed.int8 import PackedInt8
 
 # (block weights, block bytes, packed kind) of the types held exactly
 INT4_TYPES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144)}

@@ -20,7 +20,7 @@ import torch
 
 # built by every `pip install` (setup.py): an import that fails is a broken install, not a
 # machine without the kernel, so it is not caught
-from swiftspec_mpi.model import _cpu_gemm
+from swiftspec_mpi.packed import _cpu_gemm
 
 NB = 16   # output columns per panel (the kernel's SSM_NB)
 _AVX2 = _cpu_gemm.has_avx2()

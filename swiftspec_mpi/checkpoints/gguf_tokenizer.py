@@ -10,10 +10,10 @@ from __future__ import annotations
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
+from swiftspec_mpi.checkpoints.gguf_config import FIX, TOKEN_CONTROL, TOKEN_USER_DEFINED, eos_ids
+from swiftspec_mpi.checkpoints.gguf_loader import Header, read_header
+from swiftspec_mpi.checkpoints.tokenizer import TextTokenizer
 from swiftspec_mpi.core.errors import CheckpointError
-from swiftspec_mpi.model.gguf_config import FIX, TOKEN_CONTROL, TOKEN_USER_DEFINED, eos_ids
-from swiftspec_mpi.model.gguf_loader import Header, read_header
-from swiftspec_mpi.model.tokenizer import TextTokenizer
 
 # llama.cpp pre-tokenizer names (tokenizer.ggml.pre) -> split regex, as in the HF tokenizers
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"

@@ -17,7 +17,7 @@ with a scale (and, for asymmetric formats, an offset) per group of `group` conse
 
 (d, m fp16, sc an int8: every product is exact in float32, and the reference dequantization of
 each format computes the very same products, so `dequantize` equals it bit for bit.) It is the
-8-bit companion of `quant.PackedInt4`: 9-10 bits a weight instead of 16 (bf16) or 32 (float32).
+8-bit companion of `int4.PackedInt4`: 9-10 bits a weight instead of 16 (bf16) or 32 (float32).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from swiftspec_mpi.model.quant import SuperScales
+from swiftspec_mpi.packed.int4 import SuperScales
 
 GROUP_SIZES = (16, 32)
 

@@ -6,14 +6,9 @@
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from swiftspec_mpi.core.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from swiftspec_mpi.model.gguf_loader import Header
 
 FIX = "re-download it (`swiftspec models prepare`) or re-convert the model"
 
@@ -72,9 +67,10 @@ def _f32(v) -> float:
     return float(str(np.float32(v)))
 
 
-def config_from_header(h: "Header"):
-    """ModelConfig from GGUF metadata (`<arch>.*` keys) and the tensor table."""
-    from swiftspec_mpi.model.config import ModelConfig, normalize_arch
+def config_from_header(h):
+    """ModelConfig from a parsed header `h` (gguf_loader.Header): its GGUF metadata (`<arch>.*`
+    keys) and its tensor table."""
+    from swiftspec_mpi.network.config import ModelConfig, normalize_arch
 
     meta = h.meta
     arch = meta.get("general.architecture")

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from swiftspec_mpi.model import cpu_linear
-from swiftspec_mpi.model.quant import (SUPER_BLOCK, PackedInt4, dequantize as dequantize4,
+from swiftspec_mpi.packed import cpu_linear
+from swiftspec_mpi.packed.int4 import (SUPER_BLOCK, PackedInt4, dequantize as dequantize4,
                                        unpack_codes)
-from swiftspec_mpi.model.quant_int8 import PackedInt8, dequantize as dequantize8
+from swiftspec_mpi.packed.int8 import PackedInt8, dequantize as dequantize8
 
 NB = 16   # outputs per panel (SSQ_NB)
 # record kind: (SSQ_* code in csrc/gemm_q.h, bits a code, code bytes per input per panel, largest group)
@@ -268,7 +268,7 @@ class QuantTable:
 def linear(x: torch.Tensor, w: QuantLinear, b: torch.Tensor | None = None,
            n_threads: int | None = None) -> torch.Tensor:
     """x [M, K] float32 -> x @ W^T (+ b [N] float32): [M, N] float32, segment by segment."""
-    from swiftspec_mpi.model import _cpu_gemm
+    from swiftspec_mpi.packed import _cpu_gemm
 
     x, y, b, nt = cpu_linear.gemm_operands(x, w.n_in, w.n_out, b, n_threads)
     M, K = x.shape

@@ -48,8 +48,8 @@ def quantize_head(head, device, rows_per_step: int = 8192):
     import torch
 
     from swiftspec_mpi.gpu import w4a16
-    from swiftspec_mpi.model.hf_quant import quantize_rtn
-    from swiftspec_mpi.model.quant import PackedInt4, pack_codes
+    from swiftspec_mpi.packed.int4 import quantize_rtn
+    from swiftspec_mpi.packed.int4 import PackedInt4, pack_codes
     v, h = head.shape
     if not w4a16.supported(v, h, HEAD_GROUP):
         raise CheckpointError(f"--head-bits 4: the LM head slice [{v}, {h}] does not fit the 4-bit "

@@ -70,7 +70,7 @@ def main(args) -> int:
     inter = args.intermediate or (QUANTIZED_INTERMEDIATE if args.quantize else
                                   DEFAULTS["intermediate"])
     if args.quantize:
-        from swiftspec_mpi.model.quant import GROUP_SIZES
+        from swiftspec_mpi.packed.int4 import GROUP_SIZES
         g = args.group_size
         if g not in GROUP_SIZES or args.hidden % g or inter % g:
             raise UserError(f"--group-size {g} must be one of {GROUP_SIZES} and divide --hidden "
@@ -92,7 +92,7 @@ def tiny_config(arch="qwen2", layers=4, hidden=64, heads=4, kv_heads=2, intermed
     """The ModelConfig of a tiny model over the packaged tokenizer."""
     from tokenizers import Tokenizer
 
-    from swiftspec_mpi.model.config import ModelConfig
+    from swiftspec_mpi.network.config import ModelConfig
     tok = Tokenizer.from_file(_data_file("tiny_tokenizer.json"))
     vocab = tok.get_vocab_size(with_added_tokens=True)
     eos = (tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))
@@ -146,12 +146,13 @@ def quantize_weights(tensors: dict, layout: str, group: int) -> tuple[dict, dict
     """HF-named float32 tensors -> (the same with every decoder projection `P.weight` replaced
     by its 4-bit tensors in `layout` (a QUANT_LAYOUTS name), round to nearest, and the
     `quantization_config` that describes them)."""
-    from swiftspec_mpi.model import hf_quant
+    from swiftspec_mpi.checkpoints import hf_quant
+    from swiftspec_mpi.packed import int4
     method, sym, plus_one = QUANT_LAYOUTS[layout]
     out = {}
     for name, t in tensors.items():
         if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-            codes, zeros, scales = hf_quant.quantize_rtn(t, group, sym=sym)
+            codes, zeros, scales = int4.quantize_rtn(t, group, sym=sym)
             packed = (hf_quant.pack_awq(codes, zeros, scales) if method == "awq" else
                       hf_quant.pack_gptq(codes, zeros, scales, zero_plus_one=plus_one))
             prefix = name[:-len(".weight")]

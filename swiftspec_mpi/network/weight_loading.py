@@ -1,25 +1,22 @@
 """Loading a checkpoint's weights into a Transformer: this rank's shard of every tensor, read one
 at a time from a TensorSource (hf_loader.SafetensorsSource, gguf_loader.GGUFSource, dummy) straight
-into the model's fused per-layer buffers (one model.layer.Layer per decoder layer)."""
+into the model's fused per-layer buffers (one network.layer.Layer per decoder layer)."""
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from swiftspec_mpi.core.errors import CheckpointError
-from swiftspec_mpi.model import cpu_linear, cpu_quant, packed_layers
-from swiftspec_mpi.model.layer import Layer
-
-if TYPE_CHECKING:
-    from swiftspec_mpi.model.transformer import Transformer
+from swiftspec_mpi.network import packed_layers
+from swiftspec_mpi.network.layer import Layer
+from swiftspec_mpi.packed import cpu_linear, cpu_quant
 
 # elements per block when loading a large matrix (bounds the loader's temporaries to ~32 MiB)
 _FETCH_CHUNK = 8 << 20
 
 
-def load_weights(self: "Transformer", source) -> None:
-    """Fill Transformer `self` from a TensorSource: read this rank's shard from a TensorSource (`get(name, dim, start, stop)`), one tensor
+def load_weights(self: torch.nn.Module, source) -> None:
+    """Fill Transformer `self` (network.transformer) from a TensorSource: read this rank's shard
+    (`get(name, dim, start, stop)`), one tensor
     at a time, straight into the fused per-layer buffers. Shapes are checked against the
     config; a mismatch raises CheckpointError naming the tensor."""
     cfg, sh, hd, H = self.cfg, self.shard, self.cfg.head_dim, self.cfg.hidden_size

@@ -1,1 +1,0 @@
-"""The models: transformer, model config, tokenizer, checkpoint loaders, CPU linear layers."""
