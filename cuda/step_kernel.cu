@@ -35,8 +35,10 @@
 // the global instruction index, the block, the counter, its value, the target) into `err` (host-
 // mapped pinned memory, so it survives anything), raises the abort flag, and every block then
 // skips its waits (still draining the pages, so that the loader ends): the kernel ends and the
-// host raises an error naming the instruction. An mbarrier that never completes (a bug) writes
-// code 2 and traps.
+// host raises an error naming the instruction (every block left waiting also writes its wait into
+// err[8 + 4 block ..]: the host names the earliest stuck one, the root of the others). A page
+// that never arrives (a bug; the loader's wait for a free page lasts 4x the timeout, as long
+// as the compute warps may wait on counters) writes code 2 and traps.
 //
 // Numerics: the chain's roundings (bf16 activations, x += bf16(a) rounded to bf16, RoPE's two
 // roundings, bf16(bf16(silu(g)) * u), logits = float(bf16(acc))); attention in fp32 (P not
@@ -110,6 +112,7 @@ struct Params {
   double eps, scale_log2;
 };
 // swiftspec_mpi/gpu/step_kernel.py packs these with struct: keep the sizes in step.
+static_assert(SMEM_BYTES <= 227 * 1024, "one block per SM: the shared memory of an sm_90 block");
 static_assert(sizeof(OpDesc) == 12 * 8, "OpDesc layout");
 static_assert(sizeof(LayerDesc) == 4 * 8, "LayerDesc layout");
 static_assert(sizeof(Params) == 37 * 8, "Params layout");
@@ -189,10 +192,11 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
                :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-// Watchdog record (host-mapped memory): code, instruction, block, counter, value, target.
+// Watchdog record (host-mapped memory): code, instruction, block, counter, value, target. The
+// first reporter raises the abort flag and writes the record; the others only see the flag up.
 __device__ void report(const Params& p, int code, int instr, int ctr, int value, int target) {
-  volatile int* e = p.err;
-  if (atomicCAS(p.err, 0, -1) == 0) {
+  if (atomicCAS(p.counters + p.n_counters - 2, 0, 1) == 0) {
+    volatile int* e = p.err;
     e[1] = instr; e[2] = blockIdx.x; e[3] = ctr; e[4] = value; e[5] = target;
     __threadfence_system();
     e[0] = code;
@@ -200,11 +204,11 @@ __device__ void report(const Params& p, int code, int instr, int ctr, int value,
   }
 }
 
-__device__ void mbar_wait(const Params& p, uint32_t bar, uint32_t parity, int instr) {
+__device__ void mbar_wait(const Params& p, uint32_t bar, uint32_t parity, int instr, uint64_t limit_ns) {
   if (mbar_try_wait(bar, parity)) return;
   const uint64_t t0 = globaltimer();
   while (!mbar_try_wait(bar, parity)) {
-    if (globaltimer() - t0 > (uint64_t)p.timeout_ns) {
+    if (globaltimer() - t0 > limit_ns) {
       report(p, 2, instr, -1, 0, 0);
       asm volatile("trap;");
     }
@@ -221,10 +225,15 @@ __device__ void wait_counter(const Params& p, int ctr, int target, int instr) {
     if (v < target) {
       const uint64_t t0 = globaltimer();
       while ((v = ld_acquire(c)) < target) {
-        if (ld_acquire(abort_flag)) break;
-        if (globaltimer() - t0 > (uint64_t)p.timeout_ns) {
-          report(p, 1, instr, ctr, v, target);
-          atomicExch(abort_flag, 1);
+        const bool aborted = ld_acquire(abort_flag) != 0;
+        if (aborted || globaltimer() - t0 > (uint64_t)p.timeout_ns) {
+          if (!aborted) report(p, 1, instr, ctr, v, target);
+          // every block left waiting says where (the host names the earliest stuck wait)
+          volatile int* b = p.err + 8 + 4 * blockIdx.x;
+          b[1] = ctr; b[2] = v; b[3] = target;
+          __threadfence_system();
+          b[0] = instr + 1;
+          __threadfence_system();
           break;
         }
         __nanosleep(32);
@@ -439,7 +448,7 @@ __device__ void run_gemv(const Params& p, const OpDesc& op, int tile0, int ntile
       const Page pg = page_of(op, t, j);
       const int slot = page_seq % NPAGES;
       const uint32_t parity = (page_seq / NPAGES) & 1;
-      mbar_wait(p, full + 8 * slot, parity, instr);
+      mbar_wait(p, full + 8 * slot, parity, instr, (uint64_t)p.timeout_ns);
       page_mma<MB>(op, pg, pages + slot * PAGE_BYTES, X, ld, swiglu, p.I, N, acc);
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + 8 * slot);
@@ -469,7 +478,7 @@ __device__ void run_gemv(const Params& p, const OpDesc& op, int tile0, int ntile
         }
         case K_O:
         case K_DOWN: {
-          if (op.bias) v = round_bf16(v) + __bfloat162float(op.bias[n]);
+          if (op.bias) v += __bfloat162float(op.bias[n]);
           const float a = round_bf16(v);
           bf16* xp = p.x + (int64_t)m * p.H + n;
           *xp = __float2bfloat16_rn(ldcg_bf16(xp) + a);
@@ -644,7 +653,7 @@ __device__ void step_body(const Params& p) {
       for (int t = in[2]; t < in[2] + in[3]; ++t) {
         for (int j = 0; j < npt; ++j, ++seq) {
           const int slot = seq % NPAGES;
-          if (seq >= NPAGES) mbar_wait(p, empty + 8 * slot, ((seq / NPAGES) - 1) & 1, i);
+          if (seq >= NPAGES) mbar_wait(p, empty + 8 * slot, ((seq / NPAGES) - 1) & 1, i, 4 * (uint64_t)p.timeout_ns);
           load_page(op, page_of(op, t, j), pages + slot * PAGE_BYTES, full + 8 * slot, lane);
           __syncwarp();
         }

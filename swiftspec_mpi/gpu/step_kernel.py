@@ -37,6 +37,14 @@ TIMEOUT_S = 2.0             # a counter wait longer than this is a stuck schedul
 _KIND_NAMES = {ss.K_QKV: "QKV", ss.K_O: "O", ss.K_GU: "gate|up", ss.K_DOWN: "down", ss.K_HEAD: "LM head"}
 
 
+def _counter_name(c: int, n_layers: int) -> str:
+    layer, which = divmod(c, ss.CTR_PER_LAYER)
+    if layer >= n_layers:
+        return ["the final norm", "LM head done", "abort", "exit"][which] if which < 4 else "?"
+    names = ["ln1 norm", "QKV done", "attention done", "O done", "ln2 norm", "gate|up done", "down done"]
+    return f"layer {layer} {names[which]}"
+
+
 class StepKernelError(RuntimeError):
     """The step kernel's watchdog fired (a counter never reached its target) or a page never
     arrived; the message names the instruction."""
@@ -154,7 +162,9 @@ class StepKernel:
         self.blocks = int(blocks or sm_count())
         self.timeout_ns = int(timeout_s * 1e9)
         dev = model.device
-        self.err = torch.zeros(8, dtype=torch.int32, pin_memory=True)     # host-mapped watchdog record
+        # host-mapped watchdog record: [0, 8) the first report, then (instr + 1, counter, value,
+        # target) of every block left waiting
+        self.err = torch.zeros(8 + 4 * self.blocks, dtype=torch.int32, pin_memory=True)
         layer_words = b"".join(struct.pack("<4Q", _ptr(l.ln1), _ptr(l.k_cache), _ptr(l.v_cache), 0)
                                for l in model.layers)
         self.layers = torch.frombuffer(bytearray(layer_words), dtype=torch.uint8).to(dev)
@@ -209,13 +219,24 @@ class StepKernel:
 
     def check(self, sync: bool = True) -> None:
         """Raise StepKernelError if the watchdog fired since the last check (and clear it)."""
+        fault = None
         if sync:
-            torch.cuda.synchronize(self.model.device)
+            try:
+                torch.cuda.synchronize(self.model.device)
+            except RuntimeError as ex:      # a trap (code 2): the record is in host memory
+                fault = ex
         e = self.err.numpy()
+        if fault is not None and e[0] == 0:
+            raise fault
         if e[0] == 0:
             return
         code, instr, block, ctr, value, target = (int(v) for v in e[:6])
+        waits = e[8:].reshape(-1, 4).copy()
         e[:] = 0
+        if code == 1:      # the earliest stuck wait (the smallest counter: the earliest stage)
+            stuck = [(int(w[1]), int(w[0]) - 1, b, int(w[2]), int(w[3])) for b, w in enumerate(waits) if w[0] > 0]
+            if stuck:
+                ctr, instr, block, value, target = min(stuck)
         raise StepKernelError(self.describe_failure(code, instr, block, ctr, value, target))
 
     def describe_failure(self, code: int, instr: int, block: int, ctr: int, value: int, target: int) -> str:
@@ -223,7 +244,8 @@ class StepKernel:
         if code == 2:
             return f"step kernel: the weight pages of instruction {instr} ({what}) never arrived (block {block})"
         return (f"step kernel watchdog: instruction {instr} ({what}) on block {block} waited over "
-                f"{self.timeout_ns / 1e9:g} s for counter {ctr} = {value} to reach {target}")
+                f"{self.timeout_ns / 1e9:g} s for counter {ctr} ({_counter_name(ctr, len(self.model.layers))}) "
+                f"= {value} to reach {target}")
 
     def describe(self, instr: int) -> str:
         """Human words for global instruction `instr` of the last schedule that holds it."""
