@@ -56,14 +56,15 @@ typedef __nv_bfloat16 bf16;
 constexpr int COMPUTE_WARPS = 8;
 constexpr int COMPUTE_THREADS = COMPUTE_WARPS * 32;
 constexpr int THREADS = COMPUTE_THREADS + 32;
-constexpr int NPAGES = 10;
+constexpr int NPAGES = 6;
 constexpr int PAGE_BYTES = 20480;
 constexpr int BF16_PAGE_K = 512;                // k's of one bf16 page
 constexpr int BF16_ROW_BYTES = BF16_PAGE_K * 2 + 64;   // 1088 = 64 mod 128: conflict-free rows
 constexpr int Q4_PAGE_CHUNKS = 16;              // 128-k chunks of one 4-bit page
 constexpr int Q4_SCALES_OFF = 16384;            // byte offset of the page's scale words
 constexpr int RED_BYTES = COMPUTE_WARPS * 16 * 32 * 4;
-constexpr int SMEM_BYTES = NPAGES * PAGE_BYTES + RED_BYTES + 2 * NPAGES * 8 + 16;
+constexpr int XS_BYTES = 88 * 1024;             // a GEMV instruction's input X [N, K] (+64 B a row)
+constexpr int SMEM_BYTES = NPAGES * PAGE_BYTES + RED_BYTES + XS_BYTES + 2 * NPAGES * 8 + 16;
 constexpr int INSTR_WORDS = 8;
 
 enum Op { EMBED = 0, GEMV = 1, ATTN = 2 };
@@ -249,39 +250,53 @@ __device__ __forceinline__ int signal(const Params& p, int ctr) {
   return atomicAdd(p.counters + ctr, 1);
 }
 
-// RMSNorm of the N rows of x into h with weight w (compute warps; a warp per row).
-__device__ void rmsnorm_rows(const Params& p, const bf16* w) {
+// RMSNorm of the N rows of x into h with weight w (compute warps: 8 / N warps a row when N < 8,
+// a warp a row from N = 8; `part` holds COMPUTE_WARPS floats of shared memory).
+__device__ void rmsnorm_rows(const Params& p, const bf16* w, float* part) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int H = (int)p.H;
-  for (int r = warp; r < p.N; r += COMPUTE_WARPS) {
+  const int H = (int)p.H, N = (int)p.N;
+  const int wpr = N >= 8 ? 1 : N >= 4 ? 2 : N >= 2 ? 4 : 8;      // warps per row
+  for (int r0 = 0; r0 < N; r0 += COMPUTE_WARPS / wpr) {
+    const int r = r0 + warp / wpr, sub = warp % wpr;
     const bf16* xr = p.x + (int64_t)r * H;
     float ss = 0.f;
-    for (int c = lane * 8; c < H; c += 256) {
-      const uint4 v = ldcg16(xr + c);
-      const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+    if (r < N) {
+#pragma unroll 4
+      for (int c = (sub * 32 + lane) * 8; c < H; c += wpr * 256) {
+        const uint4 v = ldcg16(xr + c);
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = unpack_bf16x2(u[i]);
-        ss = fmaf(f.x, f.x, ss);
-        ss = fmaf(f.y, f.y, ss);
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = unpack_bf16x2(u[i]);
+          ss = fmaf(f.x, f.x, ss);
+          ss = fmaf(f.y, f.y, ss);
+        }
       }
     }
 #pragma unroll
     for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const float inv = rsqrtf(ss / (float)H + (float)p.eps);
-    bf16* hr = p.h + (int64_t)r * H;
-    for (int c = lane * 8; c < H; c += 256) {
-      const uint4 v = ldcg16(xr + c);
-      const uint4 wv = *reinterpret_cast<const uint4*>(w + c);
-      const uint32_t u[4] = {v.x, v.y, v.z, v.w}, wu[4] = {wv.x, wv.y, wv.z, wv.w};
-      uint32_t o[4];
+    if (lane == 0) part[warp] = ss;
+    compute_sync();
+    if (r < N) {
+      float tot = 0.f;
+      for (int i = 0; i < wpr; ++i) tot += part[(warp / wpr) * wpr + i];
+      const float inv = rsqrtf(tot / (float)H + (float)p.eps);
+      bf16* hr = p.h + (int64_t)r * H;
+#pragma unroll 4
+      for (int c = (sub * 32 + lane) * 8; c < H; c += wpr * 256) {
+        const uint4 v = ldcg16(xr + c);
+        const uint4 wv = *reinterpret_cast<const uint4*>(w + c);
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w}, wu[4] = {wv.x, wv.y, wv.z, wv.w};
+        uint32_t o[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = unpack_bf16x2(u[i]), g = unpack_bf16x2(wu[i]);
-        o[i] = pack_bf16x2(f.x * inv * g.x, f.y * inv * g.y);
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = unpack_bf16x2(u[i]), g = unpack_bf16x2(wu[i]);
+          o[i] = pack_bf16x2(f.x * inv * g.x, f.y * inv * g.y);
+        }
+        *reinterpret_cast<uint4*>(hr + c) = make_uint4(o[0], o[1], o[2], o[3]);
       }
-      *reinterpret_cast<uint4*>(hr + c) = make_uint4(o[0], o[1], o[2], o[3]);
     }
+    compute_sync();
   }
 }
 
@@ -359,8 +374,17 @@ __device__ __forceinline__ uint32_t dq_pair(uint32_t word, int i, uint32_t so) {
 
 // One page's MMAs for this warp: acc[mb] (16 W rows x 8 tokens of m-block mb).
 template <int MB>
-__device__ __forceinline__ void page_mma(const OpDesc& op, const Page& pg, uint32_t page, const bf16* X,
-                                         int64_t ld, bool swiglu, int64_t I, int N, float (&acc)[MB][4]) {
+__device__ __forceinline__ uint4 x_operand(uint32_t xs, int xstride, const bf16* X, int64_t ld, bool swiglu,
+                                           int64_t I, int row, int k) {
+  return xs ? lds16(xs + row * xstride + k * 2) : load_x(X, ld, row, k, swiglu, I);
+}
+
+// xs: the shared address of X staged [N rows of xstride bytes] (swiglu applied), or 0: X read from
+// global memory (L2) here.
+template <int MB>
+__device__ __forceinline__ void page_mma(const OpDesc& op, const Page& pg, uint32_t page, uint32_t xs, int xstride,
+                                         const bf16* X, int64_t ld, bool swiglu, int64_t I, int N,
+                                         float (&acc)[MB][4]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   int rows[MB];
 #pragma unroll
@@ -376,7 +400,7 @@ __device__ __forceinline__ void page_mma(const OpDesc& op, const Page& pg, uint3
         const uint4 wb = lds16(page + (g + 8) * BF16_ROW_BYTES + kk * 2);
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb) {
-          const uint4 xv = load_x(X, ld, rows[mb], pg.k0 + kk, swiglu, I);
+          const uint4 xv = x_operand<MB>(xs, xstride, X, ld, swiglu, I, rows[mb], pg.k0 + kk);
           mma_bf16(acc[mb], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
           mma_bf16(acc[mb], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
         }
@@ -403,7 +427,7 @@ __device__ __forceinline__ void page_mma(const OpDesc& op, const Page& pg, uint3
         const int k = pg.k0 + c * 128 + 32 * part + 8 * q;
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb) {
-          const uint4 xv = load_x(X, ld, rows[mb], k, swiglu, I);
+          const uint4 xv = x_operand<MB>(xs, xstride, X, ld, swiglu, I, rows[mb], k);
           mma_bf16(acc[mb], a0, b0, a1, b1, xv.x, xv.y);
           mma_bf16(acc[mb], a2, b2, a3, b3, xv.z, xv.w);
         }
@@ -413,7 +437,7 @@ __device__ __forceinline__ void page_mma(const OpDesc& op, const Page& pg, uint3
 }
 
 // ------------------------------------------------------------------ instructions
-__device__ void run_embed(const Params& p) {
+__device__ void run_embed(const Params& p, float* part) {
   const int H = (int)p.H;
   for (int i = threadIdx.x; i < p.N * (H / 8); i += COMPUTE_THREADS) {
     const int r = i / (H / 8), c = (i % (H / 8)) * 8;
@@ -423,12 +447,12 @@ __device__ void run_embed(const Params& p) {
   }
   __threadfence_block();
   compute_sync();
-  rmsnorm_rows(p, p.layers[0].ln1);
+  rmsnorm_rows(p, p.layers[0].ln1, part);
 }
 
 template <int MB>
 __device__ void run_gemv(const Params& p, const OpDesc& op, int tile0, int ntiles, uint32_t pages, uint32_t full,
-                         uint32_t empty, int& page_seq, float* red, int instr) {
+                         uint32_t empty, int& page_seq, float* red, uint32_t xs_area, int instr) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int N = (int)p.N;
   const bf16* X;
@@ -438,6 +462,22 @@ __device__ void run_gemv(const Params& p, const OpDesc& op, int tile0, int ntile
     case K_O: X = p.o; ld = p.nh * p.hd; break;
     case K_DOWN: X = p.gu; ld = 2 * p.I; swiglu = true; break;
     default: X = p.h; ld = p.H; break;
+  }
+  // stage X [N, K] in shared memory once for the instruction's tiles (the SwiGLU applied) when it fits
+  const int K = (int)op.K;
+  const int xstride = K * 2 + 64;             // 64 mod 128 bytes: conflict-free fragment loads
+  uint32_t xs = 0;
+  if (N * xstride <= XS_BYTES) {
+    xs = xs_area;
+    const int per_row = K / 8;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < N * per_row; i += COMPUTE_THREADS) {
+      const int r = i / per_row, c = (i - r * per_row) * 8;
+      const uint4 v = load_x(X, ld, r, c, swiglu, p.I);
+      asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" :: "r"(xs + r * xstride + c * 2), "r"(v.x), "r"(v.y),
+                   "r"(v.z), "r"(v.w) : "memory");
+    }
+    compute_sync();
   }
   const int npt = pages_per_tile(op);
   for (int t = tile0; t < tile0 + ntiles; ++t) {
@@ -449,7 +489,7 @@ __device__ void run_gemv(const Params& p, const OpDesc& op, int tile0, int ntile
       const int slot = page_seq % NPAGES;
       const uint32_t parity = (page_seq / NPAGES) & 1;
       mbar_wait(p, full + 8 * slot, parity, instr, (uint64_t)p.timeout_ns);
-      page_mma<MB>(op, pg, pages + slot * PAGE_BYTES, X, ld, swiglu, p.I, N, acc);
+      page_mma<MB>(op, pg, pages + slot * PAGE_BYTES, xs, xstride, X, ld, swiglu, p.I, N, acc);
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + 8 * slot);
       ++page_seq;
@@ -491,6 +531,82 @@ __device__ void run_gemv(const Params& p, const OpDesc& op, int tile0, int ntile
     __threadfence();          // every writer fences before the barrier that precedes a signal
     compute_sync();
   }
+}
+
+// One warp's online softmax over keys [kb, ke) of one query row q (HD floats in shared memory):
+// lane = key within a piece of 32; K rows read in full (HD / 8 16-byte loads in flight), the 32
+// V rows of a piece loaded before their FMAs (lane = HD / 32 dims). Writes the warp's partial
+// (max, sum, O) to pm / pl / po[warp].
+template <int HD>
+__device__ __forceinline__ void attn_warp(const float* q, const uint8_t* mrow, const bf16* kbase, const bf16* vbase,
+                                          int64_t kv_stride, int kb, int ke, float sl2, float* pm, float* pl,
+                                          float* po) {
+  constexpr int DPL = HD / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float m_run = -INFINITY, l_run = 0.f, o[DPL];
+#pragma unroll
+  for (int e = 0; e < DPL; ++e) o[e] = 0.f;
+  for (int j0 = kb; j0 < ke; j0 += 32) {
+    const int j = j0 + lane;
+    float s = -INFINITY;
+    if (j < ke && mrow[j]) {
+      const bf16* kr = kbase + (int64_t)j * kv_stride;
+      uint4 kv[HD / 8];
+#pragma unroll
+      for (int c = 0; c < HD / 8; ++c) kv[c] = ldcg16(kr + 8 * c);
+      float d = 0.f;
+#pragma unroll
+      for (int c = 0; c < HD / 8; ++c) {
+        const uint32_t u[4] = {kv[c].x, kv[c].y, kv[c].z, kv[c].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = unpack_bf16x2(u[e]);
+          d = fmaf(q[8 * c + 2 * e], f.x, d);
+          d = fmaf(q[8 * c + 2 * e + 1], f.y, d);
+        }
+      }
+      s = d * sl2;
+    }
+    float mx = s;
+#pragma unroll
+    for (int off = 16; off; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float m_new = fmaxf(m_run, mx);
+    if (m_new == -INFINITY) continue;
+    const float alpha = exp2f(m_run - m_new);
+    const float p_own = exp2f(s - m_new);
+    float ps = p_own;
+#pragma unroll
+    for (int off = 16; off; off >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, off);
+    l_run = l_run * alpha + ps;
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) o[e] *= alpha;
+    uint32_t v[32][DPL / 2];
+#pragma unroll
+    for (int jj = 0; jj < 32; ++jj) {
+      const bf16* vr = vbase + (int64_t)min(j0 + jj, ke - 1) * kv_stride + lane * DPL;
+      if constexpr (DPL == 4) {
+        const uint2 w = ldcg8(vr);
+        v[jj][0] = w.x;
+        v[jj][1] = w.y;
+      } else {
+        v[jj][0] = ldcg4(vr);
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < 32; ++jj) {
+      const float pj = __shfl_sync(0xffffffffu, p_own, jj);     // 0 for masked keys and j >= ke
+#pragma unroll
+      for (int e = 0; e < DPL / 2; ++e) {
+        const float2 f = unpack_bf16x2(v[jj][e]);
+        o[2 * e] = fmaf(pj, f.x, o[2 * e]);
+        o[2 * e + 1] = fmaf(pj, f.y, o[2 * e + 1]);
+      }
+    }
+    m_run = m_new;
+  }
+  if (lane == 0) { pm[warp] = m_run; pl[warp] = l_run; }
+#pragma unroll
+  for (int e = 0; e < DPL; ++e) po[warp * HD + lane * DPL + e] = o[e];
 }
 
 // Attention of rows [row0, row0 + nrows) of query head hq (nrows <= 8) in layer `layer`.
@@ -541,66 +657,16 @@ __device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows
   // 3. warps = (row, key split); online softmax over the split's keys
   const int L_len = *p.n_valid;
   const int nsplit = max(1, COMPUTE_WARPS / nrows);
-  const int items = nrows * nsplit;
-  if (warp < items) {
+  if (warp < nrows * nsplit) {
     const int r = warp % nrows, sp = warp / nrows, t = row0 + r;
     const int per = ((L_len + nsplit - 1) / nsplit + 31) / 32 * 32;
     const int kb = sp * per, ke = min(L_len, kb + per);
     const uint8_t* mrow = p.mask + (int64_t)t * p.mask_stride;
-    const float* q = qs + r * hd;
-    const float sl2 = (float)p.scale_log2;
-    const int dpl = hd / 32;                         // dims per lane: 4 (hd 128) or 2 (hd 64)
-    float m_run = -INFINITY, l_run = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int j0 = kb; j0 < ke; j0 += 32) {
-      const int j = j0 + lane;
-      float s = -INFINITY;
-      if (j < ke && mrow[j]) {
-        const bf16* kr = L.kc + ((int64_t)j * p.nkv + kh) * hd;
-        float d = 0.f;
-        for (int c = 0; c < hd; c += 8) {
-          const uint4 kv = ldcg16(kr + c);
-          const uint32_t u[4] = {kv.x, kv.y, kv.z, kv.w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float2 f = unpack_bf16x2(u[e]);
-            d = fmaf(q[c + 2 * e], f.x, d);
-            d = fmaf(q[c + 2 * e + 1], f.y, d);
-          }
-        }
-        s = d * sl2;
-      }
-      float mx = s;
-#pragma unroll
-      for (int off = 16; off; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      const float m_new = fmaxf(m_run, mx);
-      if (m_new == -INFINITY) continue;
-      const float alpha = exp2f(m_run - m_new);
-      const float pj_own = exp2f(s - m_new);
-      float ps = pj_own;
-#pragma unroll
-      for (int off = 16; off; off >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, off);
-      l_run = l_run * alpha + ps;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[e] *= alpha;
-      const int nj = min(32, ke - j0);
-      for (int jj = 0; jj < nj; ++jj) {
-        const float pj = __shfl_sync(0xffffffffu, pj_own, jj);
-        if (pj == 0.f) continue;
-        const bf16* vr = L.vc + ((int64_t)(j0 + jj) * p.nkv + kh) * hd + lane * dpl;
-        if (dpl == 4) {
-          const uint2 v = ldcg8(vr);
-          const float2 a = unpack_bf16x2(v.x), b = unpack_bf16x2(v.y);
-          o[0] = fmaf(pj, a.x, o[0]); o[1] = fmaf(pj, a.y, o[1]);
-          o[2] = fmaf(pj, b.x, o[2]); o[3] = fmaf(pj, b.y, o[3]);
-        } else {
-          const float2 a = unpack_bf16x2(ldcg4(vr));
-          o[0] = fmaf(pj, a.x, o[0]); o[1] = fmaf(pj, a.y, o[1]);
-        }
-      }
-      m_run = m_new;
-    }
-    if (lane == 0) { pm[warp] = m_run; pl[warp] = l_run; }
-    for (int e = 0; e < dpl; ++e) po[warp * hd + lane * dpl + e] = o[e];
+    const bf16* kbase = L.kc + kh * hd;
+    const bf16* vbase = L.vc + kh * hd;
+    const int64_t kv_stride = p.nkv * hd;
+    if (hd == 128) attn_warp<128>(qs + r * hd, mrow, kbase, vbase, kv_stride, kb, ke, (float)p.scale_log2, pm, pl, po);
+    else attn_warp<64>(qs + r * hd, mrow, kbase, vbase, kv_stride, kb, ke, (float)p.scale_log2, pm, pl, po);
   }
   compute_sync();
   // 4. merge the splits of each row -> o[t, hq * hd + d]
@@ -628,9 +694,10 @@ __device__ void step_body(const Params& p) {
   extern __shared__ __align__(1024) uint8_t smem[];
   const uint32_t pages = smem_addr(smem);
   float* red = reinterpret_cast<float*>(smem + NPAGES * PAGE_BYTES);
-  const uint32_t full = smem_addr(smem + NPAGES * PAGE_BYTES + RED_BYTES);
+  const uint32_t xs_area = smem_addr(smem + NPAGES * PAGE_BYTES + RED_BYTES);
+  const uint32_t full = xs_area + XS_BYTES;
   const uint32_t empty = full + 8 * NPAGES;
-  int* flag = reinterpret_cast<int*>(smem + NPAGES * PAGE_BYTES + RED_BYTES + 16 * NPAGES);
+  int* flag = reinterpret_cast<int*>(smem + NPAGES * PAGE_BYTES + RED_BYTES + XS_BYTES + 16 * NPAGES);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
     for (int i = 0; i < NPAGES; ++i) {
@@ -668,19 +735,19 @@ __device__ void step_body(const Params& p) {
     wait_counter(p, in[4], in[5], i);
     const int opc = in[0];
     if (opc == EMBED) {
-      run_embed(p);
+      run_embed(p, red);
     } else if (opc == ATTN) {
       run_attn(p, in[1], in[2], in[3], in[7], red);
     } else {
       const OpDesc& op = p.ops[in[1]];
-      run_gemv<MB>(p, op, in[2], in[3], pages, full, empty, page_seq, red, i);
+      run_gemv<MB>(p, op, in[2], in[3], pages, full, empty, page_seq, red, xs_area, i);
       if (op.norm_w != nullptr) {
         // O / down: the last instruction to finish applies the next RMSNorm
         if (threadIdx.x == 0) *flag = signal(p, in[6]) == (int)op.n_instr - 1;
         compute_sync();
         if (*flag) {
           __threadfence();
-          rmsnorm_rows(p, op.norm_w);
+          rmsnorm_rows(p, op.norm_w, red);
           __threadfence();
           compute_sync();
           if (threadIdx.x == 0) signal(p, (int)op.norm_ctr);

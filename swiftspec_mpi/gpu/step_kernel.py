@@ -30,8 +30,8 @@ from swiftspec_mpi.gpu.launch import function, launch, sm_count
 
 _SOURCE = "step_kernel"
 THREADS = 288
-NPAGES, PAGE_BYTES, RED_BYTES = 10, 20480, 8 * 16 * 32 * 4
-SMEM_BYTES = NPAGES * PAGE_BYTES + RED_BYTES + 2 * NPAGES * 8 + 16
+NPAGES, PAGE_BYTES, RED_BYTES, XS_BYTES = 6, 20480, 8 * 16 * 32 * 4, 88 * 1024   # cuda/step_kernel.cu's
+SMEM_BYTES = NPAGES * PAGE_BYTES + RED_BYTES + XS_BYTES + 2 * NPAGES * 8 + 16
 MAX_TOKENS = 32
 TIMEOUT_S = 2.0             # a counter wait longer than this is a stuck schedule (watchdog)
 _KIND_NAMES = {ss.K_QKV: "QKV", ss.K_O: "O", ss.K_GU: "gate|up", ss.K_DOWN: "down", ss.K_HEAD: "LM head"}

@@ -31,7 +31,7 @@ EMBED, GEMV, ATTN = 0, 1, 2
 K_QKV, K_O, K_GU, K_DOWN, K_HEAD = 0, 1, 2, 3, 4
 CTR_PER_LAYER = 7
 H1, QKV_DONE, ATTN_DONE, O_DONE, H2, GU_DONE, DOWN_DONE = range(7)
-ATTN_ROWS = 8          # token rows of one attention instruction (one warp per row and key split)
+ATTN_ROWS = 8          # token rows of one attention instruction at most (a warp per row and key split)
 TILE = 16              # output rows of one GEMV tile
 
 
@@ -84,6 +84,12 @@ def split_tiles(tiles: int, blocks: int, offset: int) -> list[tuple[int, int, in
     return out
 
 
+def attn_rows(n: int, n_heads: int, blocks: int) -> int:
+    """Token rows of one attention instruction: few enough that the (head, rows) instructions
+    fill the blocks (the 8 warps of one then split the keys of its rows), at most ATTN_ROWS."""
+    return max(1, min(ATTN_ROWS, -(-n * n_heads // blocks)))
+
+
 def build(shape: Shape, blocks: int) -> Schedule:
     """The schedule of one step of `shape` over `blocks` resident blocks."""
     if shape.n < 1 or shape.n > 32:
@@ -110,12 +116,13 @@ def build(shape: Shape, blocks: int) -> Schedule:
         base = 4 * l
         n_qkv = gemv(base + 0, shape.qkv_rows, (ctr(l, H1), 1), ctr(l, QKV_DONE))
         n_attn = 0
+        rows = attn_rows(shape.n, shape.n_heads, blocks)
         for hq in range(shape.n_heads):
-            for r0 in range(0, shape.n, ATTN_ROWS):
+            for r0 in range(0, shape.n, rows):
                 b = rot % blocks
                 rot += 1
                 per_block[b].append([ATTN, l, hq, r0, ctr(l, QKV_DONE), n_qkv, ctr(l, ATTN_DONE),
-                                     min(ATTN_ROWS, shape.n - r0)])
+                                     min(rows, shape.n - r0)])
                 n_attn += 1
         n_o = gemv(base + 1, shape.hidden, (ctr(l, ATTN_DONE), n_attn), ctr(l, O_DONE))
         n_gu = gemv(base + 2, shape.inter2, (ctr(l, H2), 1), ctr(l, GU_DONE))
