@@ -208,3 +208,44 @@ def test_watchdog_names_the_instruction():
         sk.check()
     sk.repair(2)
     _check_step(model, 2, 50, "chain")
+
+
+BF16_TIE = 0.03      # as tests/test_gpu_engine.py: a bf16 near-tie relative to the largest |logit|
+
+
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory):
+    import subprocess
+    import sys
+    d = tmp_path_factory.mktemp("tiny64")
+    subprocess.run([sys.executable, "-m", "swiftspec_mpi", "tiny-checkpoint", str(d), "--hidden", "256",
+                    "--heads", "4", "--kv-heads", "2", "--intermediate", "512"], check=True, timeout=300)
+    return str(d / "target")
+
+
+@pytest.mark.mpi
+def test_engine_ar_persistent_equals_chain(tiny64, tmp_path):
+    """Greedy ar, bf16: --step-kernel persistent gives the chain's tokens, up to a position where
+    the float32 reference's top-2 margin is a bf16 near-tie (the rule of tests/test_gpu_engine.py),
+    every token the greedy choice within BF16_TIE; the trace records which step ran."""
+    import json
+    from engine_helpers import greedy_gaps, read_outputs, read_requests, read_root, run_swiftspec, write_prompts
+    _available()
+    prompts = write_prompts(tmp_path / "p.jsonl", ["Write a Python function to add two numbers.",
+                                                  "Explain photosynthesis briefly."])
+    outs = {}
+    for how in ("persistent", "chain"):
+        out = tmp_path / f"{how}.h5"
+        run_swiftspec(1, ["--target", tiny64, "--mode", "ar", "--device", "cuda", "--dtype", "bfloat16",
+                          "--step-kernel", how, "--prompts", prompts, "--max-new-tokens", "64", "--out", str(out),
+                          "--quiet"], timeout=600)
+        outs[how] = read_outputs(out)
+        graphs = json.loads(read_root(out)["env_json"])["graphs"]
+        assert graphs["step_kernel"] == {"target": how}, graphs
+    for r, ids in enumerate(r["prompt_ids"] for r in read_requests(tmp_path / "chain.h5")):
+        gaps = greedy_gaps(tiny64, ids, outs["persistent"][r])
+        assert all(g <= BF16_TIE for g, _ in gaps), gaps
+        a, b = outs["persistent"][r], outs["chain"][r]
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is not None:
+            assert gaps[i][1] < BF16_TIE, f"request {r}: persistent parts from the chain at {i}, not a near-tie"

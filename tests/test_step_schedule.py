@@ -115,3 +115,21 @@ def test_step_kernel_compiles_for_sm90(tmp_path):
                         str(ROOT / "cuda" / "step_kernel.cu"), "-o", str(tmp_path / "s.cubin")],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
+
+
+def test_step_kernel_flag_and_record():
+    """--step-kernel: unknown values refused; the trace's record of what ran, as analyze prints it;
+    ranks sharing a GPU under MPS run the chain (time-sliced sharing keeps the kernel)."""
+    from swiftspec_mpi.cli.job import mps_shared
+    from swiftspec_mpi.core.config import RunConfig, validate_basic
+    from swiftspec_mpi.core.errors import UserError
+    from swiftspec_mpi.trace.analyze import describe_warmup
+    with pytest.raises(UserError, match="--step-kernel"):
+        validate_basic(RunConfig(step_kernel="megakernel"), 1)
+    cell = describe_warmup({"warm_s": 1.0, "captured": 3, "prompt_graphs": 1, "prompt_buckets": 1,
+                            "step_kernel": {"target": "persistent", "draft": "chain"}})
+    assert cell.endswith("step kernel: target persistent, draft chain"), cell
+    shared = {"shared_gpu_ranks": [[0, 1]], "mps_daemon": [True, True]}
+    assert "share this GPU under MPS" in mps_shared(shared, 1)
+    assert mps_shared({"shared_gpu_ranks": [[0, 1]], "mps_daemon": [False, False]}, 1) is None
+    assert mps_shared({}, 0) is None

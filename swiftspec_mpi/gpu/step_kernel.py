@@ -269,3 +269,20 @@ class StepKernel:
     def repair(self, n: int) -> None:
         st = self.state(n)
         st.instr.copy_(torch.from_numpy(st.schedule.instr.copy()))
+
+
+def attach(model, mode: str, chain_reason: str | None = None) -> tuple[str, str | None]:
+    """`--step-kernel` on a GPU Transformer: mode "auto" / "persistent" sets `model.step_kernel`
+    when the kernel runs the model, "chain" never. -> (what runs: "persistent" or "chain", why the
+    chain when the mode asked otherwise, else None). `chain_reason`: a caller's reason for the
+    chain (GPU shared under MPS)."""
+    if mode == "chain":
+        return "chain", None
+    from swiftspec_mpi.gpu import launch
+    reason = chain_reason or unsupported_reason(model)
+    if reason is None and not launch.available():
+        reason = "CuPy, nvcc or a Hopper GPU is missing"
+    if reason is not None:
+        return "chain", reason
+    model.step_kernel = StepKernel(model)
+    return "persistent", None
