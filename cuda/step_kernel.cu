@@ -451,8 +451,9 @@ __device__ void run_embed(const Params& p, float* part) {
 }
 
 template <int MB>
-__device__ void run_gemv(const Params& p, const OpDesc& op, int tile0, int ntiles, uint32_t pages, uint32_t full,
+__device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int ntiles, uint32_t pages, uint32_t full,
                          uint32_t empty, int& page_seq, float* red, uint32_t xs_area, int instr) {
+  const OpDesc op = op_g;       // in registers for the tile loop
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int N = (int)p.N;
   const bf16* X;
@@ -528,9 +529,10 @@ __device__ void run_gemv(const Params& p, const OpDesc& op, int tile0, int ntile
         default: p.logits[(int64_t)m * p.V + n] = round_bf16(v); break;
       }
     }
-    __threadfence();          // every writer fences before the barrier that precedes a signal
-    compute_sync();
+    compute_sync();             // red is rewritten by the next tile
   }
+  __threadfence();              // once per instruction: every writer fences before the barrier
+  compute_sync();               // that precedes the signal
 }
 
 // One warp's online softmax over keys [kb, ke) of one query row q (HD floats in shared memory):
@@ -715,7 +717,7 @@ __device__ void step_body(const Params& p) {
     for (int i = i_begin; i < i_end; ++i) {
       const int* in = p.instr + (int64_t)i * INSTR_WORDS;
       if (in[0] != GEMV) continue;
-      const OpDesc& op = p.ops[in[1]];
+      const OpDesc op = p.ops[in[1]];
       const int npt = pages_per_tile(op);
       for (int t = in[2]; t < in[2] + in[3]; ++t) {
         for (int j = 0; j < npt; ++j, ++seq) {
