@@ -19,7 +19,7 @@
 //
 // Weight streaming: warp 8 is the loader. It walks the same instruction list and copies each GEMV
 // tile's weights, page after page (16 rows x up to 512 k's of bf16, or 16 rows x up to 16 128-k
-// chunks of 4-bit codes with their scales), into a ring of NPAGES shared-memory pages with
+// chunks of 4-bit codes with their scales), into a ring of `npages` shared-memory pages with
 // cp.async.bulk (the TMA's 1-D copy, completion on an mbarrier). Weights do not depend on
 // activations, so the loader runs ahead of the counters the compute warps wait on: the next
 // tile's, op's and layer's weights stream while the current op finishes and while the block
@@ -56,15 +56,19 @@ typedef __nv_bfloat16 bf16;
 constexpr int COMPUTE_WARPS = 8;
 constexpr int COMPUTE_THREADS = COMPUTE_WARPS * 32;
 constexpr int THREADS = COMPUTE_THREADS + 32;
-constexpr int NPAGES = 6;
+constexpr int MAX_PAGES = 10;
 constexpr int PAGE_BYTES = 20480;
 constexpr int BF16_PAGE_K = 512;                // k's of one bf16 page
 constexpr int BF16_ROW_BYTES = BF16_PAGE_K * 2 + 64;   // 1088 = 64 mod 128: conflict-free rows
 constexpr int Q4_PAGE_CHUNKS = 16;              // 128-k chunks of one 4-bit page
 constexpr int Q4_SCALES_OFF = 16384;            // byte offset of the page's scale words
 constexpr int RED_BYTES = COMPUTE_WARPS * 16 * 32 * 4;
-constexpr int XS_BYTES = 88 * 1024;             // a GEMV instruction's input X [N, K] (+64 B a row)
-constexpr int SMEM_BYTES = NPAGES * PAGE_BYTES + RED_BYTES + XS_BYTES + 2 * NPAGES * 8 + 16;
+// Shared memory: red (the warps' partial tiles, attention's scratch), the pages' mbarriers, a flag,
+// then the pool: X staged [N rows of 2 K + 64 bytes] (`xs_bytes`, the host's choice: the largest
+// op input that leaves room for 4 pages) and the ring of `npages` pages after it.
+constexpr int HEAD_BYTES = 17408;               // red + 2 MAX_PAGES mbarriers + flag, rounded up
+constexpr int SMEM_BYTES = 227 * 1024;
+constexpr int POOL_BYTES = SMEM_BYTES - HEAD_BYTES;
 constexpr int INSTR_WORDS = 8;
 
 enum Op { EMBED = 0, GEMV = 1, ATTN = 2 };
@@ -109,14 +113,15 @@ struct Params {
   const bf16* rope_cos;       // [rope_len, hd]
   const bf16* rope_sin;
   int64_t N, H, nh, nkv, hd, I, V, n_layers, max_slots, rope_len, mask_stride, qkv_cols, vocab_embed;
-  int64_t n_counters, timeout_ns;
+  int64_t n_counters, timeout_ns, npages, xs_bytes;
   double eps, scale_log2;
 };
 // swiftspec_mpi/gpu/step_kernel.py packs these with struct: keep the sizes in step.
-static_assert(SMEM_BYTES <= 227 * 1024, "one block per SM: the shared memory of an sm_90 block");
 static_assert(sizeof(OpDesc) == 12 * 8, "OpDesc layout");
 static_assert(sizeof(LayerDesc) == 4 * 8, "LayerDesc layout");
-static_assert(sizeof(Params) == 37 * 8, "Params layout");
+static_assert(sizeof(Params) == 39 * 8, "Params layout");
+static_assert(RED_BYTES + 2 * MAX_PAGES * 8 + 16 <= HEAD_BYTES, "shared memory head");
+static_assert(MAX_PAGES * PAGE_BYTES <= POOL_BYTES, "pages");
 
 // ------------------------------------------------------------------ small helpers
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
@@ -468,7 +473,7 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
   const int K = (int)op.K;
   const int xstride = K * 2 + 64;             // 64 mod 128 bytes: conflict-free fragment loads
   uint32_t xs = 0;
-  if (N * xstride <= XS_BYTES) {
+  if (N * xstride <= p.xs_bytes) {
     xs = xs_area;
     const int per_row = K / 8;
 #pragma unroll 4
@@ -487,8 +492,9 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
     for (int mb = 0; mb < MB; ++mb) acc[mb][0] = acc[mb][1] = acc[mb][2] = acc[mb][3] = 0.f;
     for (int j = 0; j < npt; ++j) {
       const Page pg = page_of(op, t, j);
-      const int slot = page_seq % NPAGES;
-      const uint32_t parity = (page_seq / NPAGES) & 1;
+      const int np = (int)p.npages;
+      const int slot = page_seq % np;
+      const uint32_t parity = (page_seq / np) & 1;
       mbar_wait(p, full + 8 * slot, parity, instr, (uint64_t)p.timeout_ns);
       page_mma<MB>(op, pg, pages + slot * PAGE_BYTES, xs, xstride, X, ld, swiglu, p.I, N, acc);
       __syncwarp();
@@ -694,15 +700,16 @@ __device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows
 template <int MB>
 __device__ void step_body(const Params& p) {
   extern __shared__ __align__(1024) uint8_t smem[];
-  const uint32_t pages = smem_addr(smem);
-  float* red = reinterpret_cast<float*>(smem + NPAGES * PAGE_BYTES);
-  const uint32_t xs_area = smem_addr(smem + NPAGES * PAGE_BYTES + RED_BYTES);
-  const uint32_t full = xs_area + XS_BYTES;
-  const uint32_t empty = full + 8 * NPAGES;
-  int* flag = reinterpret_cast<int*>(smem + NPAGES * PAGE_BYTES + RED_BYTES + XS_BYTES + 16 * NPAGES);
+  const int np = (int)p.npages;
+  float* red = reinterpret_cast<float*>(smem);
+  const uint32_t full = smem_addr(smem + RED_BYTES);
+  const uint32_t empty = full + 8 * MAX_PAGES;
+  int* flag = reinterpret_cast<int*>(smem + RED_BYTES + 16 * MAX_PAGES);
+  const uint32_t xs_area = smem_addr(smem + HEAD_BYTES);
+  const uint32_t pages = xs_area + (uint32_t)p.xs_bytes;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
-    for (int i = 0; i < NPAGES; ++i) {
+    for (int i = 0; i < np; ++i) {
       mbar_init(full + 8 * i, 1);
       mbar_init(empty + 8 * i, COMPUTE_WARPS);
     }
@@ -721,8 +728,8 @@ __device__ void step_body(const Params& p) {
       const int npt = pages_per_tile(op);
       for (int t = in[2]; t < in[2] + in[3]; ++t) {
         for (int j = 0; j < npt; ++j, ++seq) {
-          const int slot = seq % NPAGES;
-          if (seq >= NPAGES) mbar_wait(p, empty + 8 * slot, ((seq / NPAGES) - 1) & 1, i, 4 * (uint64_t)p.timeout_ns);
+          const int slot = seq % np;
+          if (seq >= np) mbar_wait(p, empty + 8 * slot, ((seq / np) - 1) & 1, i, 4 * (uint64_t)p.timeout_ns);
           load_page(op, page_of(op, t, j), pages + slot * PAGE_BYTES, full + 8 * slot, lane);
           __syncwarp();
         }

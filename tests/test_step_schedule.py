@@ -133,3 +133,16 @@ def test_step_kernel_flag_and_record():
     assert "share this GPU under MPS" in mps_shared(shared, 1)
     assert mps_shared({"shared_gpu_ranks": [[0, 1]], "mps_daemon": [False, False]}, 1) is None
     assert mps_shared({}, 0) is None
+
+
+def test_shared_memory_pool_split():
+    """The staged input and the weight pages share the pool: at least 4 pages, never more than
+    the pool, the largest input that fits staged (Llama-3.2-1B at N = 1: the down projection's
+    8192 inputs, 9 pages)."""
+    from swiftspec_mpi.gpu import step_kernel as sk
+    assert sk.pool_split(1, [2048, 2048, 8192]) == (16512, 9)
+    for n in (1, 2, 5, 8, 16, 32):
+        for dims in ([2048, 2048, 8192], [4096, 4096, 14336], [8192, 8192, 28672], [576, 576, 1536]):
+            xs, pages = sk.pool_split(n, dims)
+            assert sk.MIN_PAGES <= pages <= sk.MAX_PAGES and xs % 128 == 0
+            assert xs + pages * sk.PAGE_BYTES <= sk.POOL_BYTES

@@ -30,8 +30,20 @@ from swiftspec_mpi.gpu.launch import function, launch, sm_count
 
 _SOURCE = "step_kernel"
 THREADS = 288
-NPAGES, PAGE_BYTES, RED_BYTES, XS_BYTES = 6, 20480, 8 * 16 * 32 * 4, 88 * 1024   # cuda/step_kernel.cu's
-SMEM_BYTES = NPAGES * PAGE_BYTES + RED_BYTES + XS_BYTES + 2 * NPAGES * 8 + 16
+# cuda/step_kernel.cu's shared memory: a fixed head, then the pool of staged X and weight pages
+PAGE_BYTES, MAX_PAGES, MIN_PAGES = 20480, 10, 4
+SMEM_BYTES, HEAD_BYTES = 227 * 1024, 17408
+POOL_BYTES = SMEM_BYTES - HEAD_BYTES
+
+
+def pool_split(n: int, input_dims: list[int]) -> tuple[int, int]:
+    """(bytes of staged X, weight pages) of the shared-memory pool for n tokens: the largest op
+    input [n, K] (2 K + 64 bytes a row) that leaves room for MIN_PAGES pages is staged (smaller
+    inputs fit in it too; larger ones are read from L2 per page), the rest of the pool is pages."""
+    room = POOL_BYTES - MIN_PAGES * PAGE_BYTES
+    fits = [n * (2 * k + 64) for k in input_dims if n * (2 * k + 64) <= room]
+    xs = -(-max(fits, default=0) // 128) * 128
+    return xs, min(MAX_PAGES, (POOL_BYTES - xs) // PAGE_BYTES)
 MAX_TOKENS = 32
 TIMEOUT_S = 2.0             # a counter wait longer than this is a stuck schedule (watchdog)
 _KIND_NAMES = {ss.K_QKV: "QKV", ss.K_O: "O", ss.K_GU: "gate|up", ss.K_DOWN: "down", ss.K_HEAD: "LM head"}
@@ -123,6 +135,7 @@ class _PerN:
         self.shape = ss.Shape(len(m.layers), n, sh.nh_l, sh.nkv_l, (sh.nh_l + 2 * sh.nkv_l) * hd,
                               cfg.hidden_size, 2 * sh.inter_l, int(m.head.shape[0]))
         self.schedule = ss.build(self.shape, sk.blocks)
+        self.xs_bytes, self.npages = pool_split(n, [cfg.hidden_size, sh.nh_l * hd, sh.inter_l])
         s = self.schedule
         self.instr = torch.from_numpy(s.instr.copy()).to(dev)
         self.block_start = torch.from_numpy(s.block_start.copy()).to(dev)
@@ -192,7 +205,7 @@ class StepKernel:
                 m.rope_cos, m.rope_sin]
         ints = [st.n, cfg.hidden_size, sh.nh_l, sh.nkv_l, cfg.head_dim, sh.inter_l, st.shape.vocab_rows,
                 len(m.layers), m.max_slots, m.rope_cos.shape[0], mask.stride(0), st.shape.qkv_rows,
-                m.embed.shape[0], st.schedule.n_counters, self.timeout_ns]
+                m.embed.shape[0], st.schedule.n_counters, self.timeout_ns, st.npages, st.xs_bytes]
         dbl = [float(cfg.rms_norm_eps), 1.0 / math.sqrt(cfg.head_dim) * math.log2(math.e)]
         raw = struct.pack(f"<{len(ptrs)}Q{len(ints)}q{len(dbl)}d", *[_ptr(t) for t in ptrs], *ints, *dbl)
         p = st.params[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(m.device)
