@@ -80,8 +80,8 @@ def load_one(cfg, path, comm, dtype, device, num_layers, chain_reason: str | Non
     """-> (model, tokenizer), the LM head packed 4-bit with --head-bits 4 (4-bit models on the
     GPU); on a GPU with bf16 and the fused kernels, the model replays CUDA
     graphs for its decode-sized forwards (gpu.graphs.GraphedModel, same interface) unless
-    SWIFTSPEC_NO_GRAPHS=1, each graph one launch of the persistent step kernel unless
-    --step-kernel chain or the kernel cannot run it (`chain_reason`, or
+    SWIFTSPEC_NO_GRAPHS=1; with --step-kernel persistent each graph is one launch of the
+    persistent step kernel, unless the kernel cannot run the model (`chain_reason`, or
     gpu.step_kernel.unsupported_reason: one line on the group's rank 0 says so).
     `model.step_kernel_ran` says which: "persistent" or "chain"."""
     if cfg.load_format == "dummy":

@@ -48,7 +48,7 @@ class Request:
 # --quant: auto = a quantized checkpoint runs packed, a dense one dense; int4 = packed 4-bit
 # (with --load-format dummy: random packed weights, group 128); none = dequantize to --dtype
 QUANTS = ("auto", "int4", "none")
-STEP_KERNELS = ("auto", "persistent", "chain")
+STEP_KERNELS = ("chain", "persistent")
 
 
 @dataclass
@@ -63,8 +63,9 @@ class RunConfig:
     load_format: str = "auto"          # auto | dummy (random weights at the checkpoint's shape)
     quant: str = "auto"                # auto | int4 | none: packed 4-bit weights (model/quant.py)
     head_bits: int = 16                # 16 | 4: the LM head as loaded, or packed 4-bit at load (GPU int4)
-    step_kernel: str = "auto"          # auto | persistent | chain: a GPU decode step as one persistent
-    #                                    kernel (gpu/step_kernel.py) or the chain of fused kernels
+    step_kernel: str = "chain"         # chain | persistent: a GPU decode step as the chain of fused
+    #                                    kernels, or one persistent kernel (gpu/step_kernel.py; slower
+    #                                    than the chain so far: docs/benchmarks.md)
     # parallel layout
     mode: str = "async"
     draft_ranks: int | None = None     # async: ranks in the draft group (default: 1, or world/4 from 8 ranks)

@@ -285,10 +285,10 @@ class StepKernel:
 
 
 def attach(model, mode: str, chain_reason: str | None = None) -> tuple[str, str | None]:
-    """`--step-kernel` on a GPU Transformer: mode "auto" / "persistent" sets `model.step_kernel`
-    when the kernel runs the model, "chain" never. -> (what runs: "persistent" or "chain", why the
-    chain when the mode asked otherwise, else None). `chain_reason`: a caller's reason for the
-    chain (GPU shared under MPS)."""
+    """`--step-kernel` on a GPU Transformer: mode "persistent" sets `model.step_kernel` when the
+    kernel runs the model, "chain" never. -> (what runs: "persistent" or "chain", why the chain
+    when persistent was asked, else None). `chain_reason`: a caller's reason for the chain (GPU
+    shared under MPS)."""
     if mode == "chain":
         return "chain", None
     from swiftspec_mpi.gpu import launch
