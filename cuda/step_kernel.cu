@@ -24,7 +24,10 @@
 // activations, so the loader runs ahead of the counters the compute warps wait on: the next
 // tile's, op's and layer's weights stream while the current op finishes and while the block
 // waits. The 8 compute warps split each page's k's, multiply on tensor cores (mma m16n8k16: the
-// 16 W rows as A, up to 32 token rows as B in m-blocks of 8) and release the page.
+// 16 W rows as A, up to 32 token rows as B in m-blocks of 8) and release the page. A GEMV
+// instruction first stages its input X [N, K] in shared memory (the SwiGLU applied for the down
+// projection) when it fits in the host's split of the pool (step_kernel.py, pool_split: the
+// largest input that leaves 4 pages); else X is read from L2 for each page.
 //
 // Weight formats: bf16 [rows, K] row-major (each page = 16 row segments, padded to a 64-byte
 // odd multiple so that the fragment loads are conflict-free); 4-bit = swiftspec_mpi.gpu.w4a16's
