@@ -622,7 +622,7 @@ __device__ __forceinline__ void attn_warp(const float* q, const uint8_t* mrow, c
 
 // Attention of rows [row0, row0 + nrows) of query head hq (nrows <= 8) in layer `layer`.
 __device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows, float* scratch) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
   const int hd = (int)p.hd, half = hd / 2, N = (int)p.N;
   const int group = (int)(p.nh / p.nkv), kh = hq / group;
   const LayerDesc& L = p.layers[layer];
