@@ -124,7 +124,7 @@ class Job:
         error = None      # (exit code, one-line message) of this rank's load failure
         target = draft = tokenizer = None
         try:
-            target, draft, tokenizer = load_models(cfg, topo, self.device)
+            target, draft, tokenizer = load_models(cfg, topo, self.device, chain_reason=mps_shared(gpu_sharing, self.rank))
         except UserError as exc:
             error = (EXIT_USER_ERROR, str(exc))
         except (MemoryError, RuntimeError) as exc:
@@ -345,3 +345,15 @@ class Job:
             os._exit(EXIT_RUNTIME_ERROR)     # an abort that returned (its launcher is going away)
         notify_rank0_and_abort(self.world, f"{role}: {msg}", EXIT_RUNTIME_ERROR, fallback_line=line)
         return EXIT_RUNTIME_ERROR
+
+
+def mps_shared(gpu_sharing: dict | None, rank: int) -> str | None:
+    """Why this rank's GPU steps must not be persistent kernels, or None: ranks that share a GPU
+    under MPS run their kernels side by side, and two persistent kernels each holding part of
+    the SMs while waiting for blocks that cannot start would stall (time-sliced sharing is safe)."""
+    sharing = gpu_sharing or {}
+    mps = sharing.get("mps_daemon") or []
+    for group in sharing.get("shared_gpu_ranks") or []:
+        if rank in group and rank < len(mps) and mps[rank]:
+            return "ranks " + ",".join(map(str, group)) + " share this GPU under MPS"
+    return None

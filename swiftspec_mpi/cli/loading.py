@@ -56,7 +56,7 @@ def make_comm(group, device: str, peers: str = "a rank of this group"):
     return MpiGroupComm(group, peers)
 
 
-def load_models(cfg, topo, device):
+def load_models(cfg, topo, device, chain_reason: str | None = None):
     """-> (target or None, draft or None, target tokenizer or None) for this rank's group."""
     dtype = torch_dtype(cfg.dtype)
     comm = make_comm(topo.group, device, topo.describe_group_peers())
@@ -64,9 +64,9 @@ def load_models(cfg, topo, device):
     wants_target = cfg.mode != "async" or topo.role != ROLE_DRAFT
     wants_draft = cfg.mode == "sync" or (cfg.mode == "async" and topo.role == ROLE_DRAFT)
     if wants_target:
-        target, tokenizer = load_one(cfg, cfg.target, comm, dtype, device, None)
+        target, tokenizer = load_one(cfg, cfg.target, comm, dtype, device, None, chain_reason)
     if wants_draft:
-        draft, dtok = load_one(cfg, cfg.draft, comm, dtype, device, cfg.draft_layers)
+        draft, dtok = load_one(cfg, cfg.draft, comm, dtype, device, cfg.draft_layers, chain_reason)
         tokenizer = tokenizer or dtok
     if hasattr(comm, "enable_fused_allreduce") and switches.flag("SWIFTSPEC_FUSED_ALLREDUCE"):
         max_n = max(m.cfg.hidden_size for m in (target, draft) if m is not None)
@@ -76,11 +76,14 @@ def load_models(cfg, topo, device):
     return target, draft, tokenizer
 
 
-def load_one(cfg, path, comm, dtype, device, num_layers):
+def load_one(cfg, path, comm, dtype, device, num_layers, chain_reason: str | None = None):
     """-> (model, tokenizer), the LM head packed 4-bit with --head-bits 4 (4-bit models on the
     GPU); on a GPU with bf16 and the fused kernels, the model replays CUDA
     graphs for its decode-sized forwards (gpu.graphs.GraphedModel, same interface) unless
-    SWIFTSPEC_NO_GRAPHS=1."""
+    SWIFTSPEC_NO_GRAPHS=1; with --step-kernel persistent each graph is one launch of the
+    persistent step kernel, unless the kernel cannot run the model (`chain_reason`, or
+    gpu.step_kernel.unsupported_reason: one line on the group's rank 0 says so).
+    `model.step_kernel_ran` says which: "persistent" or "chain"."""
     if cfg.load_format == "dummy":
         model, tok = dummy_model(path, comm, cfg.max_context, dtype, device, num_layers, quant=cfg.quant)
     else:
@@ -88,8 +91,15 @@ def load_one(cfg, path, comm, dtype, device, num_layers):
                                            device=device, num_layers=num_layers, quant=cfg.quant)
     if cfg.head_bits == 4 and model.quant4:
         model.quantize_head()
+    model.step_kernel_ran = "chain"
     if device.startswith("cuda") and not switches.flag("SWIFTSPEC_NO_GRAPHS"):
         if graphs_supported(model):
+            from swiftspec_mpi.gpu import step_kernel
+            ran, why = step_kernel.attach(model, cfg.step_kernel, chain_reason)
+            model.step_kernel_ran = ran
+            if why is not None and cfg.step_kernel != "chain" and comm.rank == 0:
+                print(f"swiftspec run: step kernel: {why}; running the chain of kernels", file=sys.stderr,
+                      flush=True)
             model = GraphedModel(model)
     return model, tok
 
@@ -207,7 +217,9 @@ def warm_graphs(ctx, loop_forward) -> None:
                 model.forward_prompt([0] * n, n - 1)      # eager: its first call paid here
         model.freeze()
     torch.cuda.synchronize()
-    ctx.scratch["graphs"] = {"captured": sum(len(m.static) for m, _ in models), "prompt_buckets": buckets,
+    ctx.scratch["graphs"] = {"step_kernel": {role: getattr(m, "step_kernel_ran", "chain") for role, m in
+                                             (("target", ctx.target), ("draft", ctx.draft)) if m is not None},
+                             "captured": sum(len(m.static) for m, _ in models), "prompt_buckets": buckets,
                              "prompt_graphs": sum(len(m.prompt_graphs) for m, _ in models),
                              "warm_s": round(time.perf_counter() - t0, 3)}
 

@@ -36,6 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--head-bits", type=int, choices=(16, 4),
                    help="16 (default): the LM head as loaded; 4: packed 4-bit at load (round-to-nearest, "
                         "group 128; GPU with --quant int4): a quarter of its bytes a step, 4-bit logits")
+    m.add_argument("--step-kernel", choices=("chain", "persistent"),
+                   help="GPU decode step: chain (default) = the chain of fused kernels in a CUDA graph; "
+                        "persistent = one launch of the persistent step kernel (TP = 1, bf16 / 4-bit "
+                        "weights; where it cannot run, the chain, and one line says why). The persistent "
+                        "step is still slower than the chain (docs/benchmarks.md)")
     m.add_argument("--dtype", help="float32 (default) | bfloat16 | float16")
     g = p.add_argument_group("parallel layout")
     g.add_argument("--mode", help=f"{' | '.join(MODES)} (default async)")
@@ -113,7 +118,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     del S
 
 
-FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "quant", "head_bits", "dtype", "mode",
+FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "quant", "head_bits", "step_kernel", "dtype", "mode",
                "draft_ranks", "async_policy", "floor_depth", "threads", "device", "prompt", "prompts", "interactive", "serve", "serve_max_body",
                "serve_read_timeout", "chat", "max_new_tokens", "stop",
                "stop_token_ids", "ignore_eos", "temperature", "seed", "sampling_rule", "tree_width", "tree_topk",

@@ -48,6 +48,7 @@ class Request:
 # --quant: auto = a quantized checkpoint runs packed, a dense one dense; int4 = packed 4-bit
 # (with --load-format dummy: random packed weights, group 128); none = dequantize to --dtype
 QUANTS = ("auto", "int4", "none")
+STEP_KERNELS = ("chain", "persistent")
 
 
 @dataclass
@@ -62,6 +63,9 @@ class RunConfig:
     load_format: str = "auto"          # auto | dummy (random weights at the checkpoint's shape)
     quant: str = "auto"                # auto | int4 | none: packed 4-bit weights (packed/int4.py)
     head_bits: int = 16                # 16 | 4: the LM head as loaded, or packed 4-bit at load (GPU int4)
+    step_kernel: str = "chain"         # chain | persistent: a GPU decode step as the chain of fused
+    #                                    kernels, or one persistent kernel (gpu/step_kernel.py; slower
+    #                                    than the chain so far: docs/benchmarks.md)
     # parallel layout
     mode: str = "async"
     draft_ranks: int | None = None     # async: ranks in the draft group (default: 1, or world/4 from 8 ranks)
@@ -240,6 +244,8 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         raise UserError(f"unknown --quant '{cfg.quant}'; use {', '.join(QUANTS)}")
     if cfg.head_bits not in (16, 4):
         raise UserError(f"--head-bits must be 16 or 4, got {cfg.head_bits}")
+    if cfg.step_kernel not in STEP_KERNELS:
+        raise UserError(f"unknown --step-kernel '{cfg.step_kernel}'; use {', '.join(STEP_KERNELS)}")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise UserError(f"unknown device '{cfg.device}'; use auto, cpu or cuda")
     positive = {"max_new_tokens": cfg.max_new_tokens, "tree_topk": cfg.tree_topk,

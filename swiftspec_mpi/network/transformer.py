@@ -137,6 +137,7 @@ class Transformer(torch.nn.Module):
         #                     lookup); head: [v_chunk, hidden], [hidden, v_chunk] or PackedWeight
         self.head = None
         self.loaded = False
+        self.step_kernel = None     # gpu/step_kernel.StepKernel: forward_graphable's one-launch path
 
     # ------------------------------------------------------------------------------ loading
     def load_weights(self, source) -> None:
@@ -377,6 +378,9 @@ class Transformer(torch.nn.Module):
         slots attended, read on the device by the fused tree-attention kernel. All on the GPU,
         bf16 model. Returns float32 logits [N, vocab_size]. Same math as `forward`.
 
+        With `step_kernel` set (gpu/step_kernel.py, `--step-kernel persistent`), N <= 32 runs as
+        one launch of the persistent step kernel (its logits: a static buffer of that N).
+
         Uses the fused elementwise kernels (swiftspec_mpi.gpu.fused_ops: residual add + RMSNorm,
         RoPE + KV write, SiLU * up) when `fused_ops.enabled()`, else the torch ops of `_layers`;
         with them, the projections follow `fused_ops.gemm_mode()` (default "pdl": our GEMV for
@@ -384,6 +388,8 @@ class Transformer(torch.nn.Module):
         """
         from swiftspec_mpi.gpu import fused_ops, kernels
 
+        if self.step_kernel is not None and self.step_kernel.takes(int(tokens.shape[0])):
+            return self.step_kernel.forward(tokens, positions, write_slots, mask, n_valid)
         if fused_ops.enabled():
             return self._graphable_fused(tokens, positions, write_slots, mask, n_valid)
 

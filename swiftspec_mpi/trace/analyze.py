@@ -247,8 +247,17 @@ def describe_warmup(graphs: dict | None) -> str:
     """env_json["graphs"] (cli.loading.warm_graphs, rank 0's models) -> one cell, '-' when absent."""
     if not graphs:
         return "-"
-    return (f"{fmt_number(graphs.get('warm_s'), 1)} s: {graphs.get('captured', 0)} step graphs, "
+    cell = (f"{fmt_number(graphs.get('warm_s'), 1)} s: {graphs.get('captured', 0)} step graphs, "
             f"{graphs.get('prompt_graphs', 0)} prompt graphs / {graphs.get('prompt_buckets', 0)} prompt lengths")
+    return cell + describe_step_kernel(graphs.get("step_kernel"))
+
+
+def describe_step_kernel(ran: dict | None) -> str:
+    """env_json["graphs"]["step_kernel"] ({role: "persistent" | "chain"}) -> ", step kernel: target
+    persistent, draft chain" ('' when the trace predates the record)."""
+    if not ran:
+        return ""
+    return ", step kernel: " + ", ".join(f"{role} {how}" for role, how in ran.items())
 
 
 def table_rows(summaries: list[dict]) -> list[tuple[str, list[str]]]:

@@ -1,0 +1,797 @@
+// One decode step of a Llama/Qwen2 decoder as ONE persistent kernel (swiftspec_mpi/gpu/step_kernel.py
+// builds the schedule and launches it): embedding, RMSNorm, QKV (+ bias), RoPE, KV append, tree
+// attention, O projection + residual, SwiGLU MLP + residual, final norm, LM head -> fp32 logits.
+//
+// Grid: one block per SM (all resident: the blocks wait on each other), 9 warps. Each block walks
+// its own list of instructions (built on the host once per model and N, in layer order):
+//   EMBED  x = embed[tokens]; h = RMSNorm(x, ln1 of layer 0)
+//   GEMV   `ntiles` 16-row tiles of one projection (QKV, O, gate|up, down or the LM head) over all
+//          K, with the op's epilogue; O and down add into the residual x, and the block that
+//          finishes the op's last instruction (the last arriver) runs the following RMSNorm of
+//          x into h (ln2, the next layer's ln1, or the final norm)
+//   ATTN   one query head x up to 8 rows: RoPE of this KV head's new K rows + their K/V append
+//          into the cache (every instruction of the KV head writes the same values), then the
+//          masked attention of the rows over the slots [0, n_valid) with an online softmax, the
+//          keys split over the warps and merged in shared memory
+// Dependencies: counters in global memory (a producer's stores, __threadfence, atomicAdd; the
+// consumer's thread 0 spins on an acquire load); no grid-wide barrier. The last block to finish
+// zeroes every counter, so the next launch starts clean without another kernel.
+//
+// Weight streaming: warp 8 is the loader. It walks the same instruction list and copies each GEMV
+// tile's weights, page after page (16 rows x up to 512 k's of bf16, or 16 rows x up to 16 128-k
+// chunks of 4-bit codes with their scales), into a ring of `npages` shared-memory pages with
+// cp.async.bulk (the TMA's 1-D copy, completion on an mbarrier). Weights do not depend on
+// activations, so the loader runs ahead of the counters the compute warps wait on: the next
+// tile's, op's and layer's weights stream while the current op finishes and while the block
+// waits. The 8 compute warps split each page's k's, multiply on tensor cores (mma m16n8k16: the
+// 16 W rows as A, up to 32 token rows as B in m-blocks of 8) and release the page. A GEMV
+// instruction first stages its input X [N, K] in shared memory (the SwiGLU applied for the down
+// projection) when it fits in the host's split of the pool (step_kernel.py, pool_split: the
+// largest input that leaves 4 pages); else X is read from L2 for each page.
+//
+// Weight formats: bf16 [rows, K] row-major (each page = 16 row segments, padded to a 64-byte
+// odd multiple so that the fragment loads are conflict-free); 4-bit = swiftspec_mpi.gpu.w4a16's
+// tile-major codes and (scale, offset) words (cuda/w4a16.cu's layout), dequantized to bf16 in
+// registers (W = bf16(q * s + o)), the same unpack as w4a16.cu's E = 0 kernels.
+//
+// Watchdog: every counter wait gives up after `timeout_ns` (globaltimer), writes a record (code 1,
+// the global instruction index, the block, the counter, its value, the target) into `err` (host-
+// mapped pinned memory, so it survives anything), raises the abort flag, and every block then
+// skips its waits (still draining the pages, so that the loader ends): the kernel ends and the
+// host raises an error naming the instruction (every block left waiting also writes its wait into
+// err[8 + 4 block ..]: the host names the earliest stuck one, the root of the others). A page
+// that never arrives (a bug; the loader's wait for a free page lasts 4x the timeout, as long
+// as the compute warps may wait on counters) writes code 2 and traps.
+//
+// Numerics: the chain's roundings (bf16 activations, x += bf16(a) rounded to bf16, RoPE's two
+// roundings, bf16(bf16(silu(g)) * u), logits = float(bf16(acc))); attention in fp32 (P not
+// rounded to bf16). Sums run in a different order than the chain's kernels.
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "mma_bf16.cuh"
+
+namespace step {
+
+typedef __nv_bfloat16 bf16;
+
+constexpr int COMPUTE_WARPS = 8;
+constexpr int COMPUTE_THREADS = COMPUTE_WARPS * 32;
+constexpr int THREADS = COMPUTE_THREADS + 32;
+constexpr int MAX_PAGES = 10;
+constexpr int PAGE_BYTES = 20480;
+constexpr int BF16_PAGE_K = 512;                // k's of one bf16 page
+constexpr int BF16_ROW_BYTES = BF16_PAGE_K * 2 + 64;   // 1088 = 64 mod 128: conflict-free rows
+constexpr int Q4_PAGE_CHUNKS = 16;              // 128-k chunks of one 4-bit page
+constexpr int Q4_SCALES_OFF = 16384;            // byte offset of the page's scale words
+constexpr int RED_BYTES = COMPUTE_WARPS * 16 * 32 * 4;
+// Shared memory: red (the warps' partial tiles, attention's scratch), the pages' mbarriers, a flag,
+// then the pool: X staged [N rows of 2 K + 64 bytes] (`xs_bytes`, the host's choice: the largest
+// op input that leaves room for 4 pages) and the ring of `npages` pages after it.
+constexpr int HEAD_BYTES = 17408;               // red + 2 MAX_PAGES mbarriers + flag, rounded up
+constexpr int SMEM_BYTES = 227 * 1024;
+constexpr int POOL_BYTES = SMEM_BYTES - HEAD_BYTES;
+constexpr int INSTR_WORDS = 8;
+
+enum Op { EMBED = 0, GEMV = 1, ATTN = 2 };
+enum Kind { K_QKV = 0, K_O = 1, K_GU = 2, K_DOWN = 3, K_HEAD = 4 };
+
+// Every field 8 bytes (the host packs them with struct 'Q' / 'q' / 'd').
+struct OpDesc {
+  const void* w;          // bf16 [rows, K] or uint8 codes [rows, K / 2] (tile-major)
+  const uint32_t* so;     // 4-bit: (scale, offset) words [rows, K / group] (tile-major), else null
+  const bf16* bias;       // [rows] or null
+  const bf16* norm_w;     // O / down: the RMSNorm the last arriver applies after the op, else null
+  int64_t rows, K, fmt, group;   // fmt 0 bf16, 1 4-bit
+  int64_t kind, layer, n_instr, norm_ctr;   // n_instr: instructions of the op (last arriver)
+};
+
+struct LayerDesc {
+  const bf16* ln1;
+  bf16* kc;               // [max_slots, nkv, hd]
+  bf16* vc;
+  int64_t pad;
+};
+
+struct Params {
+  const int64_t* tokens;      // [N]
+  const int64_t* positions;   // [N]
+  const int64_t* slots;       // [N]
+  const uint8_t* mask;        // [N, mask_stride]
+  const int* n_valid;         // [1]
+  bf16* x;                    // [N, H] residual
+  bf16* h;                    // [N, H] normed
+  bf16* qkv;                  // [N, QKV]
+  bf16* o;                    // [N, nh * hd]
+  bf16* gu;                   // [N, 2 I]
+  float* logits;              // [N, V]
+  int* counters;
+  int* err;                   // host-mapped [8]
+  const int* instr;           // [n, INSTR_WORDS]
+  const int* block_start;     // [gridDim.x + 1]
+  const OpDesc* ops;
+  const LayerDesc* layers;
+  const bf16* embed;          // [V_embed, H]
+  const bf16* rope_cos;       // [rope_len, hd]
+  const bf16* rope_sin;
+  int64_t N, H, nh, nkv, hd, I, V, n_layers, max_slots, rope_len, mask_stride, qkv_cols, vocab_embed;
+  int64_t n_counters, timeout_ns, npages, xs_bytes;
+  double eps, scale_log2;
+};
+// swiftspec_mpi/gpu/step_kernel.py packs these with struct: keep the sizes in step.
+static_assert(sizeof(OpDesc) == 12 * 8, "OpDesc layout");
+static_assert(sizeof(LayerDesc) == 4 * 8, "LayerDesc layout");
+static_assert(sizeof(Params) == 39 * 8, "Params layout");
+static_assert(RED_BYTES + 2 * MAX_PAGES * 8 + 16 <= HEAD_BYTES, "shared memory head");
+static_assert(MAX_PAGES * PAGE_BYTES <= POOL_BYTES, "pages");
+
+// ------------------------------------------------------------------ small helpers
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+__device__ __forceinline__ uint4 ldcg16(const void* p) {      // L2 only: data other blocks wrote
+  uint4 r;
+  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ uint2 ldcg8(const void* p) {
+  uint2 r;
+  asm volatile("ld.global.cg.v2.u32 {%0,%1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ uint32_t ldcg4(const void* p) {
+  uint32_t r;
+  asm volatile("ld.global.cg.u32 %0, [%1];\n" : "=r"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ float ldcg_bf16(const bf16* p) {
+  unsigned short r;
+  asm volatile("ld.global.cg.u16 %0, [%1];\n" : "=h"(r) : "l"(p));
+  return __bfloat162float(__ushort_as_bfloat16(r));
+}
+__device__ __forceinline__ uint4 lds16(uint32_t addr) {
+  uint4 r;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+  return r;
+}
+__device__ __forceinline__ uint32_t lds4(uint32_t addr) {
+  uint32_t r;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(r) : "r"(addr));
+  return r;
+}
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ float2 unpack_bf16x2(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+}
+
+// mbarrier + 1-D bulk copy (sm_90)
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+  return ok != 0;
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// Watchdog record (host-mapped memory): code, instruction, block, counter, value, target. The
+// first reporter raises the abort flag and writes the record; the others only see the flag up.
+__device__ void report(const Params& p, int code, int instr, int ctr, int value, int target) {
+  if (atomicCAS(p.counters + p.n_counters - 2, 0, 1) == 0) {
+    volatile int* e = p.err;
+    e[1] = instr; e[2] = blockIdx.x; e[3] = ctr; e[4] = value; e[5] = target;
+    __threadfence_system();
+    e[0] = code;
+    __threadfence_system();
+  }
+}
+
+__device__ void mbar_wait(const Params& p, uint32_t bar, uint32_t parity, int instr, uint64_t limit_ns) {
+  if (mbar_try_wait(bar, parity)) return;
+  const uint64_t t0 = globaltimer();
+  while (!mbar_try_wait(bar, parity)) {
+    if (globaltimer() - t0 > limit_ns) {
+      report(p, 2, instr, -1, 0, 0);
+      asm volatile("trap;");
+    }
+  }
+}
+
+// Thread 0 of the compute warps waits until counters[ctr] >= target (or the abort flag is up),
+// then the compute warps pass a barrier.
+__device__ void wait_counter(const Params& p, int ctr, int target, int instr) {
+  if (threadIdx.x == 0 && ctr >= 0) {
+    int* c = p.counters + ctr;
+    int* abort_flag = p.counters + p.n_counters - 2;
+    int v = ld_acquire(c);
+    if (v < target) {
+      const uint64_t t0 = globaltimer();
+      while ((v = ld_acquire(c)) < target) {
+        const bool aborted = ld_acquire(abort_flag) != 0;
+        if (aborted || globaltimer() - t0 > (uint64_t)p.timeout_ns) {
+          if (!aborted) report(p, 1, instr, ctr, v, target);
+          // every block left waiting says where (the host names the earliest stuck wait)
+          volatile int* b = p.err + 8 + 4 * blockIdx.x;
+          b[1] = ctr; b[2] = v; b[3] = target;
+          __threadfence_system();
+          b[0] = instr + 1;
+          __threadfence_system();
+          break;
+        }
+        __nanosleep(32);
+      }
+    }
+  }
+  compute_sync();
+}
+
+// Thread 0: publish this block's writes and add one to counters[ctr]; returns the old value.
+__device__ __forceinline__ int signal(const Params& p, int ctr) {
+  __threadfence();
+  return atomicAdd(p.counters + ctr, 1);
+}
+
+// RMSNorm of the N rows of x into h with weight w (compute warps: 8 / N warps a row when N < 8,
+// a warp a row from N = 8; `part` holds COMPUTE_WARPS floats of shared memory).
+__device__ void rmsnorm_rows(const Params& p, const bf16* w, float* part) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int H = (int)p.H, N = (int)p.N;
+  const int wpr = N >= 8 ? 1 : N >= 4 ? 2 : N >= 2 ? 4 : 8;      // warps per row
+  for (int r0 = 0; r0 < N; r0 += COMPUTE_WARPS / wpr) {
+    const int r = r0 + warp / wpr, sub = warp % wpr;
+    const bf16* xr = p.x + (int64_t)r * H;
+    float ss = 0.f;
+    if (r < N) {
+#pragma unroll 4
+      for (int c = (sub * 32 + lane) * 8; c < H; c += wpr * 256) {
+        const uint4 v = ldcg16(xr + c);
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = unpack_bf16x2(u[i]);
+          ss = fmaf(f.x, f.x, ss);
+          ss = fmaf(f.y, f.y, ss);
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) part[warp] = ss;
+    compute_sync();
+    if (r < N) {
+      float tot = 0.f;
+      for (int i = 0; i < wpr; ++i) tot += part[(warp / wpr) * wpr + i];
+      const float inv = rsqrtf(tot / (float)H + (float)p.eps);
+      bf16* hr = p.h + (int64_t)r * H;
+#pragma unroll 4
+      for (int c = (sub * 32 + lane) * 8; c < H; c += wpr * 256) {
+        const uint4 v = ldcg16(xr + c);
+        const uint4 wv = *reinterpret_cast<const uint4*>(w + c);
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w}, wu[4] = {wv.x, wv.y, wv.z, wv.w};
+        uint32_t o[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = unpack_bf16x2(u[i]), g = unpack_bf16x2(wu[i]);
+          o[i] = pack_bf16x2(f.x * inv * g.x, f.y * inv * g.y);
+        }
+        *reinterpret_cast<uint4*>(hr + c) = make_uint4(o[0], o[1], o[2], o[3]);
+      }
+    }
+    compute_sync();
+  }
+}
+
+// ------------------------------------------------------------------ pages of a GEMV instruction
+struct Page {
+  int tile, k0, kspan;    // bf16: k's; 4-bit: k0 in k's, kspan in k's (multiple of 128)
+};
+
+__device__ __forceinline__ int pages_per_tile(const OpDesc& op) {
+  return op.fmt == 0 ? (int)((op.K + BF16_PAGE_K - 1) / BF16_PAGE_K)
+                     : (int)((op.K / 128 + Q4_PAGE_CHUNKS - 1) / Q4_PAGE_CHUNKS);
+}
+
+__device__ __forceinline__ Page page_of(const OpDesc& op, int tile, int j) {
+  Page pg;
+  pg.tile = tile;
+  const int span = op.fmt == 0 ? BF16_PAGE_K : Q4_PAGE_CHUNKS * 128;
+  pg.k0 = j * span;
+  pg.kspan = min(span, (int)op.K - pg.k0);
+  return pg;
+}
+
+// Loader lane: issue the copies of one page into `dst` (shared address) on mbarrier `bar`.
+__device__ void load_page(const OpDesc& op, const Page& pg, uint32_t dst, uint32_t bar, int lane) {
+  const int64_t K = op.K;
+  if (op.fmt == 0) {
+    const uint32_t bytes = (uint32_t)pg.kspan * 2;
+    if (lane == 0) mbar_expect_tx(bar, bytes * 16);
+    __syncwarp();
+    if (lane < 16) {
+      const bf16* src = reinterpret_cast<const bf16*>(op.w) + ((int64_t)pg.tile * 16 + lane) * K + pg.k0;
+      bulk_copy(dst + lane * BF16_ROW_BYTES, src, bytes, bar);
+    }
+  } else {
+    const int c0 = pg.k0 / 128, nch = pg.kspan / 128;
+    const int SW = 128 / (int)op.group;
+    const uint32_t code_bytes = 1024u * nch, so_bytes = 64u * SW * nch;
+    if (lane == 0) {
+      mbar_expect_tx(bar, code_bytes + so_bytes);
+      const uint8_t* q = reinterpret_cast<const uint8_t*>(op.w) + (int64_t)pg.tile * 16 * (K / 2) + 1024 * (int64_t)c0;
+      const uint32_t* so = op.so + (int64_t)pg.tile * 16 * (K / op.group) + 16 * SW * (int64_t)c0;
+      bulk_copy(dst, q, code_bytes, bar);
+      bulk_copy(dst + Q4_SCALES_OFF, so, so_bytes, bar);
+    }
+  }
+}
+
+// X operand: 8 consecutive k's of token row `row` at column k as 4 bf16x2 words. swiglu: the
+// input is gu [N, 2I] and the operand bf16(bf16(silu(g)) * u) (the down projection's input).
+__device__ __forceinline__ uint4 load_x(const bf16* X, int64_t ld, int row, int k, bool swiglu, int64_t I) {
+  const bf16* base = X + (int64_t)row * ld + k;
+  if (!swiglu) return ldcg16(base);
+  const uint4 g = ldcg16(base), u = ldcg16(base + I);
+  const uint32_t gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 gf = unpack_bf16x2(gw[i]), uf = unpack_bf16x2(uw[i]);
+    const float s0 = round_bf16(gf.x / (1.f + __expf(-gf.x))), s1 = round_bf16(gf.y / (1.f + __expf(-gf.y)));
+    o[i] = pack_bf16x2(s0 * uf.x, s1 * uf.y);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+__device__ __forceinline__ uint32_t dq_pair(uint32_t word, int i, uint32_t so) {
+  const uint32_t t = ((word >> (4 * i)) & 0x000F000Fu) | 0x43004300u;        // bf16 (128 + q)
+  __nv_bfloat162 tv = *reinterpret_cast<const __nv_bfloat162*>(&t);
+  const uint32_t c128 = 0x43004300u;
+  const __nv_bfloat162 q = __hsub2(tv, *reinterpret_cast<const __nv_bfloat162*>(&c128));
+  const uint32_t s = (so & 0xFFFFu) | (so << 16), o = (so >> 16) | (so & 0xFFFF0000u);
+  const __nv_bfloat162 r = __hfma2(q, *reinterpret_cast<const __nv_bfloat162*>(&s),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&o));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// One page's MMAs for this warp: acc[mb] (16 W rows x 8 tokens of m-block mb).
+template <int MB>
+__device__ __forceinline__ uint4 x_operand(uint32_t xs, int xstride, const bf16* X, int64_t ld, bool swiglu,
+                                           int64_t I, int row, int k) {
+  return xs ? lds16(xs + row * xstride + k * 2) : load_x(X, ld, row, k, swiglu, I);
+}
+
+// xs: the shared address of X staged [N rows of xstride bytes] (swiglu applied), or 0: X read from
+// global memory (L2) here.
+template <int MB>
+__device__ __forceinline__ void page_mma(const OpDesc& op, const Page& pg, uint32_t page, uint32_t xs, int xstride,
+                                         const bf16* X, int64_t ld, bool swiglu, int64_t I, int N,
+                                         float (&acc)[MB][4]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  int rows[MB];
+#pragma unroll
+  for (int mb = 0; mb < MB; ++mb) rows[mb] = min(8 * mb + g, N - 1);   // rows past N: read row N-1, dropped
+  if (op.fmt == 0) {
+    const int steps = pg.kspan / 32;
+#pragma unroll
+    for (int it = 0; it < BF16_PAGE_K / 32 / COMPUTE_WARPS; ++it) {
+      const int s = warp + it * COMPUTE_WARPS;
+      if (s < steps) {
+        const int kk = s * 32 + 8 * q;
+        const uint4 wa = lds16(page + g * BF16_ROW_BYTES + kk * 2);
+        const uint4 wb = lds16(page + (g + 8) * BF16_ROW_BYTES + kk * 2);
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) {
+          const uint4 xv = x_operand<MB>(xs, xstride, X, ld, swiglu, I, rows[mb], pg.k0 + kk);
+          mma_bf16(acc[mb], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
+          mma_bf16(acc[mb], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+        }
+      }
+    }
+  } else {
+    const int nch = pg.kspan / 128;
+    const int SW = 128 / (int)op.group;
+#pragma unroll 1
+    for (int c = warp; c < nch; c += COMPUTE_WARPS) {
+      const uint32_t cb = page + c * 1024;
+      const uint4 wa = lds16(cb + g * 64 + q * 16);
+      const uint4 wb = lds16(cb + (g + 8) * 64 + q * 16);
+      const uint32_t sb = page + Q4_SCALES_OFF + c * 64 * SW;
+      const uint32_t wav[4] = {wa.x, wa.y, wa.z, wa.w}, wbv[4] = {wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+      for (int part = 0; part < 4; ++part) {
+        const int gi = part * SW / 4;
+        const uint32_t sa = lds4(sb + (g * SW + gi) * 4), sbb = lds4(sb + ((g + 8) * SW + gi) * 4);
+        const uint32_t a0 = dq_pair(wav[part], 0, sa), a1 = dq_pair(wav[part], 1, sa);
+        const uint32_t a2 = dq_pair(wav[part], 2, sa), a3 = dq_pair(wav[part], 3, sa);
+        const uint32_t b0 = dq_pair(wbv[part], 0, sbb), b1 = dq_pair(wbv[part], 1, sbb);
+        const uint32_t b2 = dq_pair(wbv[part], 2, sbb), b3 = dq_pair(wbv[part], 3, sbb);
+        const int k = pg.k0 + c * 128 + 32 * part + 8 * q;
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) {
+          const uint4 xv = x_operand<MB>(xs, xstride, X, ld, swiglu, I, rows[mb], k);
+          mma_bf16(acc[mb], a0, b0, a1, b1, xv.x, xv.y);
+          mma_bf16(acc[mb], a2, b2, a3, b3, xv.z, xv.w);
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ instructions
+__device__ void run_embed(const Params& p, float* part) {
+  const int H = (int)p.H;
+  for (int i = threadIdx.x; i < p.N * (H / 8); i += COMPUTE_THREADS) {
+    const int r = i / (H / 8), c = (i % (H / 8)) * 8;
+    int64_t t = p.tokens[r];
+    t = t < 0 ? 0 : t >= p.vocab_embed ? p.vocab_embed - 1 : t;
+    *reinterpret_cast<uint4*>(p.x + (int64_t)r * H + c) = *reinterpret_cast<const uint4*>(p.embed + t * H + c);
+  }
+  __threadfence_block();
+  compute_sync();
+  rmsnorm_rows(p, p.layers[0].ln1, part);
+}
+
+template <int MB>
+__device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int ntiles, uint32_t pages, uint32_t full,
+                         uint32_t empty, int& page_seq, float* red, uint32_t xs_area, int instr) {
+  const OpDesc op = op_g;       // in registers for the tile loop
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int N = (int)p.N;
+  const bf16* X;
+  int64_t ld;
+  bool swiglu = false;
+  switch ((int)op.kind) {
+    case K_O: X = p.o; ld = p.nh * p.hd; break;
+    case K_DOWN: X = p.gu; ld = 2 * p.I; swiglu = true; break;
+    default: X = p.h; ld = p.H; break;
+  }
+  // stage X [N, K] in shared memory once for the instruction's tiles (the SwiGLU applied) when it fits
+  const int K = (int)op.K;
+  const int xstride = K * 2 + 64;             // 64 mod 128 bytes: conflict-free fragment loads
+  uint32_t xs = 0;
+  if (N * xstride <= p.xs_bytes) {
+    xs = xs_area;
+    const int per_row = K / 8;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < N * per_row; i += COMPUTE_THREADS) {
+      const int r = i / per_row, c = (i - r * per_row) * 8;
+      const uint4 v = load_x(X, ld, r, c, swiglu, p.I);
+      asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" :: "r"(xs + r * xstride + c * 2), "r"(v.x), "r"(v.y),
+                   "r"(v.z), "r"(v.w) : "memory");
+    }
+    compute_sync();
+  }
+  const int npt = pages_per_tile(op);
+  for (int t = tile0; t < tile0 + ntiles; ++t) {
+    float acc[MB][4];
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) acc[mb][0] = acc[mb][1] = acc[mb][2] = acc[mb][3] = 0.f;
+    for (int j = 0; j < npt; ++j) {
+      const Page pg = page_of(op, t, j);
+      const int np = (int)p.npages;
+      const int slot = page_seq % np;
+      const uint32_t parity = (page_seq / np) & 1;
+      mbar_wait(p, full + 8 * slot, parity, instr, (uint64_t)p.timeout_ns);
+      page_mma<MB>(op, pg, pages + slot * PAGE_BYTES, xs, xstride, X, ld, swiglu, p.I, N, acc);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + 8 * slot);
+      ++page_seq;
+    }
+    // partial tiles of the 8 warps -> red[warp][row 16][token 32]
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) {
+      float* r = red + warp * 512;
+      r[g * 32 + 8 * mb + 2 * q] = acc[mb][0];
+      r[g * 32 + 8 * mb + 2 * q + 1] = acc[mb][1];
+      r[(g + 8) * 32 + 8 * mb + 2 * q] = acc[mb][2];
+      r[(g + 8) * 32 + 8 * mb + 2 * q + 1] = acc[mb][3];
+    }
+    compute_sync();
+    for (int i = threadIdx.x; i < 16 * N; i += COMPUTE_THREADS) {
+      const int rr = i % 16, m = i / 16;
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < COMPUTE_WARPS; ++w) v += red[w * 512 + rr * 32 + m];
+      const int64_t n = (int64_t)t * 16 + rr;
+      switch ((int)op.kind) {
+        case K_QKV: {
+          if (op.bias) v += __bfloat162float(op.bias[n]);
+          p.qkv[(int64_t)m * p.qkv_cols + n] = __float2bfloat16_rn(v);
+          break;
+        }
+        case K_O:
+        case K_DOWN: {
+          if (op.bias) v += __bfloat162float(op.bias[n]);
+          const float a = round_bf16(v);
+          bf16* xp = p.x + (int64_t)m * p.H + n;
+          *xp = __float2bfloat16_rn(ldcg_bf16(xp) + a);
+          break;
+        }
+        case K_GU: p.gu[(int64_t)m * 2 * p.I + n] = __float2bfloat16_rn(v); break;
+        default: p.logits[(int64_t)m * p.V + n] = round_bf16(v); break;
+      }
+    }
+    compute_sync();             // red is rewritten by the next tile
+  }
+  __threadfence();              // once per instruction: every writer fences before the barrier
+  compute_sync();               // that precedes the signal
+}
+
+// One warp's online softmax over keys [kb, ke) of one query row q (HD floats in shared memory):
+// lane = key within a piece of 32; K rows read in full (HD / 8 16-byte loads in flight), the 32
+// V rows of a piece loaded before their FMAs (lane = HD / 32 dims). Writes the warp's partial
+// (max, sum, O) to pm / pl / po[warp].
+template <int HD>
+__device__ __forceinline__ void attn_warp(const float* q, const uint8_t* mrow, const bf16* kbase, const bf16* vbase,
+                                          int64_t kv_stride, int kb, int ke, float sl2, float* pm, float* pl,
+                                          float* po) {
+  constexpr int DPL = HD / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float m_run = -INFINITY, l_run = 0.f, o[DPL];
+#pragma unroll
+  for (int e = 0; e < DPL; ++e) o[e] = 0.f;
+  for (int j0 = kb; j0 < ke; j0 += 32) {
+    const int j = j0 + lane;
+    float s = -INFINITY;
+    if (j < ke && mrow[j]) {
+      const bf16* kr = kbase + (int64_t)j * kv_stride;
+      uint4 kv[HD / 8];
+#pragma unroll
+      for (int c = 0; c < HD / 8; ++c) kv[c] = ldcg16(kr + 8 * c);
+      float d = 0.f;
+#pragma unroll
+      for (int c = 0; c < HD / 8; ++c) {
+        const uint32_t u[4] = {kv[c].x, kv[c].y, kv[c].z, kv[c].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = unpack_bf16x2(u[e]);
+          d = fmaf(q[8 * c + 2 * e], f.x, d);
+          d = fmaf(q[8 * c + 2 * e + 1], f.y, d);
+        }
+      }
+      s = d * sl2;
+    }
+    float mx = s;
+#pragma unroll
+    for (int off = 16; off; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float m_new = fmaxf(m_run, mx);
+    if (m_new == -INFINITY) continue;
+    const float alpha = exp2f(m_run - m_new);
+    const float p_own = exp2f(s - m_new);
+    float ps = p_own;
+#pragma unroll
+    for (int off = 16; off; off >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, off);
+    l_run = l_run * alpha + ps;
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) o[e] *= alpha;
+    uint32_t v[32][DPL / 2];
+#pragma unroll
+    for (int jj = 0; jj < 32; ++jj) {
+      const bf16* vr = vbase + (int64_t)min(j0 + jj, ke - 1) * kv_stride + lane * DPL;
+      if constexpr (DPL == 4) {
+        const uint2 w = ldcg8(vr);
+        v[jj][0] = w.x;
+        v[jj][1] = w.y;
+      } else {
+        v[jj][0] = ldcg4(vr);
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < 32; ++jj) {
+      const float pj = __shfl_sync(0xffffffffu, p_own, jj);     // 0 for masked keys and j >= ke
+#pragma unroll
+      for (int e = 0; e < DPL / 2; ++e) {
+        const float2 f = unpack_bf16x2(v[jj][e]);
+        o[2 * e] = fmaf(pj, f.x, o[2 * e]);
+        o[2 * e + 1] = fmaf(pj, f.y, o[2 * e + 1]);
+      }
+    }
+    m_run = m_new;
+  }
+  if (lane == 0) { pm[warp] = m_run; pl[warp] = l_run; }
+#pragma unroll
+  for (int e = 0; e < DPL; ++e) po[warp * HD + lane * DPL + e] = o[e];
+}
+
+// Attention of rows [row0, row0 + nrows) of query head hq (nrows <= 8) in layer `layer`.
+__device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows, float* scratch) {
+  const int warp = threadIdx.x / 32;
+  const int hd = (int)p.hd, half = hd / 2, N = (int)p.N;
+  const int group = (int)(p.nh / p.nkv), kh = hq / group;
+  const LayerDesc& L = p.layers[layer];
+  // 1. RoPE of this KV head's new K rows and the K/V append (all N tokens; idempotent).
+  for (int i = threadIdx.x; i < N * half; i += COMPUTE_THREADS) {
+    const int t = i / half, j = i % half;
+    int64_t pos = p.positions[t];
+    pos = pos < 0 ? 0 : pos >= p.rope_len ? p.rope_len - 1 : pos;
+    const int64_t slot = p.slots[t];
+    const bf16* kr = p.qkv + (int64_t)t * p.qkv_cols + (p.nh + kh) * hd;
+    const bf16* vr = kr + p.nkv * hd;
+    const float x0 = ldcg_bf16(kr + j), x1 = ldcg_bf16(kr + j + half);
+    const float c0 = __bfloat162float(p.rope_cos[pos * hd + j]), c1 = __bfloat162float(p.rope_cos[pos * hd + j + half]);
+    const float s0 = __bfloat162float(p.rope_sin[pos * hd + j]), s1 = __bfloat162float(p.rope_sin[pos * hd + j + half]);
+    const float y0 = round_bf16(x0 * c0) + x1 * s0, y1 = round_bf16(x1 * c1) + x0 * s1;
+    if (slot >= 0 && slot < p.max_slots) {
+      bf16* kd = L.kc + (slot * p.nkv + kh) * hd;
+      bf16* vd = L.vc + (slot * p.nkv + kh) * hd;
+      kd[j] = __float2bfloat16_rn(y0);
+      kd[j + half] = __float2bfloat16_rn(y1);
+      vd[j] = __float2bfloat16_rn(ldcg_bf16(vr + j));
+      vd[j + half] = __float2bfloat16_rn(ldcg_bf16(vr + j + half));
+    }
+  }
+  // 2. q rows (RoPE'd, rounded to bf16 as the chain stores them) into shared memory
+  float* qs = scratch;                              // [8][hd]
+  float* pm = scratch + 8 * hd;                     // [8] partial max (log2 units)
+  float* pl = pm + 8;                               // [8] partial sum
+  float* po = pl + 8;                               // [8][hd] partial O
+  for (int i = threadIdx.x; i < nrows * half; i += COMPUTE_THREADS) {
+    const int r = i / half, j = i % half, t = row0 + r;
+    int64_t pos = p.positions[t];
+    pos = pos < 0 ? 0 : pos >= p.rope_len ? p.rope_len - 1 : pos;
+    const bf16* qr = p.qkv + (int64_t)t * p.qkv_cols + (int64_t)hq * hd;
+    const float x0 = ldcg_bf16(qr + j), x1 = ldcg_bf16(qr + j + half);
+    const float c0 = __bfloat162float(p.rope_cos[pos * hd + j]), c1 = __bfloat162float(p.rope_cos[pos * hd + j + half]);
+    const float s0 = __bfloat162float(p.rope_sin[pos * hd + j]), s1 = __bfloat162float(p.rope_sin[pos * hd + j + half]);
+    qs[r * hd + j] = round_bf16(round_bf16(x0 * c0) + x1 * s0);
+    qs[r * hd + j + half] = round_bf16(round_bf16(x1 * c1) + x0 * s1);
+  }
+  __threadfence_block();
+  compute_sync();
+  // 3. warps = (row, key split); online softmax over the split's keys
+  const int L_len = *p.n_valid;
+  const int nsplit = max(1, COMPUTE_WARPS / nrows);
+  if (warp < nrows * nsplit) {
+    const int r = warp % nrows, sp = warp / nrows, t = row0 + r;
+    const int per = ((L_len + nsplit - 1) / nsplit + 31) / 32 * 32;
+    const int kb = sp * per, ke = min(L_len, kb + per);
+    const uint8_t* mrow = p.mask + (int64_t)t * p.mask_stride;
+    const bf16* kbase = L.kc + kh * hd;
+    const bf16* vbase = L.vc + kh * hd;
+    const int64_t kv_stride = p.nkv * hd;
+    if (hd == 128) attn_warp<128>(qs + r * hd, mrow, kbase, vbase, kv_stride, kb, ke, (float)p.scale_log2, pm, pl, po);
+    else attn_warp<64>(qs + r * hd, mrow, kbase, vbase, kv_stride, kb, ke, (float)p.scale_log2, pm, pl, po);
+  }
+  compute_sync();
+  // 4. merge the splits of each row -> o[t, hq * hd + d]
+  for (int i = threadIdx.x; i < nrows * hd; i += COMPUTE_THREADS) {
+    const int r = i / hd, d = i % hd;
+    float M = -INFINITY;
+    for (int sp = 0; sp < nsplit; ++sp) M = fmaxf(M, pm[sp * nrows + r]);
+    float lsum = 0.f, acc = 0.f;
+    if (M != -INFINITY) {
+      for (int sp = 0; sp < nsplit; ++sp) {
+        const int w = sp * nrows + r;
+        const float f = exp2f(pm[w] - M);
+        lsum += pl[w] * f;
+        acc += po[w * hd + d] * f;
+      }
+    }
+    p.o[(int64_t)(row0 + r) * p.nh * hd + (int64_t)hq * hd + d] = __float2bfloat16_rn(lsum > 0.f ? acc / lsum : 0.f);
+  }
+  compute_sync();
+}
+
+// ------------------------------------------------------------------ the kernel
+template <int MB>
+__device__ void step_body(const Params& p) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const int np = (int)p.npages;
+  float* red = reinterpret_cast<float*>(smem);
+  const uint32_t full = smem_addr(smem + RED_BYTES);
+  const uint32_t empty = full + 8 * MAX_PAGES;
+  int* flag = reinterpret_cast<int*>(smem + RED_BYTES + 16 * MAX_PAGES);
+  const uint32_t xs_area = smem_addr(smem + HEAD_BYTES);
+  const uint32_t pages = xs_area + (uint32_t)p.xs_bytes;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < np; ++i) {
+      mbar_init(full + 8 * i, 1);
+      mbar_init(empty + 8 * i, COMPUTE_WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int i_begin = p.block_start[blockIdx.x], i_end = p.block_start[blockIdx.x + 1];
+
+  if (warp == COMPUTE_WARPS) {
+    // loader: every page of every GEMV instruction of this block, in order
+    int seq = 0;
+    for (int i = i_begin; i < i_end; ++i) {
+      const int* in = p.instr + (int64_t)i * INSTR_WORDS;
+      if (in[0] != GEMV) continue;
+      const OpDesc op = p.ops[in[1]];
+      const int npt = pages_per_tile(op);
+      for (int t = in[2]; t < in[2] + in[3]; ++t) {
+        for (int j = 0; j < npt; ++j, ++seq) {
+          const int slot = seq % np;
+          if (seq >= np) mbar_wait(p, empty + 8 * slot, ((seq / np) - 1) & 1, i, 4 * (uint64_t)p.timeout_ns);
+          load_page(op, page_of(op, t, j), pages + slot * PAGE_BYTES, full + 8 * slot, lane);
+          __syncwarp();
+        }
+      }
+    }
+    return;
+  }
+
+  int page_seq = 0;
+  for (int i = i_begin; i < i_end; ++i) {
+    const int* in = p.instr + (int64_t)i * INSTR_WORDS;
+    wait_counter(p, in[4], in[5], i);
+    const int opc = in[0];
+    if (opc == EMBED) {
+      run_embed(p, red);
+    } else if (opc == ATTN) {
+      run_attn(p, in[1], in[2], in[3], in[7], red);
+    } else {
+      const OpDesc& op = p.ops[in[1]];
+      run_gemv<MB>(p, op, in[2], in[3], pages, full, empty, page_seq, red, xs_area, i);
+      if (op.norm_w != nullptr) {
+        // O / down: the last instruction to finish applies the next RMSNorm
+        if (threadIdx.x == 0) *flag = signal(p, in[6]) == (int)op.n_instr - 1;
+        compute_sync();
+        if (*flag) {
+          __threadfence();
+          rmsnorm_rows(p, op.norm_w, red);
+          __threadfence();
+          compute_sync();
+          if (threadIdx.x == 0) signal(p, (int)op.norm_ctr);
+        }
+        compute_sync();
+        continue;
+      }
+    }
+    __threadfence();
+    compute_sync();
+    if (threadIdx.x == 0 && in[6] >= 0) signal(p, in[6]);
+  }
+  // the last block out zeroes the counters for the next launch (abort flag included)
+  compute_sync();
+  if (threadIdx.x == 0) *flag = signal(p, (int)p.n_counters - 1) == (int)gridDim.x - 1;
+  compute_sync();
+  if (*flag) {
+    __threadfence();
+    for (int c = threadIdx.x; c < p.n_counters; c += COMPUTE_THREADS) atomicExch(p.counters + c, 0);
+  }
+}
+
+}  // namespace step
+
+// step_kernel_mb<MB>: grid = the schedule's blocks (<= one per SM), step::THREADS threads,
+// step::SMEM_BYTES of dynamic shared memory; MB = m-blocks of 8 token rows (N <= 8 MB).
+extern "C" __global__ void __launch_bounds__(step::THREADS, 1) step_kernel_mb1(const step::Params* p) {
+  step::step_body<1>(*p);
+}
+extern "C" __global__ void __launch_bounds__(step::THREADS, 1) step_kernel_mb2(const step::Params* p) {
+  step::step_body<2>(*p);
+}
+extern "C" __global__ void __launch_bounds__(step::THREADS, 1) step_kernel_mb4(const step::Params* p) {
+  step::step_body<4>(*p);
+}

@@ -1,0 +1,301 @@
+"""The persistent step kernel (cuda/step_kernel.cu) on a GPU `Transformer`: one launch per decode
+step instead of the chain of ~9 kernels a layer.
+
+    reason = unsupported_reason(model)     # None when the kernel takes this model
+    sk = StepKernel(model)                  # tables built once (weights stay where they are)
+    logits = sk.forward(tokens, positions, write_slots, mask, n_valid)   # forward_graphable's contract
+    sk.check()                              # after a sync: StepKernelError if the watchdog fired
+
+Shapes (N new tokens, 1 <= N <= 32; H hidden, V vocabulary, S = max_slots):
+    tokens, positions, write_slots int64 [N]; mask bool [N, S] (columns < n_valid read);
+    n_valid int32 [1]; returns float32 logits [N, V] (a static buffer of this N: the next call
+    overwrites it), the new tokens' K/V written into the model's cache at write_slots.
+
+The schedule (gpu/step_schedule.py) is built per N, the first time N is asked for; the params
+block (pointers + sizes) per N and input buffers, so a CUDA graph captured over one set of input
+tensors replays it. Weights: bf16 [out, in] tensors or gpu.w4a16.W4A16Weight (any mix), head bf16
+or 4-bit. TP = 1 only (`unsupported_reason` says so for a group).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import struct
+
+import numpy as np
+import torch
+
+from swiftspec_mpi.gpu import step_schedule as ss
+from swiftspec_mpi.gpu.launch import function, launch, sm_count
+
+_SOURCE = "step_kernel"
+THREADS = 288
+# cuda/step_kernel.cu's shared memory: a fixed head, then the pool of staged X and weight pages
+PAGE_BYTES, MAX_PAGES, MIN_PAGES = 20480, 10, 4
+SMEM_BYTES, HEAD_BYTES = 227 * 1024, 17408
+POOL_BYTES = SMEM_BYTES - HEAD_BYTES
+
+
+def pool_split(n: int, input_dims: list[int]) -> tuple[int, int]:
+    """(bytes of staged X, weight pages) of the shared-memory pool for n tokens: the largest op
+    input [n, K] (2 K + 64 bytes a row) that leaves room for MIN_PAGES pages is staged (smaller
+    inputs fit in it too; larger ones are read from L2 per page), the rest of the pool is pages."""
+    room = POOL_BYTES - MIN_PAGES * PAGE_BYTES
+    fits = [n * (2 * k + 64) for k in input_dims if n * (2 * k + 64) <= room]
+    xs = -(-max(fits, default=0) // 128) * 128
+    return xs, min(MAX_PAGES, (POOL_BYTES - xs) // PAGE_BYTES)
+MAX_TOKENS = 32
+TIMEOUT_S = 2.0             # a counter wait longer than this is a stuck schedule (watchdog)
+_KIND_NAMES = {ss.K_QKV: "QKV", ss.K_O: "O", ss.K_GU: "gate|up", ss.K_DOWN: "down", ss.K_HEAD: "LM head"}
+
+
+def _counter_name(c: int, n_layers: int) -> str:
+    layer, which = divmod(c, ss.CTR_PER_LAYER)
+    if layer >= n_layers:
+        return ["the final norm", "LM head done", "abort", "exit"][which] if which < 4 else "?"
+    names = ["ln1 norm", "QKV done", "attention done", "O done", "ln2 norm", "gate|up done", "down done"]
+    return f"layer {layer} {names[which]}"
+
+
+class StepKernelError(RuntimeError):
+    """The step kernel's watchdog fired (a counter never reached its target) or a page never
+    arrived; the message names the instruction."""
+
+
+def _is_w4(w) -> bool:
+    from swiftspec_mpi.gpu.w4a16 import W4A16Weight
+    return isinstance(w, W4A16Weight)
+
+
+def _weight_reason(name: str, w, k: int) -> str | None:
+    if _is_w4(w):
+        return None if w.shape[1] == k and w.shape[0] % 16 == 0 else f"{name}: 4-bit shape {w.shape}"
+    if not (isinstance(w, torch.Tensor) and w.is_cuda and w.dtype == torch.bfloat16 and w.dim() == 2
+            and w.is_contiguous() and w.shape[1] == k):
+        return f"{name}: not a contiguous bf16 CUDA [out, {k}] matrix"
+    if w.shape[0] % 16 or k % 32 or w.data_ptr() % 16:
+        return f"{name}: [{w.shape[0]}, {k}] (the kernel needs out % 16 == 0 and in % 32 == 0)"
+    return None
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the step kernel cannot run `model` (a GPU Transformer), or None when it can."""
+    if model.device.type != "cuda" or model.dtype != torch.bfloat16:
+        return "the step kernel runs bf16 models on the GPU"
+    if model.comm.size > 1:
+        return "tensor parallelism (TP > 1) is not built into the step kernel"
+    if torch.cuda.get_device_capability(model.device)[0] < 9:
+        return "the step kernel needs a Hopper GPU (cp.async.bulk)"
+    cfg, sh = model.cfg, model.shard
+    hd, H = cfg.head_dim, cfg.hidden_size
+    if hd not in (64, 128):
+        return f"head_dim {hd} (the step kernel takes 64 or 128)"
+    if H % 32 or sh.nh_l % sh.nkv_l:
+        return f"hidden {H} / heads {sh.nh_l}:{sh.nkv_l}"
+    if not model.loaded or not model.layers:
+        return "the model has no weights"
+    if not (isinstance(model.embed, torch.Tensor) and model.embed.dtype == torch.bfloat16
+            and model.embed.is_contiguous() and model.embed.shape[1] == H):
+        return "the embedding is not a bf16 [vocab, hidden] table"
+    lay = model.layers[0]
+    for name, w, k in (("qkv", lay.wqkv, H), ("o", lay.wo, sh.nh_l * hd), ("gate|up", lay.wgu, H),
+                       ("down", lay.wd, sh.inter_l), ("head", model.head, H)):
+        r = _weight_reason(name, w, k)
+        if r is not None:
+            return r
+    return None
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else int(t.data_ptr())
+
+
+def _op_words(w, bias, norm_w, kind: int, layer: int, n_instr: int, norm_ctr: int) -> bytes:
+    """One OpDesc (cuda/step_kernel.cu): 4 pointers and 8 int64."""
+    if _is_w4(w):
+        rows, k = w.shape
+        ptrs = (_ptr(w.qweight), _ptr(w.so))
+        fmt, group = 1, w.group
+    else:
+        rows, k = w.shape
+        ptrs = (_ptr(w), 0)
+        fmt, group = 0, 0
+    return struct.pack("<4Q8q", ptrs[0], ptrs[1], _ptr(bias), _ptr(norm_w), rows, k, fmt, group, kind,
+                       layer, n_instr, norm_ctr)
+
+
+class _PerN:
+    """The schedule, counters, activations and params blocks of one N."""
+
+    def __init__(self, sk: "StepKernel", n: int):
+        m, dev = sk.model, sk.model.device
+        cfg, sh = m.cfg, m.shard
+        hd = cfg.head_dim
+        self.n = n
+        self.shape = ss.Shape(len(m.layers), n, sh.nh_l, sh.nkv_l, (sh.nh_l + 2 * sh.nkv_l) * hd,
+                              cfg.hidden_size, 2 * sh.inter_l, int(m.head.shape[0]))
+        self.schedule = ss.build(self.shape, sk.blocks)
+        self.xs_bytes, self.npages = pool_split(n, [cfg.hidden_size, sh.nh_l * hd, sh.inter_l])
+        s = self.schedule
+        self.instr = torch.from_numpy(s.instr.copy()).to(dev)
+        self.block_start = torch.from_numpy(s.block_start.copy()).to(dev)
+        self.counters = torch.zeros(s.n_counters, dtype=torch.int32, device=dev)
+        # op table: 4 per layer, then the head
+        words = []
+        L = len(m.layers)
+        for li, lay in enumerate(m.layers):
+            nxt = m.layers[li + 1].ln1 if li + 1 < L else m.norm
+            words.append(_op_words(lay.wqkv, lay.bqkv, None, ss.K_QKV, li, s.op_instr[4 * li], -1))
+            words.append(_op_words(lay.wo, lay.bo, lay.ln2, ss.K_O, li, s.op_instr[4 * li + 1],
+                                   ss.norm_counter(ss.K_O, li)))
+            words.append(_op_words(lay.wgu, None, None, ss.K_GU, li, s.op_instr[4 * li + 2], -1))
+            words.append(_op_words(lay.wd, None, nxt, ss.K_DOWN, li, s.op_instr[4 * li + 3],
+                                   ss.norm_counter(ss.K_DOWN, li)))
+        words.append(_op_words(m.head, None, None, ss.K_HEAD, L, s.op_instr[4 * L], -1))
+        self.ops = torch.frombuffer(bytearray(b"".join(words)), dtype=torch.uint8).to(dev)
+        kw = dict(dtype=torch.bfloat16, device=dev)
+        H = cfg.hidden_size
+        self.x = torch.empty(n, H, **kw)
+        self.h = torch.empty(n, H, **kw)
+        self.qkv = torch.empty(n, self.shape.qkv_rows, **kw)
+        self.o = torch.empty(n, sh.nh_l * hd, **kw)
+        self.gu = torch.empty(n, 2 * sh.inter_l, **kw)
+        self.logits = torch.empty(n, self.shape.vocab_rows, dtype=torch.float32, device=dev)
+        self.params: dict[tuple, torch.Tensor] = {}
+
+
+class StepKernel:
+    """The persistent step kernel bound to one GPU Transformer (module docstring)."""
+
+    def __init__(self, model, blocks: int | None = None, timeout_s: float = TIMEOUT_S):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(reason)
+        self.model = model
+        self.blocks = int(blocks or sm_count())
+        self.timeout_ns = int(timeout_s * 1e9)
+        dev = model.device
+        # host-mapped watchdog record: [0, 8) the first report, then (instr + 1, counter, value,
+        # target) of every block left waiting
+        self.err = torch.zeros(8 + 4 * self.blocks, dtype=torch.int32, pin_memory=True)
+        layer_words = b"".join(struct.pack("<4Q", _ptr(l.ln1), _ptr(l.k_cache), _ptr(l.v_cache), 0)
+                               for l in model.layers)
+        self.layers = torch.frombuffer(bytearray(layer_words), dtype=torch.uint8).to(dev)
+        self.per_n: dict[int, _PerN] = {}
+
+    def takes(self, n: int) -> bool:
+        return 1 <= n <= MAX_TOKENS
+
+    def state(self, n: int) -> _PerN:
+        st = self.per_n.get(n)
+        if st is None:
+            st = self.per_n[n] = _PerN(self, n)
+        return st
+
+    def _params(self, st: _PerN, tokens, positions, write_slots, mask, n_valid) -> torch.Tensor:
+        key = (tokens.data_ptr(), positions.data_ptr(), write_slots.data_ptr(), mask.data_ptr(),
+               n_valid.data_ptr(), mask.stride(0))
+        p = st.params.get(key)
+        if p is not None:
+            return p
+        m = self.model
+        cfg, sh = m.cfg, m.shard
+        ptrs = [tokens, positions, write_slots, mask, n_valid, st.x, st.h, st.qkv, st.o, st.gu, st.logits,
+                st.counters, self.err, st.instr, st.block_start, st.ops, self.layers, m.embed,
+                m.rope_cos, m.rope_sin]
+        ints = [st.n, cfg.hidden_size, sh.nh_l, sh.nkv_l, cfg.head_dim, sh.inter_l, st.shape.vocab_rows,
+                len(m.layers), m.max_slots, m.rope_cos.shape[0], mask.stride(0), st.shape.qkv_rows,
+                m.embed.shape[0], st.schedule.n_counters, self.timeout_ns, st.npages, st.xs_bytes]
+        dbl = [float(cfg.rms_norm_eps), 1.0 / math.sqrt(cfg.head_dim) * math.log2(math.e)]
+        raw = struct.pack(f"<{len(ptrs)}Q{len(ints)}q{len(dbl)}d", *[_ptr(t) for t in ptrs], *ints, *dbl)
+        p = st.params[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(m.device)
+        return p
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
+                mask: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+        """Transformer.forward_graphable's contract (module docstring); one kernel launch."""
+        n = int(tokens.shape[0])
+        if not self.takes(n):
+            raise ValueError(f"the step kernel takes 1..{MAX_TOKENS} tokens, not {n}")
+        if mask.dtype not in (torch.bool, torch.uint8) or mask.stride(1) != 1 or mask.shape[0] != n:
+            raise ValueError(f"mask must be bool/uint8 [{n}, S] with contiguous rows")
+        st = self.state(n)
+        params = self._params(st, tokens, positions, write_slots, mask, n_valid)
+        mb = 1 if n <= 8 else 2 if n <= 16 else 4
+        dev = self.model.device
+        f = function(_SOURCE, "", f"step_kernel_mb{mb}", dev.index if dev.index is not None else
+                     torch.cuda.current_device(), dyn_smem=SMEM_BYTES)
+        launch(f, (self.blocks, 1, 1), THREADS, SMEM_BYTES, torch.cuda.current_stream().cuda_stream,
+               [ctypes.c_uint64(params.data_ptr())])
+        vocab = self.model.cfg.vocab_size
+        return st.logits if st.logits.shape[1] == vocab else st.logits[:, :vocab]
+
+    def check(self, sync: bool = True) -> None:
+        """Raise StepKernelError if the watchdog fired since the last check (and clear it)."""
+        fault = None
+        if sync:
+            try:
+                torch.cuda.synchronize(self.model.device)
+            except RuntimeError as ex:      # a trap (code 2): the record is in host memory
+                fault = ex
+        e = self.err.numpy()
+        if fault is not None and e[0] == 0:
+            raise fault
+        if e[0] == 0:
+            return
+        code, instr, block, ctr, value, target = (int(v) for v in e[:6])
+        waits = e[8:].reshape(-1, 4).copy()
+        e[:] = 0
+        if code == 1:      # the earliest stuck wait (the smallest counter: the earliest stage)
+            stuck = [(int(w[1]), int(w[0]) - 1, b, int(w[2]), int(w[3])) for b, w in enumerate(waits) if w[0] > 0]
+            if stuck:
+                ctr, instr, block, value, target = min(stuck)
+        raise StepKernelError(self.describe_failure(code, instr, block, ctr, value, target))
+
+    def describe_failure(self, code: int, instr: int, block: int, ctr: int, value: int, target: int) -> str:
+        what = self.describe(instr)
+        if code == 2:
+            return f"step kernel: the weight pages of instruction {instr} ({what}) never arrived (block {block})"
+        return (f"step kernel watchdog: instruction {instr} ({what}) on block {block} waited over "
+                f"{self.timeout_ns / 1e9:g} s for counter {ctr} ({_counter_name(ctr, len(self.model.layers))}) "
+                f"= {value} to reach {target}")
+
+    def describe(self, instr: int) -> str:
+        """Human words for global instruction `instr` of the last schedule that holds it."""
+        for st in self.per_n.values():
+            s = st.schedule
+            if 0 <= instr < len(s.instr):
+                w = s.instr[instr]
+                if w[0] == ss.EMBED:
+                    return f"N={st.n} embedding"
+                if w[0] == ss.ATTN:
+                    return f"N={st.n} layer {w[1]} attention, head {w[2]}, rows {w[3]}..{w[3] + w[7] - 1}"
+                kind, layer = s.op_kinds[w[1]]
+                return f"N={st.n} layer {layer} {_KIND_NAMES[kind]} tiles {w[2]}..{w[2] + w[3] - 1}"
+        return "unknown"
+
+    def break_wait(self, n: int, instr: int) -> None:
+        """Testing the watchdog: make instruction `instr` of N = n wait for a counter value that
+        never comes (in the device's instruction table; `repair(n)` puts the schedule back)."""
+        self.state(n).instr[instr, 5] = 1 << 30
+
+    def repair(self, n: int) -> None:
+        st = self.state(n)
+        st.instr.copy_(torch.from_numpy(st.schedule.instr.copy()))
+
+
+def attach(model, mode: str, chain_reason: str | None = None) -> tuple[str, str | None]:
+    """`--step-kernel` on a GPU Transformer: mode "persistent" sets `model.step_kernel` when the
+    kernel runs the model, "chain" never. -> (what runs: "persistent" or "chain", why the chain
+    when persistent was asked, else None). `chain_reason`: a caller's reason for the chain (GPU
+    shared under MPS)."""
+    if mode == "chain":
+        return "chain", None
+    from swiftspec_mpi.gpu import launch
+    reason = chain_reason or unsupported_reason(model)
+    if reason is None and not launch.available():
+        reason = "CuPy, nvcc or a Hopper GPU is missing"
+    if reason is not None:
+        return "chain", reason
+    model.step_kernel = StepKernel(model)
+    return "persistent", None

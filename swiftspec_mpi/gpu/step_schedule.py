@@ -1,0 +1,178 @@
+"""The persistent step kernel's schedule (cuda/step_kernel.cu): which block runs which instruction,
+and which counter each one waits on and signals. Pure Python + numpy (no GPU): built once per
+model shape and N, checked by the CPU tests (`simulate`).
+
+Instruction words (int32 x INSTR_WORDS):
+    [op, a, b, c, wait_counter, wait_target, signal_counter, d]
+    EMBED (op 0): nothing else (block 0).
+    GEMV  (op 1): a = op index (ops table: 4 a layer, QKV, O, gate|up, down, then the head),
+                  b = first 16-row tile, c = tiles.
+    ATTN  (op 2): a = layer, b = query head, c = first row, d = rows (<= ATTN_ROWS).
+
+Counters (int32, zero at launch, zeroed again by the last block out), layer l at 7 l:
+    +0 h1 (h = RMSNorm(x, ln1) ready)   +1 QKV instructions done   +2 attention instructions done
+    +3 O instructions done   +4 h2 (RMSNorm(x, ln2) ready)   +5 gate|up done   +6 down done
+    7 L: the final norm ready; 7 L + 1 head instructions done; then the abort flag and the exit count.
+The last O (down) instruction to finish applies the next RMSNorm and signals h2 (the next h1).
+
+Every instruction waits only on counters of earlier stages (stage order: embed, then per layer
+QKV, attention, O, gate|up, down, then the head), each block's list is in stage order and all
+blocks are resident, so the schedule cannot deadlock: the unfinished instructions of the
+earliest unfinished stage always have what they wait for (`simulate` checks it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+INSTR_WORDS = 8
+EMBED, GEMV, ATTN = 0, 1, 2
+K_QKV, K_O, K_GU, K_DOWN, K_HEAD = 0, 1, 2, 3, 4
+CTR_PER_LAYER = 7
+H1, QKV_DONE, ATTN_DONE, O_DONE, H2, GU_DONE, DOWN_DONE = range(7)
+ATTN_ROWS = 8          # token rows of one attention instruction at most (a warp per row and key split)
+TILE = 16              # output rows of one GEMV tile
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the schedule depends on: layers, N tokens, heads, the projections' output rows."""
+    n_layers: int
+    n: int
+    n_heads: int
+    n_kv_heads: int
+    qkv_rows: int          # (nh + 2 nkv) * head_dim
+    hidden: int
+    inter2: int            # 2 * intermediate (gate | up rows)
+    vocab_rows: int        # the head's rows
+
+
+@dataclass
+class Schedule:
+    instr: np.ndarray          # int32 [n_instr, INSTR_WORDS]
+    block_start: np.ndarray    # int32 [blocks + 1]: block b runs instr[block_start[b]:block_start[b+1]]
+    n_counters: int
+    op_instr: list             # per op index: how many instructions it has (the last arriver's target)
+    op_kinds: list             # per op index: (kind, layer)
+
+    @property
+    def blocks(self) -> int:
+        return len(self.block_start) - 1
+
+
+def ctr(layer: int, which: int) -> int:
+    return CTR_PER_LAYER * layer + which
+
+
+def n_counters(n_layers: int) -> int:
+    return CTR_PER_LAYER * n_layers + 4
+
+
+def split_tiles(tiles: int, blocks: int, offset: int) -> list[tuple[int, int, int]]:
+    """tiles 16-row tiles over `blocks` blocks as contiguous runs: [(block, first tile, count)],
+    the blocks that get one more tile than the others starting at `offset` (rotating the spare
+    work between ops)."""
+    base, extra = divmod(tiles, blocks)
+    out, t = [], 0
+    for i in range(blocks):
+        b = (offset + i) % blocks
+        c = base + (1 if i < extra else 0)
+        if c:
+            out.append((b, t, c))
+            t += c
+    return out
+
+
+def attn_rows(n: int, n_heads: int, blocks: int) -> int:
+    """Token rows of one attention instruction: few enough that the (head, rows) instructions
+    fill the blocks (the 8 warps of one then split the keys of its rows), at most ATTN_ROWS."""
+    return max(1, min(ATTN_ROWS, -(-n * n_heads // blocks)))
+
+
+def build(shape: Shape, blocks: int) -> Schedule:
+    """The schedule of one step of `shape` over `blocks` resident blocks."""
+    if shape.n < 1 or shape.n > 32:
+        raise ValueError(f"the step kernel takes 1..32 tokens, not {shape.n}")
+    for name, rows in (("qkv", shape.qkv_rows), ("hidden", shape.hidden), ("gate|up", shape.inter2),
+                       ("head", shape.vocab_rows)):
+        if rows % TILE:
+            raise ValueError(f"the step kernel needs {name} rows a multiple of {TILE}, not {rows}")
+    per_block: list[list[list[int]]] = [[] for _ in range(blocks)]
+    L = shape.n_layers
+    ops_instr, op_kinds = [], []
+    rot = 0
+
+    def gemv(op_index: int, rows: int, wait: tuple[int, int], sig: int) -> int:
+        nonlocal rot
+        runs = split_tiles(rows // TILE, blocks, rot)
+        rot = (rot + len(runs)) % blocks
+        for b, t0, c in runs:
+            per_block[b].append([GEMV, op_index, t0, c, wait[0], wait[1], sig, 0])
+        return len(runs)
+
+    per_block[0].append([EMBED, 0, 0, 0, -1, 0, ctr(0, H1), 0])
+    for l in range(L):
+        base = 4 * l
+        n_qkv = gemv(base + 0, shape.qkv_rows, (ctr(l, H1), 1), ctr(l, QKV_DONE))
+        n_attn = 0
+        rows = attn_rows(shape.n, shape.n_heads, blocks)
+        for hq in range(shape.n_heads):
+            for r0 in range(0, shape.n, rows):
+                b = rot % blocks
+                rot += 1
+                per_block[b].append([ATTN, l, hq, r0, ctr(l, QKV_DONE), n_qkv, ctr(l, ATTN_DONE),
+                                     min(rows, shape.n - r0)])
+                n_attn += 1
+        n_o = gemv(base + 1, shape.hidden, (ctr(l, ATTN_DONE), n_attn), ctr(l, O_DONE))
+        n_gu = gemv(base + 2, shape.inter2, (ctr(l, H2), 1), ctr(l, GU_DONE))
+        n_down = gemv(base + 3, shape.hidden, (ctr(l, GU_DONE), n_gu), ctr(l, DOWN_DONE))
+        ops_instr += [n_qkv, n_o, n_gu, n_down]
+        op_kinds += [(K_QKV, l), (K_O, l), (K_GU, l), (K_DOWN, l)]
+    n_head = gemv(4 * L, shape.vocab_rows, (ctr(L, H1), 1), ctr(L, 1))
+    ops_instr.append(n_head)
+    op_kinds.append((K_HEAD, L))
+    starts = np.zeros(blocks + 1, dtype=np.int32)
+    starts[1:] = np.cumsum([len(x) for x in per_block])
+    rows = [w for lst in per_block for w in lst]
+    instr = np.asarray(rows, dtype=np.int32).reshape(-1, INSTR_WORDS)
+    return Schedule(instr, starts, n_counters(L), ops_instr, op_kinds)
+
+
+def norm_counter(kind: int, layer: int) -> int:
+    """The counter the last arriver of an O (down) op of `layer` signals: h2 (the next h1)."""
+    return ctr(layer, H2) if kind == K_O else ctr(layer + 1, H1)
+
+
+def simulate(s: Schedule) -> list[int]:
+    """Run the schedule on the host as the kernel would (each block in list order, an instruction
+    starting once its counter reached the target; O / down last arrivers signalling the norm
+    counter) and return the order in which the instructions finished. Raises RuntimeError on a
+    deadlock (blocks left waiting with nothing able to run) or a wait that could never be met."""
+    counters = [0] * s.n_counters
+    pos = [int(s.block_start[b]) for b in range(s.blocks)]
+    ends = [int(s.block_start[b + 1]) for b in range(s.blocks)]
+    done: list[int] = []
+    progress = True
+    while progress:
+        progress = False
+        for b in range(s.blocks):
+            while pos[b] < ends[b]:
+                w = s.instr[pos[b]]
+                if w[4] >= 0 and counters[w[4]] < w[5]:
+                    break
+                counters[w[6]] += 1
+                if w[0] == GEMV:
+                    kind, layer = s.op_kinds[w[1]]
+                    if kind in (K_O, K_DOWN) and counters[w[6]] == s.op_instr[w[1]]:
+                        counters[norm_counter(kind, layer)] += 1
+                done.append(pos[b])
+                pos[b] += 1
+                progress = True
+    stuck = [(b, pos[b]) for b in range(s.blocks) if pos[b] < ends[b]]
+    if stuck:
+        b, i = stuck[0]
+        w = s.instr[i]
+        raise RuntimeError(f"schedule deadlock: block {b} waits at instruction {i} on counter {w[4]} "
+                           f"= {counters[w[4]]} < {w[5]}")
+    return done
