@@ -41,8 +41,8 @@ def bench_row(name: str, context: int, bw: float) -> dict:
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.gpu.graphs import GraphedModel
     from swiftspec_mpi.gpu.step_kernel import StepKernel
-    from swiftspec_mpi.model.dummy import dummy_model
-    from swiftspec_mpi.model.transformer import chain_mask
+    from swiftspec_mpi.checkpoints.dummy import dummy_model
+    from swiftspec_mpi.network.transformer import chain_mask
     shape, quant, head4, draft = ROWS[name]
     t0 = time.perf_counter()
     model, _ = dummy_model(shape, SingleComm(), context + 128, torch.bfloat16, "cuda", quant=quant)

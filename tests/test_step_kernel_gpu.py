@@ -32,7 +32,7 @@ def _available():
 
 def _model(spec: str, layers: int, quant: str = "none", group: int = 128, slots: int = 4224):
     from swiftspec_mpi.core.comm import SingleComm
-    from swiftspec_mpi.model import dummy
+    from swiftspec_mpi.checkpoints import dummy
     old = dummy.RandomPackedSource.GROUP
     dummy.RandomPackedSource.GROUP = group
     try:
