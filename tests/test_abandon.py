@@ -211,7 +211,7 @@ def engine_case(tmp_path_factory):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("policy,n", [(p, 2) for p in ASYNC_POLICIES] + [("remnant", 4), ("floor", 4)])
+@pytest.mark.parametrize("policy,n", [(p, 2) for p in ASYNC_POLICIES] + [("rate", 4)])
 def test_greedy_async_with_every_result_abandoning_equals_ar(engine_case, policy, n):
     d, args, ar = engine_case
     out = d / f"{policy}-{n}.h5"
