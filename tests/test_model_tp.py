@@ -16,9 +16,9 @@ import torch
 
 from engine_helpers import MPIEXEC
 from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource
-from swiftspec_mpi.network.transformer import Transformer
-from swiftspec_mpi.network.config import ModelConfig
 from swiftspec_mpi.checkpoints.tiny import random_weights, write_hf_folder
+from swiftspec_mpi.network.config import ModelConfig
+from swiftspec_mpi.network.transformer import Transformer
 
 pytestmark = pytest.mark.mpi
 
