@@ -8,7 +8,7 @@ categories round-robin, so 26 = two of each) are cut into chunks of --chunk prom
 chunk every system runs once (`sync` on 2 ranks as one tensor-parallel group, `async` on 1 + 1
 ranks, one job per system and chunk, the system order rotated from chunk to chunk), so a change
 in the machine's load falls on all systems alike. A system `async-POLICY:F` runs the policy
-with --floor-depth F (e.g. async-floor:3). Pass --run-args "--expansions D" to fix the
+with --floor-depth F (e.g. async-rate:3). Pass --run-args "--expansions D" to fix the
 draft expansions per step of `sync` (else each job's startup profile picks floor(t_target /
 t_draft), which moves with the machine's load); in `async` it also paces the draft to D
 expansions a step (without it the draft never pauses on CPUs). Greedy, chat template, the real
@@ -47,7 +47,7 @@ from swiftspec_mpi.trace.analyze import summarize  # noqa: E402
 from swiftspec_mpi.trace.read import read_trace  # noqa: E402
 from swiftspec_mpi.trace.tree_sources import tree_source_summary  # noqa: E402
 
-SYSTEMS = ("sync", "async-stream", "async-remnant", "async-fresh", "async-deep", "async-floor", "async-rate")
+SYSTEMS = ("sync", "async-fresh", "async-rate")
 
 
 def job_command(system: str, prompts: Path, out: Path, args) -> list[str]:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Draft pacing on one shared GPU (MPS), on the H200 machine: bash benchmarks/gpu_pacing.sh
 # bf16 Llama-3-8B target with a draft of its first 4 layers, and the 4-bit 70B target with the 1B
-# draft: sync; async remnant and fresh as they run by default on a shared GPU (the draft paced to
-# the profile's d); remnant with --expansions 1000 (no pause in practice); remnant and fresh with
+# draft: sync; async rate and fresh as they run by default on a shared GPU (the draft paced to
+# the profile's d); rate with --expansions 1000 (no pause in practice); rate and fresh with
 # d = 2. One prompt, 128 tokens, --ignore-eos, random weights. Summaries in $OUT/pacing.txt.
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/../jobs/mps.sh"
@@ -21,10 +21,10 @@ for cfg in "8b:--target llama-3-8b --draft-layers 4" "70b:--target llama-3-70b -
   tag=${cfg%%:*}; args=${cfg#*:}
   run $tag-sync 1 --mode sync $args
   MPS=1 mps_start 2 1
-  run $tag-remnant 2 --mode async --async-policy remnant $args
+  run $tag-rate 2 --mode async --async-policy rate $args
   run $tag-fresh 2 --mode async --async-policy fresh $args
-  run $tag-remnant-unpaced 2 --mode async --async-policy remnant --expansions 1000 $args
-  run $tag-remnant-d2 2 --mode async --async-policy remnant --expansions 2 $args
+  run $tag-rate-unpaced 2 --mode async --async-policy rate --expansions 1000 $args
+  run $tag-rate-d2 2 --mode async --async-policy rate --expansions 2 $args
   run $tag-fresh-d2 2 --mode async --async-policy fresh --expansions 2 $args
   mps_stop
 done 2>&1 | tee $OUT/pacing.txt

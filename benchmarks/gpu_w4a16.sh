@@ -5,7 +5,7 @@
 #   run via the device tool:  bash benchmarks/gpu_w4a16.sh     (summaries under $OUT)
 # PARTS picks what runs (default "tests gemv step engine"); "gputests" runs `pytest -m gpu` on
 # every GPU test file. TARGET (default llama-3-70b) and DRAFTS (default "llama-3.2-3b
-# llama-3.2-1b") pick the engine runs' shapes; POLICIES (default "remnant") the --async-policy of
+# llama-3.2-1b") pick the engine runs' shapes; POLICIES (default "rate") the --async-policy of
 # the `async` runs, one run each; RUN_ARGS (e.g. "--head-bits 4") goes to every engine run. STEP_ARGS
 # replaces the step benchmark's arguments. Full traces go to $RUNS (default /tmp/w4runs).
 set -u
@@ -60,12 +60,12 @@ if part engine; then
     run ar 1 --mode ar
     for d in ${DRAFTS-llama-3.2-3b llama-3.2-1b}; do
       run "sync-$d" 1 --mode sync --draft "$d"
-      for pol in ${POLICIES:-remnant}; do
+      for pol in ${POLICIES:-rate}; do
         MPS=1 mps_start 2 1
         run "async-mps-$pol-$d" 2 --mode async --draft "$d" --async-policy "$pol"
         mps_stop
       done
-      for m in sync ${POLICIES:-remnant}; do
+      for m in sync ${POLICIES:-rate}; do
         [[ $m == sync ]] || m=async-mps-$m
         echo "   $m-$d vs ar:"; python3 benchmarks/compare_outputs.py "$RUNS/ar.h5" "$RUNS/$m-$d.h5" 2>&1 | tail -3
       done

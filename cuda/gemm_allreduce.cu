@@ -462,17 +462,13 @@ __device__ __forceinline__ void gemm_allreduce_body(const __nv_bfloat16* __restr
   const ncclDevComm& dcomm = *dcomm_p;
   const int tid = threadIdx.x;
   const int n_tiles = N / 8;
-  const size_t base = window::launch_half(seq, (size_t)n_tiles * 16 * 8 * sizeof(float));
-  float* mine = reinterpret_cast<float*>(ncclGetLocalPointer(win, base));
 
   // 1. Partials of this block's tile groups (tiles b*T .. b*T + T - 1, then + gridDim.x*T, ...)
   //    into the local half of the window; same per-tile summation order as gemm_rowparallel's
   //    variant of the same U.
-  for (int tile0 = blockIdx.x * T; tile0 < n_tiles; tile0 += gridDim.x * T) {
-    gemv_tiles<T, U, PF, PIPE, M16>(x, ldx, w, M, K, n_tiles, tile0, red, res);
-    for (int e = tid; e < T * 128; e += THREADS)
-      if (tile0 + e / 128 < n_tiles) mine[(size_t)tile0 * 128 + e] = res[e];
-  }
+  const size_t base = window::store_partials<T, 128, THREADS>(
+      win, seq, (size_t)n_tiles * 16 * 8 * sizeof(float), n_tiles, res,
+      [&](int tile0) { gemv_tiles<T, U, PF, PIPE, M16>(x, ldx, w, M, K, n_tiles, tile0, red, res); });
 
   // 2. Meet block blockIdx.x of every rank: its partials of the same tiles are then visible.
   ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dcomm, ncclTeamLsa(dcomm), dcomm.lsaBarrier, blockIdx.x);

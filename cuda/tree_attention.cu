@@ -63,6 +63,15 @@ namespace cg = cooperative_groups;
   const int* __restrict__ n_valid_ptr, int n_valid
 #define TREE_ATTN_INPUT_ARGS q, q_tok_stride, kc, vc, kv_slot_stride, mask, mask_stride, n_valid_ptr, n_valid
 
+// An exported kernel of the cluster versions (1 and 2): NAME takes the inputs, the output and the
+// head counts and runs the body given last (a template-id, commas allowed) on them.
+#define TREE_ATTN_CLUSTER_KERNEL(NAME, CS, NTHREADS, ...)                                           \
+  extern "C" __global__ void __cluster_dims__(CS, 1, 1) __launch_bounds__(NTHREADS)                 \
+  NAME(TREE_ATTN_INPUTS, __nv_bfloat16* __restrict__ out, long long out_tok_stride,                \
+       int N, int H, int Hkv, float scale_log2) {                                                   \
+    __VA_ARGS__(TREE_ATTN_INPUT_ARGS, out, out_tok_stride, N, H, Hkv, scale_log2);                  \
+  }
+
 namespace tree_attn {
 
 constexpr int TILE = 64;      // KV slots per pipeline stage
@@ -596,13 +605,8 @@ __device__ __forceinline__ void tree_attention_body(
 }  // namespace tree_attn
 
 #define TREE_ATTN_KERNEL(D, MT, CS, ST)                                                               \
-  extern "C" __global__ void __cluster_dims__(CS, 1, 1) __launch_bounds__(tree_attn::THREADS)         \
-  tree_attention_d##D##_mt##MT##_cs##CS##_st##ST(                                                     \
-      TREE_ATTN_INPUTS, __nv_bfloat16* __restrict__ out, long long out_tok_stride,                    \
-      int N, int H, int Hkv, float scale_log2) {                                                      \
-    tree_attn::tree_attention_body<D, MT, CS, ST>(TREE_ATTN_INPUT_ARGS, out, out_tok_stride, N, H, Hkv, \
-                                                  scale_log2);                                        \
-  }
+  TREE_ATTN_CLUSTER_KERNEL(tree_attention_d##D##_mt##MT##_cs##CS##_st##ST, CS, tree_attn::THREADS,   \
+                           tree_attn::tree_attention_body<D, MT, CS, ST>)
 
 // row tiles 1, 2, 4 of one (head dim, cluster, stages)
 #define TREE_ATTN_MT(D, CS, ST) TREE_ATTN_KERNEL(D, 1, CS, ST) TREE_ATTN_KERNEL(D, 2, CS, ST) TREE_ATTN_KERNEL(D, 4, CS, ST)
@@ -874,12 +878,8 @@ __device__ __forceinline__ void body(
 }  // namespace tree_attn2
 
 #define TREE_ATTN2_KERNEL(D, MT, CS, ST, NW)                                                          \
-  extern "C" __global__ void __cluster_dims__(CS, 1, 1) __launch_bounds__(NW * 32)                    \
-  tree_attention2_d##D##_mt##MT##_cs##CS##_st##ST##_w##NW(                                            \
-      TREE_ATTN_INPUTS, __nv_bfloat16* __restrict__ out, long long out_tok_stride,                    \
-      int N, int H, int Hkv, float scale_log2) {                                                      \
-    tree_attn2::body<D, MT, CS, ST, NW>(TREE_ATTN_INPUT_ARGS, out, out_tok_stride, N, H, Hkv, scale_log2); \
-  }
+  TREE_ATTN_CLUSTER_KERNEL(tree_attention2_d##D##_mt##MT##_cs##CS##_st##ST##_w##NW, CS, NW * 32,     \
+                           tree_attn2::body<D, MT, CS, ST, NW>)
 // 4 warps: row tiles 1, 2, 4 (8 warps would take 2 or 4: a warp needs >= 16 slots of a tile).
 #define TREE_ATTN2_W4(D, CS, ST) TREE_ATTN2_KERNEL(D, 1, CS, ST, 4) \
   TREE_ATTN2_KERNEL(D, 2, CS, ST, 4) TREE_ATTN2_KERNEL(D, 4, CS, ST, 4)

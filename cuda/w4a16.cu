@@ -458,13 +458,9 @@ __device__ __forceinline__ void allreduce_body(const __nv_bfloat16* __restrict__
   const ncclDevComm& dcomm = *dcomm_p;
   const int tid = threadIdx.x;
   const int n_tiles = N / 16;
-  const size_t base = window::launch_half(seq, (size_t)n_tiles * 16 * 16 * sizeof(float));
-  float* mine = reinterpret_cast<float*>(ncclGetLocalPointer(win, base));
-  for (int tile0 = blockIdx.x * T; tile0 < n_tiles; tile0 += gridDim.x * T) {
-    w4_tiles<T, U, GS, MB, EX>(x, ldx, qw, so, M, K, n_tiles, tile0, red, res);
-    for (int e = tid; e < T * TS; e += THREADS)
-      if (tile0 + e / TS < n_tiles) mine[(size_t)tile0 * TS + e] = res[e];
-  }
+  const size_t base = window::store_partials<T, TS, THREADS>(
+      win, seq, (size_t)n_tiles * 16 * 16 * sizeof(float), n_tiles, res,
+      [&](int tile0) { w4_tiles<T, U, GS, MB, EX>(x, ldx, qw, so, M, K, n_tiles, tile0, red, res); });
   ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dcomm, ncclTeamLsa(dcomm), dcomm.lsaBarrier, blockIdx.x);
   bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
   const int nranks = dcomm.lsaSize;

@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from engine_helpers import MPIEXEC, env_for_tests, read_outputs, read_root, write_prompts
+from model_configs import small_config
+from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource
+from swiftspec_mpi.checkpoints.tiny import random_weights, write_hf_folder
 from swiftspec_mpi.core.config import ASYNC_POLICIES
 from swiftspec_mpi.engine import abandon
 from swiftspec_mpi.engine.decoding import DraftSide
-from swiftspec_mpi.packed import cpu_linear
-from swiftspec_mpi.network.config import ModelConfig
-from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource
-from swiftspec_mpi.checkpoints.tiny import random_weights, write_hf_folder
 from swiftspec_mpi.network.transformer import Transformer
+from swiftspec_mpi.packed import cpu_linear
 
 VOCAB = 97
 NODE_ARRAYS = ("token", "parent", "depth", "logprob", "score", "kv_slot", "state", "expanded")
@@ -33,11 +33,7 @@ LAYOUTS = ["in_out"] + (["packed"] if cpu_linear.has_avx2() else [])
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    cfg = ModelConfig(arch="qwen2", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                      num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                      rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False,
-                      attention_bias=True, max_position_embeddings=512, bos_token_id=None,
-                      eos_token_ids=(0,))
+    cfg = small_config("qwen2", vocab_size=VOCAB, num_layers=4)
     w = random_weights(cfg, seed=5, late_scale=1.0)
     return write_hf_folder(str(tmp_path_factory.mktemp("abandon")), cfg, w)
 
@@ -211,7 +207,7 @@ def engine_case(tmp_path_factory):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("policy,n", [(p, 2) for p in ASYNC_POLICIES] + [("remnant", 4), ("floor", 4)])
+@pytest.mark.parametrize("policy,n", [(p, 2) for p in ASYNC_POLICIES] + [("rate", 4)])
 def test_greedy_async_with_every_result_abandoning_equals_ar(engine_case, policy, n):
     d, args, ar = engine_case
     out = d / f"{policy}-{n}.h5"

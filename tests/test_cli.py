@@ -128,14 +128,15 @@ def test_async_policy_is_validated():
     assert validate_basic(RunConfig(mode="async", prompt="x"), 2).async_policy == DEFAULT_ASYNC_POLICY
     for policy in ASYNC_POLICIES:
         assert validate_basic(RunConfig(mode="async", prompt="x", async_policy=policy), 2).async_policy == policy
-    with pytest.raises(UserError, match="unknown async policy 'eager'; use --async-policy stream, remnant, fresh, deep, floor"):
-        validate_basic(RunConfig(mode="async", prompt="x", async_policy="eager"), 2)
-    assert validate_basic(RunConfig(mode="async", prompt="x", async_policy="floor"), 2).floor_depth == 2
-    assert validate_basic(RunConfig(mode="async", prompt="x", async_policy="deep", floor_depth=3), 2).floor_depth == 3
-    with pytest.raises(UserError, match="--floor-depth applies to --async-policy deep or floor or rate; drop it for remnant"):
-        validate_basic(RunConfig(mode="async", prompt="x", async_policy="remnant", floor_depth=3), 2)
+    with pytest.raises(UserError, match="unknown async policy 'floor'; use --async-policy rate, fresh"):
+        validate_basic(RunConfig(mode="async", prompt="x", async_policy="floor"), 2)
+    assert validate_basic(RunConfig(mode="async", prompt="x", async_policy="rate"), 2).floor_depth == 2
+    assert validate_basic(RunConfig(mode="async", prompt="x", async_policy="rate", floor_depth=3), 2).floor_depth == 3
+    assert validate_basic(RunConfig(mode="async", prompt="x", async_policy="fresh"), 2).floor_depth is None
+    with pytest.raises(UserError, match="--floor-depth applies to --async-policy rate; drop it for fresh"):
+        validate_basic(RunConfig(mode="async", prompt="x", async_policy="fresh", floor_depth=3), 2)
     with pytest.raises(UserError, match="--floor-depth must be an integer >= 1, got 0"):
-        validate_basic(RunConfig(mode="async", prompt="x", async_policy="floor", floor_depth=0), 2)
+        validate_basic(RunConfig(mode="async", prompt="x", async_policy="rate", floor_depth=0), 2)
 
 
 @pytest.mark.parametrize("var,value,needle", [

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from engine_helpers import greedy_gaps, read_outputs, read_requests, read_root, run_swiftspec, write_prompts
-from swiftspec_mpi.core.config import ASYNC_POLICIES, DEFAULT_ASYNC_POLICY, DEFAULT_FLOOR_DEPTH, FLOORED_POLICIES
-from swiftspec_mpi.engine.async_loop import POLICIES
+from swiftspec_mpi.core.config import ASYNC_POLICIES, DEFAULT_ASYNC_POLICY, RunConfig, validate_basic
+from swiftspec_mpi.engine.async_loop import depth_floor, send_size, waits_fresh
 
 pytestmark = pytest.mark.mpi
 
@@ -64,8 +64,7 @@ def ar_reference(pair, prompts_file, tmp_path_factory):
     ("sync", 1, []),
     ("sync", 2, []),                           # TP=2 for both models
     ("ar", 2, []),                             # TP=2 target
-] + [("async", n, ["--draft-ranks", str(n // 2), "--async-policy", policy]   # the default: above
-      + (["--floor-depth", "3"] if policy == "floor" and n == 4 else []))
+] + [("async", n, ["--draft-ranks", str(n // 2), "--async-policy", policy])   # the default: above
      for policy in ASYNC_POLICIES if policy != DEFAULT_ASYNC_POLICY for n in (2, 4)])
 def test_greedy_equals_ar(pair, prompts_file, tmp_path, ar_reference, mode, n, extra):
     out = _run(pair, prompts_file, tmp_path, mode, n, extra)
@@ -94,23 +93,26 @@ def test_greedy_equals_ar(pair, prompts_file, tmp_path, ar_reference, mode, n, e
         if mode == "sync":
             assert np.all(steps["tree_source"] == 0) and np.all(steps["fresh_wait_s"] == 0)
         else:
-            policy = POLICIES[extra[extra.index("--async-policy") + 1] if "--async-policy" in extra
-                              else DEFAULT_ASYNC_POLICY]
-            if policy.waits_fresh:   # `fresh`, `deep`: the tree built on the latest result
+            policy = extra[extra.index("--async-policy") + 1] if "--async-policy" in extra \
+                else DEFAULT_ASYNC_POLICY
+            if policy == "fresh":   # always the tree built on the latest result
                 assert np.all(steps["tree_source"] == 0)
-            elif policy.floored and not policy.weighs:   # `floor`: another tree only when
-                #                                      --floor-depth levels deep (`rate` weighs it)
-                floor = int(extra[extra.index("--floor-depth") + 1]) if "--floor-depth" in extra \
-                    else DEFAULT_FLOOR_DEPTH
-                assert np.all(steps["tree_depth"][steps["tree_source"] != 0] >= floor)
     if mode == "async":      # CPU ranks share no GPU: the draft never pauses unless asked
         assert json.loads(root["env_json"])["draft_pace"] == 0
 
 
-def test_every_async_policy_has_rules():
-    """The CLI's policy names and the engine's policy table are the same set."""
-    assert set(POLICIES) == set(ASYNC_POLICIES) and DEFAULT_ASYNC_POLICY in POLICIES
-    assert {name for name, p in POLICIES.items() if p.floored} == set(FLOORED_POLICIES)
+def test_async_policy_rules():
+    """`rate` (the default) holds the re-rooted tree back to --floor-depth levels (at most bs - 1)
+    and weighs the wait; `fresh` sends it at once and always waits; both send 4 x bs nodes."""
+    assert ASYNC_POLICIES == ("rate", "fresh") and DEFAULT_ASYNC_POLICY == "rate"
+
+    def cfg(policy, bs, floor=None):
+        return validate_basic(RunConfig(mode="async", prompt="x", async_policy=policy,
+                                        verify_size=bs, floor_depth=floor), 2)
+    assert not waits_fresh(cfg("rate", 8)) and depth_floor(cfg("rate", 8)) == 2
+    assert depth_floor(cfg("rate", 8, 5)) == 5 and depth_floor(cfg("rate", 3, 5)) == 2
+    assert waits_fresh(cfg("fresh", 8)) and depth_floor(cfg("fresh", 8)) == 0
+    assert send_size(cfg("fresh", 8)) == send_size(cfg("rate", 8)) == min(cfg("rate", 8).tree_capacity, 32)
 
 
 def test_expansions_pace_the_async_draft(pair, prompts_file, tmp_path, ar_reference):

@@ -340,9 +340,9 @@ def test_forward_graphable_fused_matches_forward(shape, comm, rowpar, monkeypatc
     every projection on cuBLAS; "pdl" (the default): kernels.gemm_rowparallel for every projection
     it takes, every kernel launched with PDL."""
     monkeypatch.setattr(fused_ops, "_gemm_mode", rowpar)
+    from swiftspec_mpi.checkpoints.dummy import SHAPES, RandomSource
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.gpu.graphs import GraphedModel
-    from swiftspec_mpi.checkpoints.dummy import SHAPES, RandomSource
     from swiftspec_mpi.network.transformer import Transformer, chain_mask
     cfg = SHAPES[shape].with_layers(2)
     c = SingleComm() if comm is None else _ShardComm(*comm)
@@ -425,8 +425,8 @@ def test_pdl_mode_is_as_accurate_as_cublas(shape, monkeypatch):
     equally close to a float32 model with the same (bf16-valued) weights: 4-layer random model,
     700-token prefix, an 8-node tree, error of each bf16 path vs float32 within 1.25x of the
     other's (plus 1e-3 of the logit scale)."""
-    from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.checkpoints.dummy import SHAPES, RandomSource
+    from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.network.transformer import Transformer, chain_mask
     cfg = SHAPES[shape].with_layers(4)
     S, prefix, dev = 1024, 700, "cuda"
@@ -482,12 +482,12 @@ def test_model_with_fused_allreduce_equals_plain(monkeypatch):
     the bits of the same model on SingleComm (GEMV, no all-reduce), eagerly and replayed from a
     CUDA graph, for 1 and 8 tokens. (The all-reduce of one partial is the identity; the sums
     over ranks are tested by tests/test_kernels_gpu.py::test_gemm_allreduce_multi_gpu.)"""
-    from swiftspec_mpi.gpu import nccl_shim
-    from swiftspec_mpi.core.comm import SingleComm
-    from swiftspec_mpi.gpu.graphs import GraphedModel
     from swiftspec_mpi.checkpoints.dummy import SHAPES, RandomSource
-    from swiftspec_mpi.network.transformer import Transformer, chain_mask
+    from swiftspec_mpi.core.comm import SingleComm
+    from swiftspec_mpi.gpu import nccl_shim
+    from swiftspec_mpi.gpu.graphs import GraphedModel
     from swiftspec_mpi.gpu.nccl_comm import NcclGroupComm
+    from swiftspec_mpi.network.transformer import Transformer, chain_mask
     if nccl_shim.nccl_include_dir() is None:
         pytest.skip("no NCCL >= 2.28 headers")
     monkeypatch.setattr(fused_ops, "_gemm_mode", "pdl")

@@ -37,8 +37,8 @@ from hypothesis import strategies as st
 
 from reliability_helpers import gguf_data_start, gguf_spans, safetensors_header_end, write_tiny_gguf
 from swiftspec_mpi.checkpoints import gguf_loader, load as checkpoint
-from swiftspec_mpi.core.errors import CheckpointError
 from swiftspec_mpi.cli.validate import check_weight_files
+from swiftspec_mpi.core.errors import CheckpointError
 
 FUZZ = settings(max_examples=int(os.environ.get("SWIFTSPEC_FUZZ_EXAMPLES", "100")), deadline=None,
                 derandomize=not os.environ.get("SWIFTSPEC_FUZZ_RANDOM"), database=None,

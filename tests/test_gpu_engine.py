@@ -89,10 +89,10 @@ def test_graphed_kernel_path_matches_torch_path():
     """Transformer.forward (torch SDPA) vs GraphedModel (CUDA graph of forward_graphable with the
     fused tree-attention kernel) on the same bf16 weights: the logits of a tree over a prefix
     agree to bf16 accuracy, at two context lengths replayed from the same graph."""
-    from swiftspec_mpi.gpu import kernels
-    from swiftspec_mpi.core.comm import SingleComm
-    from swiftspec_mpi.gpu.graphs import GraphedModel
     from swiftspec_mpi.checkpoints.dummy import RandomSource, SHAPES
+    from swiftspec_mpi.core.comm import SingleComm
+    from swiftspec_mpi.gpu import kernels
+    from swiftspec_mpi.gpu.graphs import GraphedModel
     from swiftspec_mpi.network.transformer import Transformer, chain_mask
     if not kernels.available():
         pytest.skip("fused kernels unavailable (CuPy / nvcc)")
@@ -129,10 +129,10 @@ def test_graphed_argmax_and_topk_equal_reads_of_the_logits(in_graph_copy, monkey
     IN_GRAPH_COPY_MAX); and beyond max_graph_tokens (eager) the same as the eager logits."""
     import numpy as np
 
-    from swiftspec_mpi.gpu import graphs as cuda_graphs, kernels
-    from swiftspec_mpi.core.comm import SingleComm
-    from swiftspec_mpi.gpu.graphs import GraphedModel, logits_argmax, logits_topk_logprobs
     from swiftspec_mpi.checkpoints.dummy import RandomSource, SHAPES
+    from swiftspec_mpi.core.comm import SingleComm
+    from swiftspec_mpi.gpu import graphs as cuda_graphs, kernels
+    from swiftspec_mpi.gpu.graphs import GraphedModel, logits_argmax, logits_topk_logprobs
     from swiftspec_mpi.network.transformer import Transformer, chain_mask
     if not kernels.available():
         pytest.skip("fused kernels unavailable (CuPy / nvcc)")
@@ -169,10 +169,10 @@ def test_graphed_model_prompts_and_freeze():
     as late, one per new shape, a replayed shape is not."""
     import numpy as np
 
-    from swiftspec_mpi.gpu import kernels
-    from swiftspec_mpi.core.comm import SingleComm
-    from swiftspec_mpi.gpu.graphs import GraphedModel
     from swiftspec_mpi.checkpoints.dummy import RandomSource, SHAPES
+    from swiftspec_mpi.core.comm import SingleComm
+    from swiftspec_mpi.gpu import kernels
+    from swiftspec_mpi.gpu.graphs import GraphedModel
     from swiftspec_mpi.network.transformer import Transformer, chain_mask
     if not kernels.available():
         pytest.skip("fused kernels unavailable (CuPy / nvcc)")

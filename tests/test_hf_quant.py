@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from swiftspec_mpi.core.errors import CheckpointError, UserError
 from swiftspec_mpi.checkpoints import dummy, hf_quant, load, tiny
-from swiftspec_mpi.packed import int4
 from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource, logical_shapes
+from swiftspec_mpi.core.errors import CheckpointError, UserError
 from swiftspec_mpi.network.transformer import chain_mask
+from swiftspec_mpi.packed import int4
 
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]       # AutoAWQ: nibble i of a word <- column order[i]
 
@@ -375,15 +375,13 @@ def test_loading_peak_rss_stays_near_the_packed_bytes(tmp_path):
     """A mid-size AWQ checkpoint (12 layers of hidden 1024, MLP 4096, groups of 128: ~110 MiB
     packed) loads into PackedInt4 with the process's peak RSS growing at most 1.2x the packed
     bytes."""
+    from model_configs import small_config
     from safetensors.torch import save_file
-    from swiftspec_mpi.network.config import ModelConfig
     gen = torch.Generator().manual_seed(0)
     H, I, L, g = 1024, 4096, 12, 128
-    cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=H, intermediate_size=I,
-                      num_layers=L, num_heads=8, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                      rope_theta=1e4, rope_scaling=None, tie_word_embeddings=True,
-                      attention_bias=False, max_position_embeddings=512, bos_token_id=None,
-                      eos_token_ids=(0,))
+    cfg = small_config("llama", vocab_size=256, hidden_size=H, intermediate_size=I, num_layers=L,
+                       num_heads=8, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                       tie_word_embeddings=True)
     tensors = {}
     for i in range(L):
         for proj, (n, k) in {"self_attn.q_proj": (H, H), "self_attn.k_proj": (H, H),

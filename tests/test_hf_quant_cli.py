@@ -11,8 +11,8 @@ import pytest
 
 from engine_helpers import read_outputs, run_swiftspec
 from reliability_helpers import copy_model, edit_config, error_lines, run_job
-from swiftspec_mpi.core.errors import EXIT_USER_ERROR
 from swiftspec_mpi.checkpoints import tiny
+from swiftspec_mpi.core.errors import EXIT_USER_ERROR
 
 WALL_S = 30.0
 

@@ -22,8 +22,8 @@ from engine_helpers import MPIEXEC, env_for_tests, read_outputs, read_requests, 
 from engine_helpers import batch_ar as batch_ar_run
 from reliability_helpers import Job
 
-from swiftspec_mpi.serve.interactive import Conversation, LineReader, TurnTooLong, read_turn
 from swiftspec_mpi.engine.protocol import Interrupted, StopFlag
+from swiftspec_mpi.serve.interactive import Conversation, LineReader, TurnTooLong, read_turn
 
 PROMPTS = ["Write a haiku about message passing.", "def add(a, b):\n    return"]
 NEW = 24

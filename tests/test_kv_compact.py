@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource
-from swiftspec_mpi.network.transformer import Transformer, chain_mask
-from swiftspec_mpi.network.config import ModelConfig
 from swiftspec_mpi.checkpoints.tiny import random_weights, write_hf_folder
+from swiftspec_mpi.network.transformer import Transformer, chain_mask
+from model_configs import small_config
 from tree_masks import tree_mask
 
 TOL = 1e-5
@@ -18,11 +18,8 @@ V = 89
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    cfg = ModelConfig(arch="llama", vocab_size=V, hidden_size=48, intermediate_size=80,
-                      num_layers=2, num_heads=6, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
-                      rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False,
-                      attention_bias=False, max_position_embeddings=256, bos_token_id=None,
-                      eos_token_ids=(0,))
+    cfg = small_config("llama", vocab_size=V, hidden_size=48, intermediate_size=80, num_layers=2,
+                       num_heads=6, head_dim=8, rms_norm_eps=1e-5, max_position_embeddings=256)
     w = random_weights(cfg, seed=5, late_scale=1.0)
     w["lm_head.weight"] *= 0.3
     return write_hf_folder(str(tmp_path_factory.mktemp("compact")), cfg, w)

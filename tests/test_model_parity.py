@@ -12,8 +12,8 @@ import transformers
 
 from conftest import skip_or_fail
 from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource
-from swiftspec_mpi.network.transformer import Transformer, chain_mask
 from swiftspec_mpi.network.config import ModelConfig
+from swiftspec_mpi.network.transformer import Transformer, chain_mask
 
 TOL = 1e-4
 VOCAB = 97

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from engine_helpers import MPIEXEC
+from model_configs import small_config
 from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource
-from swiftspec_mpi.network.transformer import Transformer
-from swiftspec_mpi.network.config import ModelConfig
 from swiftspec_mpi.checkpoints.tiny import random_weights, write_hf_folder
+from swiftspec_mpi.network.config import ModelConfig
+from swiftspec_mpi.network.transformer import Transformer
 
 pytestmark = pytest.mark.mpi
 
@@ -35,12 +36,8 @@ def _scenario():
 
 
 def _cfg(arch, **kw) -> ModelConfig:
-    d = dict(arch=arch, vocab_size=97, hidden_size=64, intermediate_size=90, num_layers=2,
-             num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-             rope_scaling=None, tie_word_embeddings=False, attention_bias=arch == "qwen2",
-             max_position_embeddings=512, bos_token_id=None, eos_token_ids=(0,))
-    d.update(kw)
-    return ModelConfig(**d)
+    """small_config with a vocabulary (97) and an MLP width (90) that TP = 4 does not divide."""
+    return small_config(arch, **{"vocab_size": 97, "intermediate_size": 90, "num_layers": 2, **kw})
 
 
 MODELS = {

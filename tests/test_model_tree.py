@@ -8,26 +8,17 @@ import pytest
 import torch
 
 from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource
-from swiftspec_mpi.network.transformer import Transformer, chain_mask
-from swiftspec_mpi.network.config import ModelConfig
 from swiftspec_mpi.checkpoints.tiny import random_weights, write_hf_folder
+from swiftspec_mpi.network.transformer import Transformer, chain_mask
+from model_configs import small_config
 
 TOL = 1e-5
 VOCAB = 101
 
 
-def small_config(arch="qwen2", **kw) -> ModelConfig:
-    d = dict(arch=arch, vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_layers=3,
-             num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-             rope_scaling=None, tie_word_embeddings=False, attention_bias=arch == "qwen2",
-             max_position_embeddings=512, bos_token_id=None, eos_token_ids=(0,))
-    d.update(kw)
-    return ModelConfig(**d)
-
-
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
 def model(request, tmp_path_factory):
-    cfg = small_config(request.param)
+    cfg = small_config(request.param, vocab_size=VOCAB)
     w = random_weights(cfg, seed=11, late_scale=1.0)
     # logits of O(1) (max ~4): 1e-5 absolute is then ~1e-6 relative, float32 summation-order
     # noise between a 12-row tree matmul and 1-row chain steps stays well below it

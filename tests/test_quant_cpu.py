@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from conftest import max_rel_diff, need_registry_model, skip_or_fail
-from swiftspec_mpi.packed import cpu_linear, cpu_quant, int4, int8
 from swiftspec_mpi.checkpoints import gguf_quant
+from swiftspec_mpi.packed import cpu_linear, cpu_quant, int4, int8
 
 Q = gguf.GGMLQuantizationType
 
@@ -341,8 +341,8 @@ def test_gguf_packed_chunks_column_shards_on_group_boundaries(tmp_path):
     reports the file's group (what rank 0 checks tensor-parallel degrees against)."""
     from test_gguf import write_tiny_gguf
 
-    from swiftspec_mpi.core.errors import CheckpointError
     from swiftspec_mpi.checkpoints import gguf_loader, load
+    from swiftspec_mpi.core.errors import CheckpointError
 
     path = tmp_path / "tiny-q.gguf"
     write_tiny_gguf(path, "qwen2", tied=True, qtypes={"attn": Q.Q4_0, "ffn": Q.Q4_1})
@@ -387,15 +387,12 @@ def test_tiny_hf_4bit_model_packed_equals_dequantized(tmp_path, layout):
 def test_dummy_int4_runs_packed_on_the_cpu():
     """--load-format dummy --quant int4 on the CPU: random packed projections (group 128) in the
     packed CPU layers, the same weights the dequantized twin holds."""
+    from model_configs import small_config
     from swiftspec_mpi.checkpoints import dummy
-    from swiftspec_mpi.network.config import ModelConfig
     from swiftspec_mpi.network.transformer import Transformer, chain_mask
 
-    cfg = ModelConfig(arch="llama", vocab_size=512, hidden_size=256, intermediate_size=384,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5,
-                      rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False,
-                      attention_bias=False, max_position_embeddings=256, bos_token_id=None,
-                      eos_token_ids=(0,))
+    cfg = small_config("llama", vocab_size=512, hidden_size=256, intermediate_size=384, num_layers=2,
+                       head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=256)
     packed = Transformer(cfg, max_slots=32, quant="int4")
     packed.load_weights(dummy.RandomPackedSource(cfg))
     assert packed.quant_cpu and packed.layers[0][1].kinds() == ["int4/g128"] * 3

@@ -182,8 +182,8 @@ def tiny_registered(cache, tmp_path):
 def test_ensure_prepared_loads_like_the_gguf(tiny_registered):
     from safetensors import safe_open
 
-    from swiftspec_mpi.checkpoints.load import load_model
     from swiftspec_mpi.checkpoints.gguf_loader import GGUFSource
+    from swiftspec_mpi.checkpoints.load import load_model
     from swiftspec_mpi.network.transformer import chain_mask
 
     folder = registry.ensure_prepared("tiny-fake", dtype="float32")

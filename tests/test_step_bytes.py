@@ -9,8 +9,8 @@ import pytest
 
 import torch
 
-from swiftspec_mpi.core.comm import SingleComm  # noqa: E402
 from swiftspec_mpi.checkpoints.dummy import SHAPES, RandomSource  # noqa: E402
+from swiftspec_mpi.core.comm import SingleComm  # noqa: E402
 from swiftspec_mpi.network.transformer import Transformer  # noqa: E402
 
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from swiftspec_mpi.checkpoints import load as checkpoint
+from swiftspec_mpi.checkpoints.tokenizer import StreamDecoder, TextTokenizer
 from swiftspec_mpi.cli import main as cli
 from swiftspec_mpi.core.errors import CheckpointError, UserError
 from swiftspec_mpi.network.transformer import chain_mask
-from swiftspec_mpi.checkpoints.tokenizer import StreamDecoder, TextTokenizer
 
 
 def _greedy(model, prompt: list[int], n: int) -> list[int]:

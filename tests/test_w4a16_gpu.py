@@ -248,9 +248,9 @@ def test_gemm_allreduce_single_rank_equals_gemm():
 def test_int4_model_graphed_step_matches_eager():
     """A 4-bit Llama-3.2-1B shape (4 layers): the CUDA-graph step (fused ops, W4A16 GEMVs with
     PDL) against the eager forward (torch ops, the GEMV / dequantize + cuBLAS), a prompt first."""
+    from swiftspec_mpi.checkpoints.load import dummy_model
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.gpu.graphs import GraphedModel, graphs_supported
-    from swiftspec_mpi.checkpoints.load import dummy_model
     from swiftspec_mpi.network.transformer import chain_mask
     model, _ = dummy_model("llama-3.2-1b", SingleComm(), 512, torch.bfloat16, "cuda", num_layers=4, quant="int4")
     assert isinstance(model.layers[0].wqkv, w4a16.W4A16Weight) and graphs_supported(model)
@@ -275,8 +275,8 @@ def test_quantized_head_is_rtn_4bit_and_near_the_bf16_head():
     """--head-bits 4 (packed_layers.quantize_head): the kernels' weights are the round-to-nearest
     4-bit head (codes - zeros) * fp16 scales to bf16 rounding of scale and offset; its logits
     through the GEMV stay within 4-bit error of the bf16 head's (random N(0, 0.02) rows)."""
-    from swiftspec_mpi.packed.int4 import quantize_rtn
     from swiftspec_mpi.network.packed_layers import HEAD_GROUP, quantize_head
+    from swiftspec_mpi.packed.int4 import quantize_rtn
     gen = torch.Generator(device="cuda").manual_seed(7)
     head = (torch.randn(4096 + 16, 1024, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
     w = quantize_head(head, "cuda", rows_per_step=1000)          # chunks that do not divide the rows
@@ -300,10 +300,10 @@ def test_quant_flag_checks(monkeypatch, tmp_path):
     """--quant: unknown values refused up front; int4 on the GPU needs bf16 and weights it can run
     packed there (random ones, or an AWQ/GPTQ folder: checkpoints.load.gpu_packed), not a GGUF file or a
     dense checkpoint; on the CPU int4 runs packed weights of any dtype (cpu_quant)."""
+    from swiftspec_mpi.checkpoints import load, tiny
     from swiftspec_mpi.cli import validate as job
     from swiftspec_mpi.core.config import RunConfig, validate_basic
     from swiftspec_mpi.core.errors import UserError
-    from swiftspec_mpi.checkpoints import load, tiny
     with pytest.raises(UserError, match="--quant"):
         validate_basic(RunConfig(quant="int8"), 1)
     monkeypatch.setattr(job, "_gpu_visible", lambda: True)

@@ -47,16 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-ranks", type=int, help="ranks in the draft group (async; default 1, "
                                                    "world/4 from 8 ranks); the rest verify")
     g.add_argument("--async-policy", help="async: which tree the verify group checks next. "
-                                          "stream: the newest the draft sent (it sends after every "
-                                          "expansion), else the rest of the last one; remnant: the same, "
-                                          "the draft sending only after each result; fresh: wait for the "
-                                          "tree the draft re-rooted on the latest result (the paper's); "
-                                          "deep: fresh, the draft sending it once --floor-depth levels deep; "
-                                          "floor: remnant while the tree at hand is that deep, "
-                                          "else deep; rate: floor's draft, waiting for its tree only "
-                                          "when the expected tokens per second favour it. "
-                                          "Default: " + DEFAULT_ASYNC_POLICY)
-    g.add_argument("--floor-depth", type=int, help="async, deep / floor / rate: the levels under the root "
+                                          "rate: the tree the draft re-rooted on the latest result "
+                                          "(sent once --floor-depth levels deep) or the rest of the "
+                                          "one at hand, whichever the expected tokens per second "
+                                          "favour; fresh: always wait for the re-rooted tree (the "
+                                          "paper's). Default: " + DEFAULT_ASYNC_POLICY)
+    g.add_argument("--floor-depth", type=int, help="async, rate: the levels under the root "
                                                    "a tree must reach to be worth waiting for (capped "
                                                    "at --verify-size - 1; default 2)")
     g.add_argument("--threads", type=int, help="torch threads per rank (default: the node's cores / "

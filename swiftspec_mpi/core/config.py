@@ -16,15 +16,13 @@ from pathlib import Path
 from swiftspec_mpi.core.errors import UserError
 
 MODES = ("async", "sync", "ar")
-# how the async verify group picks its next tree (engine/async_loop.py): fresh = wait for the tree
-# the draft re-rooted on the latest result (the paper's); remnant = continue on the rest of the
-# last tree; stream = the draft sends after every expansion; deep = fresh, sent once 2 levels
-# deep; floor = remnant while the tree at hand is 2 levels deep, else deep; rate = floor's draft,
-# waiting for its tree only when the expected accepted tokens per second favour it
-ASYNC_POLICIES = ("stream", "remnant", "fresh", "deep", "floor", "rate")
-DEFAULT_ASYNC_POLICY = "rate"     # the best tok/s of the ablation (docs/benchmarks.md)
-FLOORED_POLICIES = ("deep", "floor", "rate")   # the policies with a depth floor (engine/async_loop.py POLICIES)
-DEFAULT_FLOOR_DEPTH = 2                 # their floor: levels under the root of a tree worth waiting for
+# how the async verify group picks its next tree (engine/async_loop.py): rate = the draft sends
+# its re-rooted tree once --floor-depth levels deep, and the verify group waits for it only when
+# the expected accepted tokens per second favour it; fresh = always wait for the tree the draft
+# re-rooted on the latest result (the paper's)
+ASYNC_POLICIES = ("rate", "fresh")
+DEFAULT_ASYNC_POLICY = "rate"     # the best tok/s and acceptance of the ablation (docs/benchmarks.md)
+DEFAULT_FLOOR_DEPTH = 2           # rate: levels under the root of a tree worth waiting for
 INTERACTIVE_CONTEXT = 4096    # default KV slots with --interactive / --serve (prompts unknown ahead)
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
@@ -70,7 +68,7 @@ class RunConfig:
     mode: str = "async"
     draft_ranks: int | None = None     # async: ranks in the draft group (default: 1, or world/4 from 8 ranks)
     async_policy: str | None = None    # async: one of ASYNC_POLICIES (None: DEFAULT_ASYNC_POLICY)
-    floor_depth: int | None = None     # deep / floor: the depth floor (None: DEFAULT_FLOOR_DEPTH)
+    floor_depth: int | None = None     # rate: the depth floor (None: DEFAULT_FLOOR_DEPTH)
     threads: int | None = None         # torch threads per rank (default: cores of the node / ranks on it)
     device: str = "auto"               # auto | cpu | cuda
     # prompts and stopping
@@ -287,10 +285,9 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         if cfg.async_policy not in ASYNC_POLICIES:
             raise UserError(f"unknown async policy '{cfg.async_policy}'; use --async-policy "
                             f"{', '.join(ASYNC_POLICIES)}")
-        if cfg.floor_depth is not None and cfg.async_policy not in FLOORED_POLICIES:
-            raise UserError(f"--floor-depth applies to --async-policy {' or '.join(FLOORED_POLICIES)}; "
-                            f"drop it for {cfg.async_policy}")
-        if cfg.floor_depth is None and cfg.async_policy in FLOORED_POLICIES:
+        if cfg.floor_depth is not None and cfg.async_policy != "rate":
+            raise UserError(f"--floor-depth applies to --async-policy rate; drop it for {cfg.async_policy}")
+        if cfg.floor_depth is None and cfg.async_policy == "rate":
             cfg.floor_depth = DEFAULT_FLOOR_DEPTH
         if cfg.floor_depth is not None and (not isinstance(cfg.floor_depth, int) or cfg.floor_depth < 1):
             raise UserError(f"--floor-depth must be an integer >= 1, got {cfg.floor_depth}")

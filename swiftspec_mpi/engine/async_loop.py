@@ -6,50 +6,36 @@ draft paces itself is the async policy (--async-policy):
     draft leader                              verify leader
     ------------                              -------------
     expand w best leaves      (repeat;        forward(best bs nodes) on committed KV
-      paced: d times a step, then wait)
-      stream: SEND best 8*bs after each  -->  accept path (+ bonus), commit KV, stream text
+      paced: d times a step, then wait)       accept path (+ bonus), commit KV, stream text
       between layers: RESULT in?       <--    SEND result
         and no leaf survives its re-root:
         ABANDON the expansion (tree and
         KV as before it; abandon.py)
     on RESULT: re-root, move KV
     then SEND best 4*bs nodes          -->    next tree:
-                                                fresh:   wait for the tree the draft re-rooted
-                                                         on this result (the paper's policy)
-                                                remnant, stream: the newest tree that reaches
-                                                         the current root (an arrived one,
-                                                         re-rooted along the committed tokens),
-                                                         else the remnant of the last one under
-                                                         the bonus token; wait only when
-                                                         neither has a drafted node (deadline)
-                                                deep:    as fresh, but the draft sends that
-                                                         tree only once its best bs nodes are
-                                                         F levels deep (or after F expansions
-                                                         since the result), F = --floor-depth
-                                                floor:   as remnant while the tree at hand is
-                                                         F deep, else as deep
-                                                rate:    as floor, but wait only when the
-                                                         expected tokens per second favour it
-                                                         (rate_rule.py)
+      (rate: once its best bs nodes are         fresh: wait for the tree the draft re-rooted
+      F levels deep, or after F expansions             on this result (the paper's policy)
+      since the result; F = --floor-depth)      rate:  that tree, or the one at hand (the
+                                                       newest that reaches the current root,
+                                                       else the remnant of the last one under
+                                                       the bonus token) when the expected
+                                                       tokens per second favour it
+                                                       (rate_rule.py)
 
 `fresh` is the paper's: the verify group waits for the draft's re-root round trip, so every
-tree it checks holds all the draft made up to the result. `remnant` never waits for the round trip
-when the bonus token was drafted, but its tree holds none of the expansions of the step just
-verified (they come with the re-rooted tree, a step late). `deep` is `fresh` with a floor on the
-tree's depth: the bonus token often lands at the draft's frontier (or outside its tree), and the
-re-rooted tree is then a single level deep, so at most one draft token can be accepted; one more
-expansion (a fraction of a verify step) lifts it to two (--floor-depth F: to F, 2 by default).
-`floor` waits only then: it goes on with the tree at hand (as `remnant`) while that is F levels
-deep. `rate` weighs it instead: the tree at hand's expected accepted tokens (from the draft's
-path probabilities, sent with every tree) over a verify step, against the re-rooted tree's over
-a verify step plus the wait for it (engine/rate_rule.py). `stream` also never waits, and the
-draft sends its best subtree after every expansion, so the verify group starts each step on
-everything drafted up to the moment its result arrived.
+tree it checks holds all the draft made up to the result. `rate` (the default) weighs that wait:
+the tree at hand's expected accepted tokens (from the draft's path probabilities, sent with every
+tree) over a verify step, against the re-rooted tree's over a verify step plus the wait for it
+(engine/rate_rule.py). Its draft holds the re-rooted tree back until it is F levels deep: the bonus
+token often lands at the draft's frontier (or outside its tree), and the re-rooted tree is then a
+single level deep, so at most one draft token can be accepted; one more expansion (a fraction of a
+verify step) lifts it to two (--floor-depth F: to F, 2 by default). Until the rule has its
+observations, `rate` goes on with the tree at hand only when that is F levels deep.
 
 A result that arrives while the draft is in an expansion is taken at the next layer boundary
 (engine/abandon.py) when the re-root on it would drop every leaf being expanded: that forward is
-wasted work, and finishing it delays the re-rooted tree by up to one expansion (the wait `fresh`,
-`deep` and `floor` pay). An expansion with a surviving leaf is finished first, as before.
+wasted work, and finishing it delays the re-rooted tree by up to one expansion (the wait both
+policies pay). An expansion with a surviving leaf is finished first, as before.
 
 The draft expands without pause, unless it is paced (EngineContext.draft_pace = d > 0: d
 expansions after each result, then it waits for the next): with --expansions D, or when a draft
@@ -61,8 +47,6 @@ preallocated buffer, so the tree and KV of every rank of a group stay identical 
 to abandon an expansion too, every abandon.TP_CHECK_EVERY layers).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
@@ -80,40 +64,23 @@ from swiftspec_mpi.trace.record import KIND, SOURCE, step_row
 ACT_EXPAND, ACT_SEND, ACT_RESULT, ACT_STOP = 1, 2, 3, 4
 
 
-@dataclass(frozen=True)
-class AsyncPolicy:
-    """What an --async-policy does (the module docstring tells why)."""
-    waits_fresh: bool   # the verify group waits for the tree the draft re-rooted on its latest result
-    floored: bool       # a depth floor (--floor-depth): the draft sends a re-rooted tree once its best
-    #                     bs nodes are that deep, and the verify group goes on with a tree at hand only
-    #                     if it is
-    streams: bool       # the draft sends its best subtree after every expansion
-    weighs: bool = False  # the verify group waits for the floored tree only when the expected
-    #                       accepted tokens per second favour it (rate_rule.py), not by depth
-
-
-POLICIES = {            # the names of core.config.ASYNC_POLICIES
-    "stream": AsyncPolicy(waits_fresh=False, floored=False, streams=True),
-    "remnant": AsyncPolicy(waits_fresh=False, floored=False, streams=False),
-    "fresh": AsyncPolicy(waits_fresh=True, floored=False, streams=False),
-    "deep": AsyncPolicy(waits_fresh=True, floored=True, streams=False),
-    "floor": AsyncPolicy(waits_fresh=False, floored=True, streams=False),
-    "rate": AsyncPolicy(waits_fresh=False, floored=True, streams=False, weighs=True),
-}
+def waits_fresh(cfg) -> bool:
+    """`fresh`: the verify group always waits for the tree the draft re-rooted on its latest
+    result; `rate` weighs that wait (rate_rule.py)."""
+    return cfg.async_policy == "fresh"
 
 
 def depth_floor(cfg) -> int:
     """The depth a re-rooted tree must reach before the draft sends it (0: at once), and the
-    least depth of a tree at hand the verify group goes on with (0: any): cfg.floor_depth, at
-    most bs - 1, for the floored policies."""
-    return min(cfg.floor_depth, cfg.verify_size - 1) if POLICIES[cfg.async_policy].floored else 0
+    least depth of a tree at hand the verify group goes on with before the `rate` rule has its
+    observations: cfg.floor_depth, at most bs - 1, under `rate`; 0 under `fresh`."""
+    return 0 if waits_fresh(cfg) else min(cfg.floor_depth, cfg.verify_size - 1)
 
 
 def send_size(cfg) -> int:
     """Nodes per tree message: 4 x bs, so the verify leader can continue under the bonus token
-    for a step or two without waiting for the draft's next tree; 8 x bs with `stream`, whose
-    trees are mostly rooted a step back (cut below the accepted tokens, they keep more)."""
-    return min(cfg.tree_capacity, (8 if POLICIES[cfg.async_policy].streams else 4) * cfg.verify_size)
+    for a step or two without waiting for the draft's next tree."""
+    return min(cfg.tree_capacity, 4 * cfg.verify_size)
 
 
 class TreeInbox:
@@ -122,10 +89,9 @@ class TreeInbox:
 
     def __init__(self, ctx: EngineContext, chan: LeaderChannel, request: int):
         self.ctx, self.chan, self.request = ctx, chan, request
-        policy = POLICIES[ctx.cfg.async_policy]
-        self.wait_fresh = policy.waits_fresh
-        self.min_depth = depth_floor(ctx.cfg)        # (`deep` waits for the fresh tree anyway)
-        self.rate = ctx.scratch.setdefault("expected_rate", ExpectedRate()) if policy.weighs else None
+        self.wait_fresh = waits_fresh(ctx.cfg)
+        self.min_depth = depth_floor(ctx.cfg)
+        self.rate = None if self.wait_fresh else ctx.scratch.setdefault("expected_rate", ExpectedRate())
         self.req = ctx.topo.inter.Irecv(chan.tree, source=0, tag=TAG_TREE)
         self.local = None          # (tokens, parents, scores) rooted at the current root, best-first
         self.meta = NO_META        # the TreeMeta of the message self.local came from
@@ -177,9 +143,9 @@ class TreeInbox:
 
     def next_tree(self, committed: list[int], bs: int, wait_what: str):
         """-> (tokens int64[n <= bs], parents int32[n], nodes at hand) to verify now; blocks
-        while the policy's tree is not at hand (`fresh`, `deep`: the one built on the latest
-        result; `floor`: that one unless the tree at hand is depth_floor deep; else any with at
-        least one drafted node)."""
+        while the policy's tree is not at hand (`fresh`: the one built on the latest result;
+        `rate`: that one unless the rule prefers the tree at hand, or, before the rule has its
+        observations, the tree at hand is depth_floor deep)."""
         while self.req.Test():
             self._take(committed)
         while not self._ready(bs):
@@ -313,9 +279,9 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
 
 def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     """Expand the best leaves (paced, ctx.draft_pace = d > 0: d times after each result, then wait
-    for the next; else without pause; `stream`: sending the best `send_size` nodes after each
-    expansion); after every verify result re-root and send the best `send_size` nodes at once
-    (one tree per batch of results); at the end of the request send the acknowledgement (an
+    for the next; else without pause); after every verify result re-root and send the best
+    `send_size` nodes (at once, or under `rate` once depth_floor deep; one tree per batch of
+    results); at the end of the request send the acknowledgement (an
     empty tree). A result that arrives during an expansion is seen between its layers, and the
     expansion is abandoned when the re-root would drop all its leaves (abandon.LayerCheck)."""
     cfg, rec, clock, topo = ctx.cfg, ctx.recorder, ctx.clock, ctx.topo
@@ -337,7 +303,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     group_size = topo.group.Get_size()
     seq = 0
     n_expand = 0
-    stream, d = POLICIES[cfg.async_policy].streams, int(ctx.draft_pace)
+    d = int(ctx.draft_pace)
     paced = d > 0
     results, exp_at_result, exp_at_previous = 0, 0, 0   # see protocol.TreeMeta
 
@@ -345,8 +311,8 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     to_send = None             # the leader: the subtree deep_enough() found ready to send
 
     def deep_enough():
-        """-> the best m nodes (tokens, parents, scores) to send now, or None: with a depth floor (`deep`,
-        `floor`) only once the best bs of them (their prefix) reach `floor` levels or `floor`
+        """-> the best m nodes (tokens, parents, scores) to send now, or None: with a depth floor
+        (`rate`) only once the best bs of them (their prefix) reach `floor` levels or `floor`
         expansions were made since the result (a bound on the verify group's wait)."""
         sub = draft.best_subtree(m)
         if floor == 0 or n_expand - exp_at_result >= floor or tree_depth(sub[1][:bs]) >= floor:
@@ -432,14 +398,6 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
             rec.record(KIND["expand"], request, n_expand, te, clock.now(), len(leaves), 0,
                        comm_seconds(ctx.draft) - ce)
             n_expand += 1
-            if stream and draft.root_expanded():   # the verify leader takes the newest
-                ts = clock.now()
-                if leader:
-                    tokens, parents, scores = draft.best_subtree(m)
-                    send_tree(tokens, parents, scores)
-                    rec.record(KIND["send"], request, seq, ts, clock.now(), len(tokens))
-                owe_tree = False
-                seq += 1
 
 
 def exchange_profile(ctx: EngineContext, mine: dict[int, float], sizes) -> dict[int, float]:

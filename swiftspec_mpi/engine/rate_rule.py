@@ -1,5 +1,5 @@
 """The `rate` async policy's choice: verify the tree at hand now, or wait for the draft's tree
-re-rooted on the latest result (sent once it is --floor-depth deep, as `floor`'s)?
+re-rooted on the latest result (sent once it is --floor-depth deep)?
 
 Whichever gives more expected tokens per second of the verify group:
 
@@ -14,9 +14,10 @@ T       mean verify forward, seconds;
 W       mean time from sending a result to receiving the tree re-rooted on it, less the time
         since the latest result was sent (what waiting still costs).
 
-Every figure is a running mean over the job (requests alike), and the rule falls back to
-`floor`'s depth test until each has MIN_OBS observations. The choice never changes the output
-(greedy acceptance commits the target's tokens whatever tree it checks); only tok/s moves.
+Every figure is a running mean over the job (requests alike), and the rule falls back to a
+depth test (go on when the tree at hand is --floor-depth deep) until each has MIN_OBS
+observations. The choice never changes the output (greedy acceptance commits the target's tokens
+whatever tree it checks); only tok/s moves.
 """
 from __future__ import annotations
 

@@ -231,12 +231,8 @@ class Transformer(torch.nn.Module):
 
         if (mask is not None and self.packed
                 and cpu_ops.usable(self.dtype, N, hd, self.cfg.hidden_size)):
-            x = self._layers_small(tokens, positions, start, mask, between_layers)
-            if x is None:
-                return None
-            if logits_rows is not None:
-                x = x.index_select(0, logits_rows.to(dev))
-            return self._logits(x)
+            return self._rows_logits(self._layers_small(tokens, positions, start, mask, between_layers),
+                                     logits_rows)
 
         fold = N * g <= _FOLD_MAX_ROWS and mask is not None
         if fold:
@@ -266,12 +262,8 @@ class Transformer(torch.nn.Module):
                                                v.unsqueeze(0), attn_mask=mask, enable_gqa=g > 1)
             return o[0].transpose(0, 1).reshape(N, nh_l * hd)
 
-        x = self._layers(tokens, positions, write_kv, attend, between_layers)
-        if x is None:
-            return None
-        if logits_rows is not None:
-            x = x.index_select(0, logits_rows.to(dev))
-        return self._logits(x)
+        return self._rows_logits(self._layers(tokens, positions, write_kv, attend, between_layers),
+                                 logits_rows)
 
     def forward_prompt(self, ids: list[int], row: int) -> None:
         """A prompt at slot 0: ids (m token ids, padded or not) -> their KV in slots [0, m), with
@@ -356,6 +348,15 @@ class Transformer(torch.nn.Module):
             return (self.head if self.embed is None else self.embed).gather_rows(tokens, self.dtype)
         x = F.embedding(tokens, self.embed)
         return x if x.dtype == self.dtype else x.to(self.dtype)
+
+    def _rows_logits(self, x: torch.Tensor | None, logits_rows: torch.Tensor | None):
+        """forward's result from the last layer's x [N, hidden]: the logits of rows `logits_rows`
+        (all rows when None), or None when the layers stopped early (between_layers)."""
+        if x is None:
+            return None
+        if logits_rows is not None:
+            x = x.index_select(0, logits_rows.to(self.device))
+        return self._logits(x)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm + (vocab-parallel) head: [R, hidden] -> float32 [R, vocab_size]."""

@@ -62,8 +62,8 @@ def main() -> int:
     import torch
     from mpi4py import MPI
 
-    from swiftspec_mpi.core.comm import MpiGroupComm
     from swiftspec_mpi.checkpoints.hf_loader import SafetensorsSource
+    from swiftspec_mpi.core.comm import MpiGroupComm
     from swiftspec_mpi.network.transformer import Transformer
 
     torch.set_num_threads(1)

@@ -126,29 +126,37 @@ void ssq_prefetch_group(const SsqGeo *q, int sbg, const uint8_t *codes, const ui
 #define SSQ_STEP_BYTES(kind) ((kind) == SSQ_K6 ? 96 : 64)
 #define SSQ_NJ(kind) ((kind) == SSQ_Q8 ? 2 : 4)
 
+/* A step's codes as int16 lanes, one register per input pair j (q[0..1] for Q8, else q[0..3]),
+ * for vectors of W = 512 or 256 bits: v holds the step's code lanes (int16), HIGH (read for K6
+ * only) the 8-bit lanes of its high bits. The one decoding of the layouts above for both ISAs. */
+#define SSQ_CODES(W, kind, v, HIGH, q)                                                          \
+    do {                                                                                        \
+        const __m##W##i m4 = _mm##W##_set1_epi16(0x0F);                                         \
+        if ((kind) == SSQ_Q8) {                                                                 \
+            q[0] = _mm##W##_srai_epi16(_mm##W##_slli_epi16(v, 8), 8);                           \
+            q[1] = _mm##W##_srai_epi16(v, 8);                                                   \
+            break;                                                                              \
+        }                                                                                       \
+        q[0] = _mm##W##_and_si##W(v, m4);                                                       \
+        q[1] = _mm##W##_and_si##W(_mm##W##_srli_epi16(v, 4), m4);                               \
+        q[2] = _mm##W##_and_si##W(_mm##W##_srli_epi16(v, 8), m4);                               \
+        q[3] = _mm##W##_srli_epi16(v, 12);                                                      \
+        if ((kind) == SSQ_K6) {                                                                 \
+            const __m##W##i m2 = _mm##W##_set1_epi16(0x30);                                     \
+            const __m##W##i hb = _mm##W##_cvtepu8_epi16(HIGH);                                  \
+            q[0] = _mm##W##_or_si##W(q[0], _mm##W##_and_si##W(_mm##W##_slli_epi16(hb, 4), m2)); \
+            q[1] = _mm##W##_or_si##W(q[1], _mm##W##_and_si##W(_mm##W##_slli_epi16(hb, 2), m2)); \
+            q[2] = _mm##W##_or_si##W(q[2], _mm##W##_and_si##W(hb, m2));                         \
+            q[3] = _mm##W##_or_si##W(q[3], _mm##W##_and_si##W(_mm##W##_srli_epi16(hb, 2), m2)); \
+        }                                                                                       \
+    } while (0)
+
 /* ------------------------------------------------------------------------------------------
  * AVX-512 VNNI. A step's codes as int16 lanes, one register per input pair j. */
 static inline __attribute__((always_inline)) SSQ_AVX512
 void ssq_codes_512(int kind, const uint8_t *c, __m512i *q) {
-    const __m512i m4 = _mm512_set1_epi16(0x0F);
-    __m512i v = _mm512_loadu_si512((const void *)c);
-    if (kind == SSQ_Q8) {
-        q[0] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
-        q[1] = _mm512_srai_epi16(v, 8);
-        return;
-    }
-    q[0] = _mm512_and_si512(v, m4);
-    q[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-    q[2] = _mm512_and_si512(_mm512_srli_epi16(v, 8), m4);
-    q[3] = _mm512_srli_epi16(v, 12);
-    if (kind == SSQ_K6) {
-        const __m512i m2 = _mm512_set1_epi16(0x30);
-        __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(c + 64)));
-        q[0] = _mm512_or_si512(q[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), m2));
-        q[1] = _mm512_or_si512(q[1], _mm512_and_si512(_mm512_slli_epi16(h, 2), m2));
-        q[2] = _mm512_or_si512(q[2], _mm512_and_si512(h, m2));
-        q[3] = _mm512_or_si512(q[3], _mm512_and_si512(_mm512_srli_epi16(h, 2), m2));
-    }
+    const __m512i v = _mm512_loadu_si512((const void *)c);
+    SSQ_CODES(512, kind, v, _mm256_loadu_si256((const __m256i *)(c + 64)), q);
 }
 
 /* Integer sums of one group's codes for R (1..4) rows x 2 parts, NCH independent accumulator
@@ -281,25 +289,8 @@ static SSQ_AVX512 void ssq_k6_512(SSQ_ARGS) { ssq_panels_512(SSQ_K6, SSQ_PASS); 
  * AVX2: a step's two halves are outputs 0..7 (lo) and 8..15 (hi); the same codes as above. */
 static inline __attribute__((always_inline)) SSQ_AVX2
 void ssq_codes_256(int kind, const uint8_t *c, int h, __m256i *q) {
-    const __m256i m4 = _mm256_set1_epi16(0x0F);
-    __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * h));
-    if (kind == SSQ_Q8) {
-        q[0] = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
-        q[1] = _mm256_srai_epi16(v, 8);
-        return;
-    }
-    q[0] = _mm256_and_si256(v, m4);
-    q[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    q[2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), m4);
-    q[3] = _mm256_srli_epi16(v, 12);
-    if (kind == SSQ_K6) {
-        const __m256i m2 = _mm256_set1_epi16(0x30);
-        __m256i hb = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + 64 + 16 * h)));
-        q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_slli_epi16(hb, 4), m2));
-        q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_slli_epi16(hb, 2), m2));
-        q[2] = _mm256_or_si256(q[2], _mm256_and_si256(hb, m2));
-        q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2));
-    }
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 32 * h));
+    SSQ_CODES(256, kind, v, _mm_loadu_si128((const __m128i *)(c + 64 + 16 * h)), q);
 }
 
 /* Integer sums for R (1..2) rows x 2 parts: lo[2 r + e] (outputs 0..7), hi[2 r + e] (8..15). */
