@@ -198,6 +198,7 @@ class SharedRequests:
         self.rank = world.Get_rank()
         self.err = err or sys.stderr
         self.index = 0
+        self.segment_due = None    # rank 0: a callable -> True when the trace starts its next file
 
     def say(self, text: str) -> None:
         print(text, file=self.err, flush=True)
@@ -241,6 +242,7 @@ class SharedRequests:
             if req is None:
                 self._share(_KIND_END, b"")
                 return None
+            req.new_segment = bool(self.segment_due and self.segment_due())
             self._share(_KIND_REQUEST, pickle.dumps(req))
             return req
         header = np.zeros(2, dtype=np.int64)
@@ -250,6 +252,8 @@ class SharedRequests:
             spins += 1
             if spins > 2000:
                 time.sleep(_IDLE_SLEEP_S)
+                if self.watch is not None and spins % 64 == 0:   # rank 0 failed: it may ask for
+                    self.watch.check()                           # this rank's events
         kind, nbytes = int(header[0]), int(header[1])
         if kind == _KIND_STOP:
             raise Interrupted()

@@ -3,7 +3,9 @@
 Each rank appends fixed-size records into a preallocated numpy structured array (no allocation
 per event). World rank 0 keeps the file as an HDF5 image in memory (`TraceFile`) and, after each
 finished request, every few seconds of a request in flight and at the end, saves it under a
-temporary name and renames it, so a reader never sees a half-written file.
+temporary name and renames it, so a reader never sees a half-written file. A long-lived job
+(--serve, --interactive) rotates: a new TraceFile (and file) every --trace-rotate requests or
+minutes, so the image, and the time to write it, stay bounded.
 """
 from __future__ import annotations
 
@@ -66,6 +68,11 @@ class EventRecorder:
     def snapshot(self) -> np.ndarray:
         return self.events[: self.n]
 
+    def reset(self) -> None:
+        """Start over (a new trace segment): the events so far are written, their rows reused."""
+        self.n = 0
+        self.dropped = 0
+
 
 @dataclass
 class RequestResult:
@@ -114,7 +121,9 @@ def h5_text(s: str) -> str:
     return s
 
 
-def _write_root(f, mode: str, config_json: str, env: dict, complete: bool, exit_status: str) -> None:
+def _write_root(f, mode: str, config_json: str, env: dict, complete: bool, exit_status: str,
+                segment: tuple[str, int] | None = None, ranks_missing=()) -> None:
+    """Root attributes; `segment` = (trace_id, k) of a rotated trace's k-th file."""
     f.attrs["format"] = "swiftspec-trace"
     f.attrs["format_version"] = 1
     f.attrs["mode"] = mode
@@ -124,6 +133,9 @@ def _write_root(f, mode: str, config_json: str, env: dict, complete: bool, exit_
     f.attrs["env_json"] = json.dumps(env, sort_keys=True, default=str)
     f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     f.attrs["event_kinds"] = json.dumps(list(EVENT_KINDS))
+    f.attrs["ranks_missing"] = json.dumps(sorted(int(r) for r in ranks_missing))
+    if segment is not None:
+        f.attrs["trace_id"], f.attrs["segment"] = segment[0], int(segment[1])
 
 
 def _write_request(group, r: RequestResult) -> None:
@@ -174,9 +186,9 @@ class TraceFile:
     and rename (about 2 ms per MB of file, GIL released) leave the decode loop alone; a newer
     image replaces one still waiting. So rank 0 can write after every request of a long job."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, segment: tuple[str, int] | None = None):
         import h5py
-        self.path = path
+        self.path, self.segment = path, segment
         self.pending: bytes | None = None      # the newest image not yet handed to the disk
         self.saving = False
         self.cond = threading.Condition()
@@ -189,9 +201,10 @@ class TraceFile:
 
     def write(self, *, mode: str, config_json: str, env: dict, requests: list[RequestResult],
               events: np.ndarray, ranks: np.ndarray, complete: bool, exit_status: str,
-              sync: bool = True) -> None:
+              sync: bool = True, ranks_missing=()) -> None:
+        """`ranks_missing`: world ranks whose events could not be gathered (named in the file)."""
         f = self.f
-        _write_root(f, mode, config_json, env, complete, exit_status)
+        _write_root(f, mode, config_json, env, complete, exit_status, self.segment, ranks_missing)
         for r in requests:
             if r.index not in self.final:
                 _write_request(self.requests, r)
