@@ -393,6 +393,9 @@ class Job:
         except Exception:  # noqa: BLE001
             pass
         sys.stdout.flush(), sys.stderr.flush()
+        for sent in (self.sent_part, self.watch.sent):   # rank 0 has them all: it passed the barrier
+            if together and sent is not None:
+                sent.Wait()
         if together:   # finalize (frees MPICH's /dev/shm segment) unless it would hang
             t = threading.Thread(target=MPI.Finalize, daemon=True)
             t.start()
