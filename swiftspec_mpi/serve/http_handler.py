@@ -183,8 +183,9 @@ def make_handler(source):
             source.metrics.connection_closed("read_timeout")
             log(f"HTTP client {self.client()}: the request line and headers did not arrive within "
                 f"{cfg.serve_read_timeout:g} s (--serve-read-timeout); 408, connection closed")
-            self.request_version = "HTTP/1.1"
+            self.request_version = "HTTP/1.1"      # the request line may be unread or half read
             self.command = self.command if isinstance(getattr(self, "command", None), str) else ""
+            self.requestline = getattr(self, "requestline", "")
             self._error(api.ApiError(408, f"the request did not arrive within {cfg.serve_read_timeout:g} s "
                                           "(the server's --serve-read-timeout)", code="timeout"))
             self._linger()

@@ -191,6 +191,7 @@ class TraceFile:
         self.path, self.segment = path, segment
         self.pending: bytes | None = None      # the newest image not yet handed to the disk
         self.saving = False
+        self.closing = False                   # close(): the saver thread ends after its last image
         self.cond = threading.Condition()
         self.saver: threading.Thread | None = None
         self.f = h5py.File(f"{path}.image", "w", driver="core", backing_store=False)
@@ -230,8 +231,10 @@ class TraceFile:
     def _save_loop(self) -> None:
         while True:
             with self.cond:
-                while self.pending is None:
+                while self.pending is None and not self.closing:
                     self.cond.wait()
+                if self.pending is None:       # closing, nothing left to write
+                    return
                 image, self.pending, self.saving = self.pending, None, True
             try:
                 _save(self.path, image)
@@ -264,5 +267,13 @@ class TraceFile:
         self.events_n = len(rows)
 
     def close(self) -> None:
+        """Write what is pending, end the saver thread (a rotated trace makes one TraceFile per
+        segment: none may leave a thread behind), close the in-memory file."""
         self.wait_saved()
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        if self.saver is not None:
+            self.saver.join()
+            self.saver = None
         self.f.close()
