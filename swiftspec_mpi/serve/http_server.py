@@ -4,21 +4,28 @@ agents and scripts can use the engine the way they use any completion server.
     mpiexec -n 2 swiftspec run --serve 8000 --mode async          # then, e.g. through an ssh tunnel:
     curl -s localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
-Routes: GET /health, GET /v1/models, GET /v1/models/{id} (HEAD too), POST /v1/completions and
+Routes: GET /health (queue depth, the request decoding, connections), GET /metrics (Prometheus
+text: metrics.py), GET /v1/models, GET /v1/models/{id} (HEAD too), POST /v1/completions and
 POST /v1/chat/completions (what a body may hold: openai_api.py). Another method on a route: 405
 with Allow; another path: 404.
 
-The engine decodes one request at a time, as it is built to: HTTP requests queue (FIFO) and each
-becomes one request of the job, shared with every rank like an --interactive prompt
-(interactive.SharedRequests); n > 1 answers are n requests, one after another. The HDF5 trace
-is rewritten after each one.
+The engine decodes one request at a time, as it is built to: HTTP requests queue (FIFO, at most
+--serve-max-queue behind the one decoding, then 429 with Retry-After) and each becomes one
+request of the job, shared with every rank like an --interactive prompt
+(interactive.SharedRequests); n > 1 answers are n requests, one after another. A queued stream
+gets its headers at once and ": queued, position N" comments while it waits. The HDF5 trace is
+rewritten after each one (in files of --trace-rotate requests: cli/job.py).
+
+Connections: one deadline a request, --serve-read-timeout, from the connection's opening (or the
+previous answer) to the body's last byte (http_handler.DeadlineReader); at most --serve-max-idle
+connections held with no request queued or decoding (Connections: a new one closes the oldest).
 
 Every refusal is JSON in OpenAI's error shape ({"error": {"message", "type", "param", "code"}}):
 400 for a body that is not JSON, nested too deeply, not UTF-8 / holds a lone surrogate, or asks
 for what the server cannot do; 404 for an unknown route or model; 405 a wrong method; 408 a
-client that has not sent its whole body within --serve-read-timeout seconds (a Content-Length
-larger than the body ends this way); 411 a POST without a length; 413 a body above
---serve-max-body bytes (refused from its headers, never read whole); 503 while shutting down.
+request not whole by its deadline (a Content-Length larger than the body ends this way); 411 a
+POST without a length; 413 a body above --serve-max-body bytes (refused from its headers, never
+read whole); 429 a full queue; 503 while shutting down.
 What a client sends never reaches a traceback: a handler's unexpected failure is one line on
 rank 0's stderr and a 500; a client that disconnects is one line.
 
@@ -26,7 +33,8 @@ A client that disconnects ends its request at the next token (stop reason "cance
 before it starts when it was still queued, so the queue moves on. SIGTERM / SIGINT: the stream
 in flight gets a last chunk with finish_reason "interrupted" and `data: [DONE]` (an unstreamed
 request in flight gets its text so far, finish_reason "interrupted"), every queued request gets
-503, then the trace is written and the job exits with code 4.
+503 (a queued stream: as an error event), then the trace is written with every rank's events
+and the job exits with code 4.
 """
 from __future__ import annotations
 

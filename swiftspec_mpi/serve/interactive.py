@@ -24,7 +24,8 @@ With --chat the prompts form one conversation: each is the next user turn, and t
 earlier turns and its own replies through its chat template. When the conversation no longer fits
 the KV cache (--max-context, less the new tokens and the tree's room), its oldest turns are left
 out. Without --chat every prompt stands alone. Each request ends with a one-line summary on
-stderr, and the HDF5 trace (--out) is rewritten after each one. Ctrl-C (SIGINT) or SIGTERM ends
+stderr, and the HDF5 trace (--out) is rewritten after each one (a new file every --trace-rotate
+turns or minutes: run.h5, run.1.h5, ...). Ctrl-C (SIGINT) or SIGTERM ends
 the session at once like any job: the trace keeps the answers so far, exit code 4. (A Ctrl-C that
 ends only the answer in progress cannot ride on SIGINT: MPICH's mpiexec aborts the job at the
 second one, and srun --quit-on-interrupt ends the step.)

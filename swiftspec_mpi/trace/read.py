@@ -368,12 +368,18 @@ def group_leaders(trace) -> dict[int, int]:
 
 
 def expand_paths(paths: list[str]) -> list[str]:
-    """Command-line trace paths, a quoted glob pattern (runs/serve*.h5) expanded in name order."""
+    """Command-line trace paths, a quoted glob pattern (runs/serve*.h5) expanded in name order;
+    a file named twice is read once."""
     import glob
-    out = []
+    import os
+    out, seen = [], set()
     for p in paths:
         hits = sorted(glob.glob(p)) if any(c in p for c in "*?[") else []
-        out.extend(hits or [p])
+        for q in hits or [p]:
+            key = os.path.realpath(q)
+            if key not in seen:
+                seen.add(key)
+                out.append(q)
     return out
 
 
