@@ -262,6 +262,7 @@ def make_handler(source):
                 p = self.in_flight
                 if p is not None:              # the engine ends it at its next token
                     p.gone = True
+                    source.leave(p)            # or it leaves the queue
                 log(f"HTTP client {self.client()} disconnected ({type(exc).__name__})"
                     + (f"; request {p.id} ends" if p is not None else ""))
             except Exception as exc:  # noqa: BLE001 - a bug must not reach a client's socket as a traceback

@@ -155,12 +155,13 @@ class HttpSource(SharedRequests):
     # -- the queue (handler threads) -----------------------------------------------------------
     def submit(self, p: Pending, admit: bool = True) -> None:
         """Queue `p`. Raises 503 while shutting down, and 429 (with Retry-After) when `admit`
-        and --serve-max-queue requests already wait; a later answer of an admitted request
+        and --serve-max-queue requests already wait behind one decoding (with none decoding,
+        one more may wait: it starts at once); a later answer of an admitted request
         (admit=False) always queues."""
         with self.cond:
             if self.closing:
                 raise shutting_down()
-            if admit and len(self.waiting) >= self.cfg.serve_max_queue:
+            if admit and len(self.waiting) + (self.current is not None) > self.cfg.serve_max_queue:
                 ahead = len(self.waiting) + (self.current is not None)
                 wait = self.metrics.retry_after(ahead)
                 raise api.ApiError(429, f"the queue is full: {len(self.waiting)} requests wait behind the one "
