@@ -119,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--serve / --interactive: start a new trace file after N requests or T minutes "
                         "(Th: hours), whichever first: --out, then STEM.1.h5, STEM.2.h5, ... each "
                         "with every rank's events and the ranks table; 0: one file for the whole job "
-                        "(its memory and write time grow with it). Default 1000")
+                        "(its memory and write time grow with it). Default 500")
     o.add_argument("--peer-timeout", type=float, help="seconds to wait for a peer rank before failing "
                                                       "(default 30)")
     o.add_argument("--quiet", action="store_true", default=None, help="do not stream text to stdout")

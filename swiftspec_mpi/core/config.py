@@ -339,7 +339,7 @@ def parse_serve_address(spec: str) -> tuple[str, int]:
     return host, p
 
 
-DEFAULT_TRACE_ROTATE = "1000"   # --serve / --interactive: a new trace file every 1000 requests
+DEFAULT_TRACE_ROTATE = "500"    # --serve / --interactive: a new trace file every 500 requests
 
 
 def parse_trace_rotate(spec) -> tuple[int | None, float | None]:
