@@ -2,8 +2,8 @@
 
 One server (`async`, 2 ranks, module scope, trace rotated every ROTATE requests) takes, in this
 order: a soak of SOAK_REQUESTS requests of 1-4 tokens from one keep-alive client (rank 0's RSS
-after the first 500 and at the end within 5 %, the median latency of the last 500 within 10 % of
-the first 500; the trace's files read back as one by `swiftspec analyze`); clients too slow for
+after the first 500 and at the end within 5 %, the median latency of the last 500 at most 10 %
+above the first 500's; the trace's files read back as one by `swiftspec analyze`); clients too slow for
 the one deadline a request has (slow headers, slow body, a request line that stops, a silent
 connection: 408 or a logged close by --serve-read-timeout); connections held idle beyond
 --serve-max-idle; a full queue (429 with Retry-After; a queued stream has its headers at once and
@@ -30,7 +30,7 @@ import pytest
 from reliability_helpers import Job
 from test_server import assert_both_groups, free_port, raw_request, wait_healthy
 
-SOAK_REQUESTS = 1500      # the default suite's soak: first 500 vs last 500
+SOAK_REQUESTS = 1000      # the default suite's soak: first 500 vs last 500
 LONG_SOAK = 10_000        # -m soak
 WINDOW = 500
 ROTATE = 250              # --trace-rotate of the server
@@ -87,7 +87,8 @@ def check_flat(fig: dict) -> None:
     print(f"\nsoak: {json.dumps(fig)}")
     (rss_a, rss_b), (first, last) = fig["rss_mb"], fig["median_ms"]
     assert abs(rss_b - rss_a) <= 0.05 * rss_a, f"rank 0 RSS {rss_a:.1f} -> {rss_b:.1f} MB"
-    assert abs(last - first) <= 0.10 * first, f"median latency {first:.2f} -> {last:.2f} ms"
+    # grown by at most 10 % (a drop is the shared box's load easing, not the server)
+    assert last <= 1.10 * first, f"median latency {first:.2f} -> {last:.2f} ms"
 
 
 @pytest.mark.mpi
@@ -262,8 +263,9 @@ def test_sigint_writes_both_groups(server):
     """Last: SIGINT (Ctrl-C) to mpiexec; exit 4, the newest trace file holds both groups' events,
     every rank's row and no missing rank; no traceback."""
     port, job, out, _ = server
-    status, _, _ = raw_request(port, b"POST /v1/completions HTTP/1.1\r\nContent-Length: 30\r\n\r\n"
-                               b'{"prompt": "x", "max_tokens":1}')
+    body = b'{"prompt": "x", "max_tokens": 1}'
+    status, _, _ = raw_request(port, b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s"
+                               % (len(body), body))
     assert status == 200
     job.proc.send_signal(signal.SIGINT)
     rc = job.finish(timeout=60)
