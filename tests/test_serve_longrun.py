@@ -79,8 +79,10 @@ def soak(port: int, pid: int, n: int) -> dict:
     rss.append(rss_mb(pid))
     conn.close()
     first, last = statistics.median(lat[:WINDOW]), statistics.median(lat[-WINDOW:])
+    windows = [round(1e3 * statistics.median(lat[i:i + WINDOW]), 1) for i in range(0, n - WINDOW + 1, WINDOW)]
     return {"requests": n, "seconds": time.monotonic() - t0, "rss_mb": rss,
-            "median_ms": [1e3 * first, 1e3 * last], "p99_ms": 1e3 * sorted(lat)[int(0.99 * n)]}
+            "median_ms": [1e3 * first, 1e3 * last], "p99_ms": 1e3 * sorted(lat)[int(0.99 * n)],
+            "window_medians_ms": windows}
 
 
 def check_flat(fig: dict) -> None:
