@@ -282,7 +282,11 @@ def make_handler(source):
             self.do_GET()
 
         def do_GET(self):
-            self._guard(self._get)
+            self._busy(True)                  # its answer is being written: not idle
+            try:
+                self._guard(self._get)
+            finally:
+                self._busy(False)
 
         def _get(self):
             if self.headers.get("Content-Length", "0").strip() != "0" or self.headers.get("Transfer-Encoding"):
