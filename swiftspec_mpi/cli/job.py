@@ -35,8 +35,8 @@ from swiftspec_mpi.engine.protocol import (AbortWatch, Interrupted, RemoteFailur
                                            collect_trace_parts, notify_rank0_and_abort, send_trace_part,
                                            wait_for)
 from swiftspec_mpi.gpu.sharing import check_gpu_sharing
-from swiftspec_mpi.trace.record import (RANK_DTYPE, ROLE_VERIFY, Clock, EventRecorder, RequestResult,
-                                        TraceFile)
+from swiftspec_mpi.trace.record import (EVENT_DTYPE, RANK_DTYPE, ROLE_VERIFY, Clock, EventRecorder,
+                                        RequestResult, TraceFile)
 
 CHECKPOINT_EVERY_S = 2.0   # seconds between checkpoints of the request in flight (at least)
 SHUTDOWN_S = 20.0          # a signal: every rank out within this (the HTTP answers, the gather, the write)
@@ -283,14 +283,14 @@ class Job:
 
     def trace_part(self) -> tuple:
         """This rank's share of the trace: (its events, its RANK_DTYPE row)."""
-        return (self.ctx.recorder.snapshot().copy() if self.ctx else np.zeros(0), self.rank_row())
+        return (self.ctx.recorder.snapshot().copy() if self.ctx else np.zeros(0, EVENT_DTYPE), self.rank_row())
 
     def gather_parts(self, deadline: float, ask: bool = False) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """Rank 0 at a signal or failure: every rank's events and rows that arrive by `deadline`
         (time.monotonic()); a rank that sends none is named on stderr (and, by the caller, in the
         file), keeping its row from the start. -> (events, ranks table, missing ranks)."""
         parts, missing = collect_trace_parts(self.world, self.trace_part(), deadline, ask)
-        events = np.concatenate([np.asarray(p[0]) for p in parts]) if parts else np.zeros(0)
+        events = np.concatenate([np.asarray(p[0], dtype=EVENT_DTYPE) for p in parts])
         rows = {int(p[1][0]): p[1] for p in parts}
         for r in (self.rows or []):
             rows.setdefault(int(r[0]), r)
@@ -380,10 +380,13 @@ class Job:
             self.close_open_requests("interrupted")
             if self.source is not None:   # --serve: the last chunk of a stream, 503 to the queue
                 self.source.interrupted(self.results)
-            events, ranks, missing = self.gather_parts(start + SHUTDOWN_GATHER_S)
+            events = ranks = None
+            missing = ()
+            if self.ctx is not None:     # (a signal during loading: rank 0's file as it stands)
+                events, ranks, missing = self.gather_parts(start + SHUTDOWN_GATHER_S)
             self.write(complete=False, status="interrupted", events=events, ranks=ranks,
                        ranks_missing=missing)
-        elif self.watch.sent is None:
+        elif self.ctx is not None and self.watch.sent is None:
             self.sent_part = send_trace_part(self.world, self.trace_part())
         together = False
         try:   # let rank 0 finish writing before anyone leaves (a leaving rank may end the job)
