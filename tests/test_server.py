@@ -54,7 +54,8 @@ def call(port: int, path: str, body=None, raw: bytes | None = None, timeout: flo
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             text = r.read().decode()
-            return r.status, (text if text.startswith("data:") else json.loads(text))
+            stream = r.headers.get("Content-Type", "").startswith("text/event-stream")
+            return r.status, (text if stream else json.loads(text))
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read().decode())
 
@@ -117,6 +118,16 @@ def error_of(status: int, body: bytes, want: int) -> dict:
     e = json.loads(body)["error"]
     assert set(e) == {"message", "type", "param", "code"} and e["message"], e
     return e
+
+
+def assert_both_groups(path) -> None:
+    """The trace of a stopped server has events of the verify and the draft group and every
+    rank's row (a signal gathers them all), and names no rank as missing."""
+    import h5py
+    with h5py.File(path, "r") as f:
+        assert set(f["events"]["role"].tolist()) == {0, 1}, "a group's events are missing"
+        assert sorted(f["ranks"]["rank"].tolist()) == [0, 1]
+        assert json.loads(f.attrs["ranks_missing"]) == []
 
 
 def sse_text(stream: str, chat: bool) -> tuple[str, str]:
@@ -527,7 +538,8 @@ def test_hostile_input_loop(server):
 def test_sigterm_ends_the_stream_in_flight_and_refuses_the_queue(server):
     """Last in the module: SIGTERM while a stream runs and two requests queue. The stream gets
     a last chunk (finish_reason "interrupted") and [DONE], the queued ones 503 in the error
-    shape, the job exits 4 with every request in the trace; rank 0 printed no traceback."""
+    shape (the streamed one as an error event after its headers), the job exits 4 with every
+    request in the trace; rank 0 printed no traceback."""
     port, job, out = server
     conn = socket.create_connection(("127.0.0.1", port))
     conn.sendall(post_bytes("/v1/completions", json.dumps({"prompt": PROMPTS[1], "stream": True}).encode()))
@@ -557,14 +569,17 @@ def test_sigterm_ends_the_stream_in_flight_and_refuses_the_queue(server):
     text = stream.decode()
     events = [e[len("data: "):] for e in text.split("\r\n\r\n", 1)[1].split("\n\n") if e.startswith("data: ")]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "interrupted", text[-500:]
-    for i in (0, 1):
-        status, e = queued[i]
-        assert status == 503 and e["error"]["code"] == "server_shutting_down", queued[i]
+    status, e = queued[0]           # unstreamed: 503 in the error shape
+    assert status == 503 and e["error"]["code"] == "server_shutting_down", queued[0]
+    status, s = queued[1]           # streamed: its headers came at once, then the error as an event
+    assert status == 200 and json.loads(s.split("data: ", 1)[1])["error"]["code"] == "server_shutting_down", s
+    assert "[DONE]" not in s
     assert "Traceback" not in job.stderr, job.stderr
     assert "serving http://127.0.0.1:" in job.stderr
     assert "disconnected" in job.stderr                 # the clients that left: one line each
     root = read_root(out)
     assert root["exit_status"] == "interrupted"
+    assert_both_groups(out)
     reqs = read_requests(out)
     assert {q["category"] for q in reqs} == {"server"}
     assert [q["stop_reason"] for q in reqs].count("cancelled") == 2

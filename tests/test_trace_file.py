@@ -83,3 +83,55 @@ def test_write_cost_follows_what_changed(tmp_path):
     trace.close()
     assert incremental < full / 3, (incremental, full)
     assert len(read_trace(str(tmp_path / "inc.h5")).requests) == 300
+
+
+def test_rotated_segments_read_as_one_and_leave_no_thread(tmp_path):
+    """Three segments of one trace_id (as --trace-rotate writes them: each closed with its own
+    events), given out of order beside an unrelated file: read_traces merges the three in
+    segment order (every request, every event, the last segment's status and ranks) and keeps the
+    other apart; closing a TraceFile ends its saver thread; ranks_missing is read back."""
+    import threading
+
+    from swiftspec_mpi.core.config import parse_trace_rotate, segment_path
+    from swiftspec_mpi.trace.read import read_traces
+
+    assert parse_trace_rotate("1000") == (1000, None) and parse_trace_rotate("30m") == (None, 1800.0)
+    assert parse_trace_rotate("50,2h") == (50, 7200.0) and parse_trace_rotate("0") == (None, None)
+    for bad in ("", "x", "-3", "10,20", "0m", "5s"):
+        try:
+            parse_trace_rotate(bad)
+        except Exception as exc:  # noqa: BLE001 - checked: the one-line UserError
+            assert type(exc).__name__ == "UserError" and "--trace-rotate" in str(exc)
+        else:
+            raise AssertionError(f"--trace-rotate {bad!r} was accepted")
+    out = str(tmp_path / "serve.h5")
+    assert segment_path(out, 0) == out and segment_path(out, 2) == str(tmp_path / "serve.2.h5")
+    threads = threading.active_count()
+    ranks = np.zeros(2, dtype=RANK_DTYPE)
+    ranks["rank"] = [0, 1]
+    for k in range(3):
+        rec = EventRecorder(0, 0, Clock(), capacity=100)
+        trace = TraceFile(segment_path(out, k), ("abc", k))
+        results = []
+        for i in range(2 * k, 2 * k + 2):
+            r = RequestResult(i, "server", f"p{i}", [1], output_ids=[5, 6], t_end=1.0)
+            results.append(r)
+            rec.record(1, i, 0, float(i), float(i) + 0.5)
+            trace.write(mode="async", config_json="{}", env={}, requests=results, events=rec.snapshot(),
+                        ranks=ranks, complete=False, exit_status="running", sync=False)
+        last = k == 2
+        trace.write(mode="async", config_json="{}", env={}, requests=results, events=rec.snapshot(),
+                    ranks=ranks, complete=False, exit_status="interrupted" if last else "rotated",
+                    ranks_missing=[1] if last else ())
+        trace.close()
+    assert threading.active_count() == threads, "a closed TraceFile left its saver thread running"
+    other = str(tmp_path / "other.h5")
+    write_trace(other, mode="ar", config_json="{}", env={}, requests=[], events=np.zeros(0),
+                ranks=ranks, complete=True, exit_status="ok")
+    merged, alone = read_traces([segment_path(out, 2), other, str(tmp_path / "serve.*.h5"), out])
+    assert [r.index for r in merged.requests] == list(range(6)) and len(merged.events) == 6
+    assert merged.exit_status == "interrupted" and merged.ranks_missing == [1]
+    assert len(merged.files) == 3 and merged.path == out
+    assert not any("segment" in w for w in merged.warnings)
+    assert alone.path == other and alone.complete
+    assert any("segment 1 of a rotated trace" in w for w in read_traces([segment_path(out, 1)])[0].warnings)

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 
 import numpy as np
 import numpy.random  # noqa: F401 - the first request would otherwise import it (~7 ms of its TTFT)
@@ -31,12 +32,17 @@ from swiftspec_mpi.core.errors import (EXIT_INTERRUPTED, EXIT_RUNTIME_ERROR, EXI
 from swiftspec_mpi.core.topology import build_topology, pin_threads
 from swiftspec_mpi.engine.context import EngineContext
 from swiftspec_mpi.engine.protocol import (AbortWatch, Interrupted, RemoteFailure, StopFlag,
-                                           notify_rank0_and_abort, wait_for)
+                                           collect_trace_parts, notify_rank0_and_abort, send_trace_part,
+                                           wait_for)
 from swiftspec_mpi.gpu.sharing import check_gpu_sharing
-from swiftspec_mpi.trace.record import (RANK_DTYPE, ROLE_VERIFY, Clock, EventRecorder, RequestResult,
-                                        TraceFile)
+from swiftspec_mpi.trace.record import (EVENT_DTYPE, RANK_DTYPE, ROLE_VERIFY, Clock, EventRecorder,
+                                        RequestResult, TraceFile)
 
 CHECKPOINT_EVERY_S = 2.0   # seconds between checkpoints of the request in flight (at least)
+SHUTDOWN_S = 20.0          # a signal: every rank out within this (the HTTP answers, the gather, the write)
+SHUTDOWN_GATHER_S = 15.0   # ... of which rank 0 waits this long, from the signal, for the other ranks' events
+ERROR_GATHER_S = 3.0       # a failure: rank 0 waits this long for the others' events (within the
+                           # 5 s a failing rank gives rank 0 before it aborts the job itself)
 
 
 def run_job(flags: dict, config_path: str | None) -> int:
@@ -90,6 +96,15 @@ class Job:
         self.trace = None             # rank 0: the record.TraceFile behind cfg.out
         self.checkpoint_every = CHECKPOINT_EVERY_S
         self.source = None      # --interactive / --serve: where the requests come from
+        # --trace-rotate: a new file every `rotate` = (requests, seconds); segment k of trace_id
+        self.rotate = C.parse_trace_rotate(cfg.trace_rotate if cfg.trace_rotate is not None
+                                           else C.DEFAULT_TRACE_ROTATE) \
+            if C.requests_stream_in(cfg) else (None, None)
+        self.trace_id = uuid.uuid4().hex if self.rotate != (None, None) else None
+        self.segment = 0
+        self.segment_requests = 0
+        self.segment_t0 = time.monotonic()
+        self.sent_part = None   # a rank other than 0: its trace part on its way to rank 0
         # before the profile fixes bs and w: the room depends on the flags and models alone
         self.prompt_room = interactive_room(cfg) if C.requests_stream_in(cfg) else 0
 
@@ -168,6 +183,8 @@ class Job:
         self.rows = self.world.gather(self.rank_row(), root=0)
         if self.rank == 0:
             self.ctx.on_progress = self.maybe_checkpoint
+        else:   # rank 0 may ask for this rank's events when it fails (engine.protocol.AbortWatch)
+            self.watch.trace_part = self.trace_part
         return 0
 
     def decode_all(self) -> None:
@@ -196,8 +213,12 @@ class Job:
                                 self.prompt_room)
         self.source = source
         if source is not None:
+            source.segment_due = self.segment_due
             source.banner()
         for req in (cfg.requests if source is None else iter(source.next, None)):
+            if req.new_segment:     # every rank, between two requests
+                self.rotate_trace()
+            self.segment_requests += 1
             ctx.check_stop_together()
             result = tracker = None
             acceptor.top_logprobs = req.logprobs       # every verify rank: logits, not argmax
@@ -228,8 +249,57 @@ class Job:
                     self.write(complete=False, status="running", events=None, sync=False)
             if source is not None:
                 source.finished(result)
-                if self.rank == 0:     # between turns the user reads: the write costs nothing
-                    self.write(complete=False, status="running", events=None)
+                if self.rank == 0:     # the file holds the answer before the next request starts;
+                    # the disk write overlaps it (saver thread): the time a request pays for the
+                    # trace is bounded by the segment's size (--trace-rotate), not the job's
+                    self.write(complete=False, status="running", events=None, sync=cfg.serve is None)
+
+    # -- trace segments (--trace-rotate) -----------------------------------------------------------
+    def segment_due(self) -> bool:
+        """Rank 0, as the next request arrives: has the current file its share (--trace-rotate)?"""
+        count, seconds = self.rotate
+        return self.segment_requests > 0 and (
+            (count is not None and self.segment_requests >= count)
+            or (seconds is not None and time.monotonic() - self.segment_t0 >= seconds))
+
+    def rotate_trace(self) -> None:
+        """Every rank, between two requests: gather every rank's events and rows into the
+        current file (exit_status "rotated"), then start the next one with empty recorders, so
+        that no rank keeps more than a segment's events and results."""
+        wait_for(self.world.Ibarrier(), self.cfg.peer_timeout, "ranks at a trace rotation",
+                 self.stop_flag, self.watch, collective=True)
+        events = self.world.gather(self.ctx.recorder.snapshot(), root=0)
+        rows = self.world.gather(self.rank_row(), root=0)
+        if self.rank == 0:
+            self.rows = rows
+            self.write(False, "rotated", np.concatenate(events), np.array(rows, dtype=RANK_DTYPE))
+            self.trace.close()
+            self.trace = None
+            self.results = [r for r in self.results if r.t_end is None]
+        self.ctx.recorder.reset()
+        self.segment += 1
+        self.segment_requests = 0
+        self.segment_t0 = time.monotonic()
+
+    def trace_part(self) -> tuple:
+        """This rank's share of the trace: (its events, its RANK_DTYPE row)."""
+        return (self.ctx.recorder.snapshot().copy() if self.ctx else np.zeros(0, EVENT_DTYPE), self.rank_row())
+
+    def gather_parts(self, deadline: float, ask: bool = False) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """Rank 0 at a signal or failure: every rank's events and rows that arrive by `deadline`
+        (time.monotonic()); a rank that sends none is named on stderr (and, by the caller, in the
+        file), keeping its row from the start. -> (events, ranks table, missing ranks)."""
+        parts, missing = collect_trace_parts(self.world, self.trace_part(), deadline, ask)
+        events = np.concatenate([np.asarray(p[0], dtype=EVENT_DTYPE) for p in parts])
+        rows = {int(p[1][0]): p[1] for p in parts}
+        for r in (self.rows or []):
+            rows.setdefault(int(r[0]), r)
+        for r in missing:
+            role = next((("verify", "draft")[int(row[1])] for row in (self.rows or []) if int(row[0]) == r), "?")
+            print(f"swiftspec run: rank {r} ({role}) sent no events within the shutdown time; the "
+                  f"trace ({self.cfg.out}) names it in ranks_missing and lacks its events",
+                  file=sys.stderr, flush=True)
+        return events, np.array([rows[k] for k in sorted(rows)], dtype=RANK_DTYPE), missing
 
     # -- output ----------------------------------------------------------------------------------
     def maybe_checkpoint(self) -> None:
@@ -255,14 +325,16 @@ class Job:
                 if r.stop_reason not in ("eos", "stop_string", "max_new_tokens", "cancelled"):
                     r.stop_reason = reason
 
-    def write(self, complete: bool, status: str, events, ranks=None, sync: bool = True) -> None:
+    def write(self, complete: bool, status: str, events, ranks=None, sync: bool = True,
+              ranks_missing=()) -> None:
         """Rank 0: save the HDF5 trace atomically (events None: rank 0's own so far) through
         record.TraceFile, which adds only what changed; sync=False hands the disk write to its
         saver thread (checkpoints)."""
         if self.rank != 0:
             return
         if self.trace is None:
-            self.trace = TraceFile(self.cfg.out)
+            self.trace = TraceFile(C.segment_path(self.cfg.out, self.segment),
+                                   (self.trace_id, self.segment) if self.trace_id else None)
         if events is None:
             events = self.ctx.recorder.snapshot() if self.ctx else np.zeros(0)
         if ranks is None:
@@ -273,7 +345,7 @@ class Job:
                 r.text = self.ctx.tokenizer.decode(r.output_ids) if self.ctx else ""
         self.trace.write(mode=self.cfg.mode, config_json=self.cfg.to_json(), env=self.env,
                          requests=self.results, events=events, ranks=ranks, complete=complete,
-                         exit_status=status, sync=sync)
+                         exit_status=status, sync=sync, ranks_missing=ranks_missing)
         self.last_write = time.perf_counter()
 
     def rank_row(self):
@@ -298,21 +370,35 @@ class Job:
             self.write(complete, status, events, np.array(rows, dtype=RANK_DTYPE))
 
     def interrupted(self) -> int:
-        """SIGTERM: rank 0 writes the partial file; all ranks leave together, non-zero."""
+        """SIGTERM / SIGINT: every other rank sends rank 0 its events and row, rank 0 writes the
+        partial file with them (a rank silent SHUTDOWN_GATHER_S after the signal is named); all
+        ranks leave together, non-zero, within SHUTDOWN_S."""
+        start = time.monotonic()
         if self.rank == 0:
             print("\nswiftspec run: interrupted (signal); writing what was generated", file=sys.stderr,
                   flush=True)
             self.close_open_requests("interrupted")
             if self.source is not None:   # --serve: the last chunk of a stream, 503 to the queue
                 self.source.interrupted(self.results)
-            self.write(complete=False, status="interrupted", events=None)
+            events = ranks = None
+            missing = ()
+            if self.ctx is not None:     # (a signal during loading: rank 0's file as it stands)
+                events, ranks, missing = self.gather_parts(start + SHUTDOWN_GATHER_S)
+            self.write(complete=False, status="interrupted", events=events, ranks=ranks,
+                       ranks_missing=missing)
+        elif self.ctx is not None and self.watch.sent is None:
+            self.sent_part = send_trace_part(self.world, self.trace_part())
         together = False
         try:   # let rank 0 finish writing before anyone leaves (a leaving rank may end the job)
-            wait_for(self.world.Ibarrier(), 20.0, "ranks at shutdown", StopFlag(), collective=True)
+            wait_for(self.world.Ibarrier(), max(1.0, start + SHUTDOWN_S - time.monotonic()),
+                     "ranks at shutdown", StopFlag(), collective=True)
             together = True
         except Exception:  # noqa: BLE001
             pass
         sys.stdout.flush(), sys.stderr.flush()
+        for sent in (self.sent_part, self.watch.sent):   # rank 0 has them all: it passed the barrier
+            if together and sent is not None:
+                sent.Wait()
         if together:   # finalize (frees MPICH's /dev/shm segment) unless it would hang
             t = threading.Thread(target=MPI.Finalize, daemon=True)
             t.start()
@@ -337,12 +423,19 @@ class Job:
         if self.rank == 0:
             self.close_open_requests("error")
             try:
-                self.write(complete=False, status=f"error: {msg}", events=None)
+                events = ranks = None
+                missing = ()
+                if self.ctx is not None:   # the others' events, from their waits (AbortWatch)
+                    events, ranks, missing = self.gather_parts(time.monotonic() + ERROR_GATHER_S, ask=True)
+                self.write(complete=False, status=f"error: {msg}", events=events, ranks=ranks,
+                           ranks_missing=missing)
             except Exception as write_exc:  # noqa: BLE001
                 print(f"swiftspec run: could not write {self.cfg.out}: {write_exc}", file=sys.stderr)
             sys.stdout.flush(), sys.stderr.flush()
             self.world.Abort(EXIT_RUNTIME_ERROR)
             os._exit(EXIT_RUNTIME_ERROR)     # an abort that returned (its launcher is going away)
+        if self.ctx is not None and self.watch.sent is None:   # its events first, then the notice
+            self.sent_part = send_trace_part(self.world, self.trace_part())
         notify_rank0_and_abort(self.world, f"{role}: {msg}", EXIT_RUNTIME_ERROR, fallback_line=line)
         return EXIT_RUNTIME_ERROR
 

@@ -8,7 +8,8 @@ Modes: async (SwiftSpec: draft and verify groups in parallel), sync (serial tree
 one group), ar (plain autoregressive decoding of the target). Rank 0 validates everything before
 heavy work and all ranks exit together with its one-line verdict. Output: one HDF5 trace
 (docs/trace-format.md), rewritten atomically after every request, so a failed or cancelled job
-keeps what it generated.
+keeps what it generated; a --serve or --interactive job starts a new file every --trace-rotate
+requests or minutes, so its memory and write time stay flat.
 """
 from __future__ import annotations
 
@@ -71,7 +72,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--serve-max-body", type=int, metavar="BYTES",
                    help="--serve: largest request body accepted, larger ones get 413 (default 4194304)")
     q.add_argument("--serve-read-timeout", type=float, metavar="SECONDS",
-                   help="--serve: time a client may take to send its request, then 408 (default 30)")
+                   help="--serve: one deadline for a whole request, from the connection's opening (or "
+                        "the previous answer on it) to the last byte of its body: a request still "
+                        "arriving then gets 408, a connection that sent nothing is closed (default 30)")
+    q.add_argument("--serve-max-queue", type=int, metavar="N",
+                   help="--serve: requests that may wait behind the one decoding; beyond: 429 with "
+                        "Retry-After (default 64)")
+    q.add_argument("--serve-max-idle", type=int, metavar="N",
+                   help="--serve: connections held open with no request queued or decoding (idle "
+                        "keep-alive or still sending); a new one beyond closes the oldest (default 32)")
     q.add_argument("--chat", action="store_true", default=None,
                    help="wrap prompts in the target's chat template")
     q.add_argument("--max-new-tokens", type=int, help="tokens to generate per prompt (default 128)")
@@ -107,6 +116,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output and robustness")
     o.add_argument("--out", help="HDF5 trace path (default runs/swiftspec-<SLURM_JOB_ID|time>.h5)")
     o.add_argument("--overwrite", action="store_true", default=None, help="replace an existing --out")
+    o.add_argument("--trace-rotate", metavar="N|Tm|N,Tm",
+                   help="--serve / --interactive: start a new trace file after N requests or T minutes "
+                        "(Th: hours), whichever first: --out, then STEM.1.h5, STEM.2.h5, ... each "
+                        "with every rank's events and the ranks table; 0: one file for the whole job "
+                        "(its memory and write time grow with it). Default 500")
     o.add_argument("--peer-timeout", type=float, help="seconds to wait for a peer rank before failing "
                                                       "(default 30)")
     o.add_argument("--quiet", action="store_true", default=None, help="do not stream text to stdout")
@@ -116,7 +130,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "quant", "head_bits", "step_kernel", "dtype", "mode",
                "draft_ranks", "async_policy", "floor_depth", "threads", "device", "prompt", "prompts", "interactive", "serve", "serve_max_body",
-               "serve_read_timeout", "chat", "max_new_tokens", "stop",
+               "serve_read_timeout", "serve_max_queue", "serve_max_idle", "trace_rotate", "chat", "max_new_tokens", "stop",
                "stop_token_ids", "ignore_eos", "temperature", "seed", "sampling_rule", "tree_width", "tree_topk",
                "verify_size", "expansions", "max_depth", "tree_capacity", "max_context", "out",
                "overwrite", "peer_timeout", "quiet")

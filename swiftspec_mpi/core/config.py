@@ -41,6 +41,7 @@ class Request:
     stop: list[str] = field(default_factory=list)   # its own stop strings, besides the run's
     logprobs: int | None = None    # --serve: the target's log-probability of each committed token
                                    # and this many alternatives (0..20); None: none (argmax only)
+    new_segment: bool = False      # the trace starts its next file before this request (--trace-rotate)
 
 
 # --quant: auto = a quantized checkpoint runs packed, a dense one dense; int4 = packed 4-bit
@@ -77,7 +78,11 @@ class RunConfig:
     interactive: bool = False          # prompts from rank 0's stdin, one request each (interactive.py)
     serve: str | None = None           # "[HOST:]PORT": an OpenAI-style HTTP endpoint on rank 0 (http_server.py)
     serve_max_body: int = 4 << 20      # --serve: the largest request body accepted (bytes; larger: 413)
-    serve_read_timeout: float = 30.0   # --serve: seconds a client may take to send a request (then 408)
+    serve_read_timeout: float = 30.0   # --serve: seconds from a request's start to its last body byte (then 408)
+    serve_max_queue: int = 64          # --serve: requests that may wait behind the one decoding (then 429)
+    serve_max_idle: int = 32           # --serve: connections held with no request queued or decoding
+    trace_rotate: str | None = None    # "N" requests, "Tm"/"Th" minutes/hours, both "N,Tm", "0": one file
+                                       # (--serve / --interactive; default there: DEFAULT_TRACE_ROTATE)
     chat: bool = False
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)
@@ -311,6 +316,14 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         raise UserError(f"--serve-max-body must be at least 1024 bytes, got {cfg.serve_max_body}")
     if not cfg.serve_read_timeout > 0:
         raise UserError(f"--serve-read-timeout must be positive seconds, got {cfg.serve_read_timeout}")
+    if not isinstance(cfg.serve_max_queue, int) or cfg.serve_max_queue < 0:
+        raise UserError(f"--serve-max-queue must be a count >= 0, got {cfg.serve_max_queue}")
+    if not isinstance(cfg.serve_max_idle, int) or cfg.serve_max_idle < 1:
+        raise UserError(f"--serve-max-idle must be a count >= 1, got {cfg.serve_max_idle}")
+    if cfg.trace_rotate is not None and not requests_stream_in(cfg):
+        raise UserError("--trace-rotate applies to --serve and --interactive (a job of unknown length); "
+                        "drop it for a --prompt / --prompts run")
+    parse_trace_rotate(cfg.trace_rotate if cfg.trace_rotate is not None else DEFAULT_TRACE_ROTATE)
     if cfg.prompt is not None and not cfg.prompt:
         raise UserError("--prompt is empty; give some text")
     return cfg
@@ -329,6 +342,44 @@ def parse_serve_address(spec: str) -> tuple[str, int]:
     return host, p
 
 
+DEFAULT_TRACE_ROTATE = "500"    # --serve / --interactive: a new trace file every 500 requests
+
+
+def parse_trace_rotate(spec) -> tuple[int | None, float | None]:
+    """--trace-rotate -> (requests per file or None, seconds per file or None); (None, None): one
+    file. Forms: "N" (requests), "Tm" / "Th" (minutes / hours), "N,Tm" (whichever comes first),
+    "0" (one file for the whole job)."""
+    text = str(spec).strip().lower()
+    if text in ("0", "off"):
+        return None, None
+    count = seconds = None
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            if part[-1] in "mh":
+                value = float(part[:-1]) * (60.0 if part[-1] == "m" else 3600.0)
+                ok = seconds is None and value > 0
+                seconds = value
+            else:
+                ok = count is None and int(part) > 0
+                count = int(part)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise UserError(f"--trace-rotate {spec!r}: give N requests, T minutes (e.g. 30m) or hours "
+                            "(e.g. 6h), both as N,Tm, or 0 for one file")
+    if count is None and seconds is None:
+        raise UserError(f"--trace-rotate {spec!r}: give N requests, T minutes (e.g. 30m), or 0 for one file")
+    return count, seconds
+
+
+def segment_path(out: str, k: int) -> str:
+    """The trace file of segment k: --out itself for k = 0, then STEM.k.h5 (run.h5, run.1.h5, ...)."""
+    if k == 0:
+        return out
+    stem, ext = os.path.splitext(out)
+    return f"{stem}.{k}{ext or '.h5'}"
+
+
 def requests_stream_in(cfg: "RunConfig") -> bool:
     """The prompts arrive while the job runs (--interactive, --serve), not all known at the start."""
     return bool(cfg.interactive) or cfg.serve is not None
@@ -341,10 +392,30 @@ def check_output_path_default(cfg: RunConfig) -> None:
         cfg.out = f"runs/swiftspec-{tag}.h5"
 
 
+def stale_segments(out: str) -> list[Path]:
+    """Files STEM.<k>.h5 beside --out: the later segments of an earlier rotated trace."""
+    stem, ext = os.path.splitext(os.path.basename(out))
+    folder = Path(out).parent
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob(f"{glob_escape(stem)}.*{glob_escape(ext or '.h5')}")
+                  if p.name[len(stem) + 1:len(p.name) - len(ext or ".h5")].isdigit())
+
+
+def glob_escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+
+
 def check_output_path(cfg: RunConfig) -> None:
     out = Path(cfg.out)
     if out.exists() and not cfg.overwrite:
         raise UserError(f"output file {out} already exists; pass --overwrite or choose another --out")
+    stale = stale_segments(cfg.out) if requests_stream_in(cfg) else []
+    if stale and not cfg.overwrite:
+        raise UserError(f"{stale[0]} (a segment of an earlier trace at {out}) already exists; pass "
+                        "--overwrite or choose another --out")
+    for p in stale:     # --overwrite: the earlier trace's later files go with it
+        p.unlink(missing_ok=True)
     parent = out.parent if str(out.parent) else Path(".")
     try:
         parent.mkdir(parents=True, exist_ok=True)

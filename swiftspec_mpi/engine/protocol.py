@@ -28,6 +28,7 @@ from swiftspec_mpi.core.errors import PeerError
 
 MSG_TREE, MSG_RESULT, MSG_STOP = 1, 2, 3   # MSG_STOP: a group leader's "we stop here" to its group
 TAG_TREE, TAG_RESULT, TAG_ABORT = 11, 12, 99
+TAG_TRACE, TAG_TRACE_ASK = 97, 98     # a rank's trace part to world rank 0; rank 0 asking for it
 HEADER = 5          # result message header
 TREE_HEADER = 10    # tree message header (TreeMeta after the first five)
 
@@ -86,9 +87,16 @@ class AbortWatch:
     def __init__(self, world: MPI.Intracomm):
         self.world = world
         self.status = MPI.Status()
+        self.trace_part = None        # another rank: a callable -> its trace part (send_trace_part)
+        self.sent = None              # the send of that part, once rank 0 asked (kept alive)
 
     def check(self) -> None:
         if self.world.Get_rank() != 0:
+            # rank 0 failed and asks for this rank's events before it ends the job (collect_trace_parts)
+            if self.sent is None and self.trace_part is not None and \
+                    self.world.Iprobe(source=0, tag=TAG_TRACE_ASK):
+                self.world.recv(source=0, tag=TAG_TRACE_ASK)
+                self.sent = send_trace_part(self.world, self.trace_part())
             return
         if self.world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_ABORT, status=self.status):
             src = self.status.Get_source()
@@ -235,3 +243,34 @@ def notify_rank0_and_abort(world: MPI.Intracomm, message: str, code: int, grace_
             print(fallback_line, file=sys.stderr, flush=True)
     finally:
         world.Abort(code)
+
+
+_UNWAITED: list = []     # sends of the last moments of a job, kept alive until the process ends
+
+
+def send_trace_part(world: MPI.Intracomm, part) -> MPI.Request:
+    """A rank other than 0 at the end of the job: its trace part (events, rank row) to world rank
+    0, which collects them with a deadline (collect_trace_parts). Nonblocking: keep the request
+    until the job ends (a rank 0 that is gone never completes it)."""
+    return world.isend(part, dest=0, tag=TAG_TRACE)
+
+
+def collect_trace_parts(world: MPI.Intracomm, own, deadline: float, ask: bool = False) -> tuple[list, list[int]]:
+    """World rank 0: every rank's trace part (its own `own`), until time.monotonic() passes
+    `deadline`. `ask`: first ask every rank for it (rank 0 failed: the others learn it in their
+    waits through AbortWatch.check). -> (the parts received, rank order; the ranks that sent none)."""
+    size = world.Get_size()
+    asks = [world.isend(None, dest=r, tag=TAG_TRACE_ASK) for r in range(1, size)] if ask else []
+    got = {0: own}
+    status = MPI.Status()
+    try:
+        while len(got) < size and time.monotonic() < deadline:
+            if world.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_TRACE, status=status):
+                src = status.Get_source()
+                got[src] = world.recv(source=src, tag=TAG_TRACE)
+            else:
+                time.sleep(0.002)
+    except MPI.Exception:       # a connection that failed: what came stays, the rest is missing
+        pass
+    _UNWAITED.extend(asks)      # never waited on (a rank that does not answer may be dead): kept
+    return [got[r] for r in sorted(got)], [r for r in range(size) if r not in got]

@@ -4,6 +4,7 @@ The engine side (the queue rank 0 decodes from) is http_server.HttpSource, passe
 """
 from __future__ import annotations
 
+import io
 import json
 import queue
 import select
@@ -19,11 +20,13 @@ from http.server import BaseHTTPRequestHandler
 from swiftspec_mpi.serve import openai_api as api
 
 SERVER_CATEGORY = "server"
-ALLOW = {"/health": "GET, HEAD", "/v1/models": "GET, HEAD", "/v1/completions": "POST",
-         "/v1/chat/completions": "POST"}
+ALLOW = {"/health": "GET, HEAD", "/metrics": "GET, HEAD", "/v1/models": "GET, HEAD",
+         "/v1/completions": "POST", "/v1/chat/completions": "POST"}
 KINDS = {"/v1/completions": "text", "/v1/chat/completions": "chat"}
 POLL_S = 0.25            # a waiting handler checks this often whether its client is still there
 DRAIN_S = 0.5            # after refusing a body unread: time its sender gets to see the answer
+QUEUE_NOTE_S = 1.0       # a queued stream gets a ": queued, position N" comment this often (and on a move)
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class ClientGone(Exception):
@@ -36,6 +39,7 @@ class Pending:
     def __init__(self, ask: api.Ask, rid: str):
         self.ask, self.id = ask, rid
         self.index = -1                              # the job's request index, once it starts
+        self.queued_at = self.started_at = 0.0       # time.monotonic() of submission and of start
         self.gone = False                            # the client closed the connection
         self.events: queue.Queue = queue.Queue()     # ("text", (piece, logprobs)) ..., then
         self.answered = threading.Event()            # ("done", result) or ("refused", ApiError)
@@ -51,6 +55,34 @@ def shutting_down() -> api.ApiError:
 
 def log(line: str) -> None:
     print(f"swiftspec: {line}", file=sys.stderr, flush=True)
+
+
+class RequestDeadline(TimeoutError):
+    """The request's --serve-read-timeout passed while its head or body was still arriving."""
+
+
+class DeadlineReader(io.RawIOBase):
+    """The connection's input with one deadline for a whole request (`deadline`, time.monotonic();
+    the handler sets it per request): each receive waits at most until then, so a client that
+    dribbles its bytes cannot stretch a request past it. `got` counts the bytes received."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self.sock, self.deadline, self.got = sock, deadline, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RequestDeadline()
+        self.sock.settimeout(left)
+        try:
+            n = self.sock.recv_into(buf)
+        except TimeoutError:
+            raise RequestDeadline() from None
+        self.got += n
+        return n
 
 
 class _Answer:
@@ -85,7 +117,7 @@ def make_handler(source):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "swiftspec-mpi"
-        timeout = cfg.serve_read_timeout          # every socket read and write of the connection
+        timeout = cfg.serve_read_timeout          # the socket's default (each read sets its own: DeadlineReader)
         head_only = False
         in_flight: Pending | None = None          # the decode this handler waits on
         next_check = 0.0                          # when _next_event next asks whether the client left
@@ -93,14 +125,85 @@ def make_handler(source):
         def log_message(self, fmt, *args):       # no per-request lines on rank 0's stderr
             pass
 
+        # -- one deadline a request (--serve-read-timeout) -------------------------------------------
+        def setup(self):
+            super().setup()
+            self.reader = DeadlineReader(self.connection, time.monotonic() + cfg.serve_read_timeout)
+            self.rfile = io.BufferedReader(self.reader, 65536)
+            self.served = 0                        # requests answered on this connection
+
+        def handle_one_request(self):
+            """One request: its line, headers and body must all arrive within --serve-read-timeout
+            of the connection's opening (its first request) or of the previous answer. A request
+            begun and unfinished by then gets 408; a connection that sent nothing is closed (with a
+            line on stderr when it never sent a request)."""
+            self.reader.deadline = time.monotonic() + cfg.serve_read_timeout
+            self.reader.got = 0
+            self.raw_requestline = b""
+            try:
+                self.raw_requestline = self.rfile.readline(65537)
+                if len(self.raw_requestline) > 65536:
+                    self.requestline, self.request_version, self.command = "", "", ""
+                    self.send_error(HTTPStatus.REQUEST_URI_TOO_LONG)
+                    return
+                if not self.raw_requestline:
+                    self.close_connection = True
+                    return
+                if not self.parse_request():
+                    return
+                self.connection.settimeout(cfg.serve_read_timeout)     # the answer's writes
+                method = getattr(self, "do_" + self.command, None)
+                if method is None:
+                    self.send_error(HTTPStatus.NOT_IMPLEMENTED, f"Unsupported method ({self.command!r})")
+                    return
+                method()
+                self.wfile.flush()
+            except RequestDeadline:
+                self._request_timed_out()
+            except TimeoutError:           # a write to a client that stopped reading
+                self.close_connection = True
+                log(f"HTTP client {self.client()}: an answer could not be written within "
+                    f"{cfg.serve_read_timeout:g} s; connection closed")
+            finally:
+                self.served += 1
+
+        def _request_timed_out(self) -> None:
+            """The deadline passed before the request line and headers were whole."""
+            self.close_connection = True
+            try:
+                buffered = len(self.rfile.peek(0))      # a pipelined request's first bytes
+            except OSError:                             # (past the deadline: no read waits)
+                buffered = 0
+            if self.reader.got == 0 and not self.raw_requestline and not buffered:
+                if not self.served:
+                    log(f"HTTP client {self.client()}: no request within {cfg.serve_read_timeout:g} s of "
+                        "connecting (--serve-read-timeout); connection closed")
+                    source.metrics.connection_closed("read_timeout")
+                return                      # an idle keep-alive connection: closed quietly
+            source.metrics.connection_closed("read_timeout")
+            log(f"HTTP client {self.client()}: the request line and headers did not arrive within "
+                f"{cfg.serve_read_timeout:g} s (--serve-read-timeout); 408, connection closed")
+            self.request_version = "HTTP/1.1"      # the request line may be unread or half read
+            self.command = self.command if isinstance(getattr(self, "command", None), str) else ""
+            self.requestline = getattr(self, "requestline", "")
+            self._error(api.ApiError(408, f"the request did not arrive within {cfg.serve_read_timeout:g} s "
+                                          "(the server's --serve-read-timeout)", code="timeout"))
+            self._linger()
+
+        def send_response(self, code, message=None):
+            source.metrics.answered(self._path() if getattr(self, "path", "") else "other", int(code))
+            super().send_response(code, message)
+
         def client(self) -> str:
             return f"{self.client_address[0]}:{self.client_address[1]}"
 
         # -- answers ---------------------------------------------------------------------------
         def _json(self, code: int, obj: dict, headers: dict | None = None) -> None:
-            data = json.dumps(obj).encode()
+            self._bytes(code, json.dumps(obj).encode(), "application/json", headers)
+
+        def _bytes(self, code: int, data: bytes, ctype: str, headers: dict | None = None) -> None:
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(data)))
             for k, v in (headers or {}).items():
                 self.send_header(k, v)
@@ -111,7 +214,7 @@ def make_handler(source):
                 self.wfile.write(data)
 
         def _error(self, e: api.ApiError, headers: dict | None = None) -> None:
-            self._json(e.status, e.body(), headers)
+            self._json(e.status, e.body(), {**e.headers, **(headers or {})})
 
         def send_error(self, code, message=None, explain=None):
             """What the base class refuses itself (a bad request line or header, an unknown
@@ -127,16 +230,6 @@ def make_handler(source):
             self._json(code, api.error_body(f"{message or phrase} (HTTP {code})"), headers)
             self._linger()
 
-        def parse_request(self):
-            try:
-                return super().parse_request()
-            except TimeoutError:
-                self.close_connection = True
-                self._error(api.ApiError(408, f"the request headers did not arrive within "
-                                              f"{cfg.serve_read_timeout:g} s", code="timeout"))
-                self._linger()
-                return False
-
         def _path(self) -> str:
             return urllib.parse.unquote(self.path.split("?", 1)[0]).rstrip("/") or "/"
 
@@ -148,7 +241,8 @@ def make_handler(source):
             allow = self._allow()
             if allow is None:
                 self._error(api.ApiError(404, f"no route {self.command} {self._path()}; use /v1/completions, "
-                                              "/v1/chat/completions, /v1/models or /health", etype="not_found_error"))
+                                              "/v1/chat/completions, /v1/models, /health or /metrics",
+                                         etype="not_found_error"))
             else:
                 self._error(api.ApiError(405, f"{self.command} is not allowed on {self._path()}; use {allow}"),
                             {"Allow": allow})
@@ -168,6 +262,7 @@ def make_handler(source):
                 p = self.in_flight
                 if p is not None:              # the engine ends it at its next token
                     p.gone = True
+                    source.leave(p)            # or it leaves the queue
                 log(f"HTTP client {self.client()} disconnected ({type(exc).__name__})"
                     + (f"; request {p.id} ends" if p is not None else ""))
             except Exception as exc:  # noqa: BLE001 - a bug must not reach a client's socket as a traceback
@@ -187,14 +282,20 @@ def make_handler(source):
             self.do_GET()
 
         def do_GET(self):
-            self._guard(self._get)
+            self._busy(True)                  # its answer is being written: not idle
+            try:
+                self._guard(self._get)
+            finally:
+                self._busy(False)
 
         def _get(self):
             if self.headers.get("Content-Length", "0").strip() != "0" or self.headers.get("Transfer-Encoding"):
                 self.close_connection = True       # a body nobody reads must not become a request
             path = self._path()
             if path == "/health":
-                self._json(200, {"status": "ok", "queued": source.pending.qsize()})
+                self._json(200, source.status())
+            elif path == "/metrics":
+                self._bytes(200, source.render_metrics().encode(), PROMETHEUS_TYPE)
             elif path == "/v1/models":
                 self._json(200, {"object": "list", "data": [self._model()]})
             elif path.startswith("/v1/models/"):
@@ -209,7 +310,10 @@ def make_handler(source):
 
         # -- POST ------------------------------------------------------------------------------
         def do_POST(self):
-            self._guard(self._post)
+            try:
+                self._guard(self._post)
+            finally:
+                self._busy(False)
 
         def _post(self):
             self.in_flight = None
@@ -220,12 +324,14 @@ def make_handler(source):
             body = api.parse_body(self._read_body())
             ask = api.parse_ask(kind, body, tok, source.room, cfg.max_new_tokens, source.info(), source.names)
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+            self._busy(True)
             (self._stream if ask.stream else self._whole)(ask, rid, int(time.time()))
 
         def _read_body(self) -> bytes:
-            """The body, at most cfg.serve_max_body bytes, all of it within cfg.serve_read_timeout
-            seconds; a refusal closes the connection (what is left of the body is not read)."""
-            limit, deadline = cfg.serve_max_body, time.monotonic() + cfg.serve_read_timeout
+            """The body, at most cfg.serve_max_body bytes, all of it before the request's deadline
+            (--serve-read-timeout, DeadlineReader); a refusal closes the connection (what is left
+            of the body is not read)."""
+            limit, deadline = cfg.serve_max_body, self.reader.deadline
             te = (self.headers.get("Transfer-Encoding") or "").strip().lower()
             lengths = self.headers.get_all("Content-Length") or []
             self.close_connection = True                 # until the body is read whole
@@ -252,10 +358,8 @@ def make_handler(source):
         def _read_exactly(self, n: int, deadline: float) -> bytes:
             parts, got = [], 0
             while got < n:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                if deadline - time.monotonic() <= 0:
                     raise self._too_slow(got, n)
-                self.connection.settimeout(left)
                 try:
                     chunk = self.rfile.read1(min(65536, n - got))
                 except TimeoutError:
@@ -268,7 +372,6 @@ def make_handler(source):
             return b"".join(parts)
 
         def _read_line(self, deadline: float) -> bytes:
-            self.connection.settimeout(max(0.001, deadline - time.monotonic()))
             try:
                 line = self.rfile.readline(1026)
             except TimeoutError:
@@ -300,8 +403,12 @@ def make_handler(source):
 
         def _too_slow(self, got, n) -> api.ApiError:
             had = f" ({got} of {n} bytes came)" if n is not None else ""
-            return api.ApiError(408, f"the body did not arrive within {cfg.serve_read_timeout:g} s{had}; "
-                                     "a Content-Length larger than the body ends this way", code="timeout")
+            source.metrics.connection_closed("read_timeout")
+            log(f"HTTP client {self.client()}: the body did not arrive within {cfg.serve_read_timeout:g} s "
+                f"(--serve-read-timeout){had}; 408, connection closed")
+            return api.ApiError(408, f"the request did not arrive whole within {cfg.serve_read_timeout:g} s "
+                                     f"(the server's --serve-read-timeout){had}; a Content-Length larger than "
+                                     "the body ends this way", code="timeout")
 
         def _refuse_unread(self, e: api.ApiError) -> None:
             """Answer `e` and close without reading the rest of the body."""
@@ -335,33 +442,42 @@ def make_handler(source):
             except (OSError, ValueError):
                 return True
 
-        def _submit(self, ask: api.Ask, rid: str) -> Pending:
+        def _submit(self, ask: api.Ask, rid: str, admit: bool = True) -> Pending:
             p = Pending(ask, rid)
-            source.submit(p)
+            source.submit(p, admit)
             self.in_flight = p
             return p
 
-        def _next_event(self, p: Pending):
-            """The next event of `p`; raises ClientGone (one log line) when the client left."""
+        def _busy(self, busy: bool) -> None:
+            """This connection has a request queued or decoding (not counted against --serve-max-idle)."""
+            if source.httpd is not None:
+                source.httpd.connections.set_busy(self.connection, busy)
+
+        def _next_event(self, p: Pending, waiting=None):
+            """The next event of `p`; raises ClientGone (one log line) when the client left.
+            `waiting()` is called every POLL_S while no event comes."""
             while True:
                 now = time.monotonic()
                 if now >= self.next_check:           # events may come without pause: check anyway
                     self.next_check = now + POLL_S
                     if self._gone():
                         p.gone = True
+                        source.leave(p)
                         log(f"HTTP client {self.client()} disconnected; request {p.id} "
                             f"{'ends at its next token' if p.index >= 0 else 'leaves the queue'}")
                         raise ClientGone()
                 try:
                     return p.events.get(timeout=POLL_S)
                 except queue.Empty:
-                    pass
+                    if waiting is not None:
+                        waiting()
 
         def _submit_nth(self, ask: api.Ask, rid: str, i: int) -> Pending | None:
-            """Queue the request of answer i of ask.n; a refusal (queue full, shutting down) raises
-            for the first answer and returns None for a later one (the answers so far stand)."""
+            """Queue the request of answer i of ask.n (only the first can find the queue full: the
+            request was admitted); a refusal raises for the first answer and returns None for a
+            later one (shutting down: the answers so far stand)."""
             try:
-                return self._submit(ask, rid)
+                return self._submit(ask, rid, admit=i == 0)
             except api.ApiError:
                 if i == 0:
                     raise
@@ -407,18 +523,32 @@ def make_handler(source):
             started = [False]
             hold = max((len(s) for s in ask.stop), default=1) - 1     # a stop string may be starting
 
+            def start() -> None:
+                """The headers, as soon as the request is queued: a client that waits its turn
+                has its answer begun (and queue comments), so its read timeout does not fire."""
+                started[0] = True
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+                self.wfile.flush()
+
             def send(msg) -> None:
-                if not started[0]:          # the headers wait for the first event: a queued
-                    started[0] = True       # request can still be refused (503) in JSON
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/event-stream")
-                    self.send_header("Cache-Control", "no-cache")
-                    self.send_header("Connection", "close")
-                    self.end_headers()
-                    self.close_connection = True
                 data = "[DONE]" if msg is None else json.dumps(msg)
                 self.wfile.write(f"data: {data}\n\n".encode())
                 self.wfile.flush()
+
+            def queue_note(p: Pending) -> None:
+                """While `p` waits: ": queued, position N" (N = 1 + the requests ahead of it,
+                the one decoding included) when N changes, and every QUEUE_NOTE_S."""
+                pos = source.position(p)
+                now = time.monotonic()
+                if pos and (pos != note[0] or now - note[1] >= QUEUE_NOTE_S):
+                    note[:] = [pos, now]
+                    self.wfile.write(f": queued, position {pos}\n\n".encode())
+                    self.wfile.flush()
 
             def chunk(i: int, text, finish=None, lp=None, role=False) -> None:
                 c = api.choice(ask.kind, i, text, finish, lp, delta=True)
@@ -434,18 +564,21 @@ def make_handler(source):
                     return None
                 return api.logprobs_object(ask.kind, ans.entries_upto(upto), tok, offset)
 
-            total = 0
+            total, note = 0, [0, 0.0]
             for i in range(ask.n):
                 p = self._submit_nth(ask, rid, i)
                 if p is None:
                     break
                 try:
+                    if not started[0]:
+                        start()
                     ans, result, first = _Answer(), None, True
                     while result is None:
-                        what, value = self._next_event(p)
+                        what, value = self._next_event(p, lambda p=p: queue_note(p))
                         if what == "refused":
-                            if not started[0]:
-                                raise value
+                            if i == 0:          # refused while queued (shutting down): an error event
+                                send(value.body())
+                                return
                             break
                         if ask.kind == "chat" and first:      # OpenAI's first chunk: the role
                             chunk(i, None, role=True)

@@ -24,7 +24,8 @@ With --chat the prompts form one conversation: each is the next user turn, and t
 earlier turns and its own replies through its chat template. When the conversation no longer fits
 the KV cache (--max-context, less the new tokens and the tree's room), its oldest turns are left
 out. Without --chat every prompt stands alone. Each request ends with a one-line summary on
-stderr, and the HDF5 trace (--out) is rewritten after each one. Ctrl-C (SIGINT) or SIGTERM ends
+stderr, and the HDF5 trace (--out) is rewritten after each one (a new file every --trace-rotate
+turns or minutes: run.h5, run.1.h5, ...). Ctrl-C (SIGINT) or SIGTERM ends
 the session at once like any job: the trace keeps the answers so far, exit code 4. (A Ctrl-C that
 ends only the answer in progress cannot ride on SIGINT: MPICH's mpiexec aborts the job at the
 second one, and srun --quit-on-interrupt ends the step.)
@@ -198,6 +199,7 @@ class SharedRequests:
         self.rank = world.Get_rank()
         self.err = err or sys.stderr
         self.index = 0
+        self.segment_due = None    # rank 0: a callable -> True when the trace starts its next file
 
     def say(self, text: str) -> None:
         print(text, file=self.err, flush=True)
@@ -241,6 +243,7 @@ class SharedRequests:
             if req is None:
                 self._share(_KIND_END, b"")
                 return None
+            req.new_segment = bool(self.segment_due and self.segment_due())
             self._share(_KIND_REQUEST, pickle.dumps(req))
             return req
         header = np.zeros(2, dtype=np.int64)
@@ -250,6 +253,8 @@ class SharedRequests:
             spins += 1
             if spins > 2000:
                 time.sleep(_IDLE_SLEEP_S)
+                if self.watch is not None and spins % 64 == 0:   # rank 0 failed: it may ask for
+                    self.watch.check()                           # this rank's events
         kind, nbytes = int(header[0]), int(header[1])
         if kind == _KIND_STOP:
             raise Interrupted()

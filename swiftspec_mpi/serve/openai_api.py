@@ -39,9 +39,10 @@ class ApiError(Exception):
     """A request the server refuses: HTTP `status` and OpenAI's error object."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 etype: str = "invalid_request_error", code: str | None = None):
+                 etype: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.etype, self.code = status, message, param, etype, code
+        self.headers = headers or {}     # extra response headers (429: Retry-After)
 
     def body(self) -> dict:
         return error_body(self.message, self.etype, self.param, self.code)

@@ -6,6 +6,7 @@
   swiftspec analyze run.h5 --json               machine-readable (a list for several files)
   swiftspec analyze run.h5 --plot figs/         timeline, accepted-length histogram, tokens/s
   swiftspec analyze run.h5 --perfetto t.json    Chrome trace for https://ui.perfetto.dev
+  swiftspec analyze 'serve*.h5'                 a rotated trace (--trace-rotate): its files as one
 
 Definitions (all computed from the file, nothing estimated):
   tokens/s             sum of new tokens / sum of request seconds (prefill start to last token)
@@ -36,7 +37,9 @@ from swiftspec_mpi.trace.read import ROLE_NAMES, group_leaders
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("files", nargs="+", metavar="FILE.h5", help="trace(s) written by swiftspec run --out")
+    parser.add_argument("files", nargs="+", metavar="FILE.h5",
+                        help="trace(s) written by swiftspec run --out; the files of a rotated trace "
+                             "(--trace-rotate: run.h5 run.1.h5 ..., or a quoted glob 'run*.h5') are read as one")
     parser.add_argument("--json", action="store_true",
                         help="print JSON (one object per file; a list for several files) instead of the table")
     parser.add_argument("--plot", metavar="DIR", default=None,
@@ -183,7 +186,8 @@ def summarize(trace, label: str | None = None) -> dict:
          "created": trace.created, "format_version": trace.format_version,
          "world_size": env.get("world_size", len(trace.ranks) if trace.ranks is not None else None),
          "config": trace.config, "env": env, "n_requests": len(trace.requests),
-         "nodes": placement(trace)}
+         "nodes": placement(trace), "files": list(trace.files or [trace.path]),
+         "ranks_missing": list(trace.ranks_missing)}
     s.update(_speed(trace.requests))
     s.update(_acceptance(trace.requests))
     s.update(_event_summary(trace))
@@ -271,10 +275,13 @@ def table_rows(summaries: list[dict]) -> list[tuple[str, list[str]]]:
         ws = s.get("world_size")
         return f"{ws if ws is not None else '?'}" + (f" ({', '.join(parts)})" if parts else "")
 
-    rows.append(("file", col(lambda s: s["file"])))
+    rows.append(("file", col(lambda s: s["file"] + (f" (+{len(s['files']) - 1} segments)"
+                                                     if len(s.get("files") or ()) > 1 else ""))))
     rows.append(("mode", col(lambda s: s["mode"])))
     rows.append(("complete", col(lambda s: "yes" if s["complete"] else f"NO ({s['exit_status'] or '?'})")))
     rows.append(("ranks (groups)", col(groups)))
+    if any(s.get("ranks_missing") for s in summaries):
+        rows.append(("ranks without events", col(lambda s: ", ".join(map(str, s.get("ranks_missing") or [])) or "-")))
     rows.append(("nodes", col(lambda s: describe_placement(s.get("nodes") or {}))))
     rows.append(("GPU shared by", col(lambda s: describe_gpu_sharing((s.get("env") or {}).get("gpu_sharing")))))
     if any((s.get("env") or {}).get("graphs") for s in summaries):
@@ -387,11 +394,11 @@ def unique_labels(paths: list[str]) -> list[str]:
 
 
 def main(args) -> int:
-    from swiftspec_mpi.trace.read import read_trace
+    from swiftspec_mpi.trace.read import read_traces
 
     window = parse_window(args.window)
-    labels = unique_labels(args.files)
-    traces = [read_trace(p) for p in args.files]
+    traces = read_traces(args.files)
+    labels = unique_labels([t.path for t in traces])
     summaries = [summarize(t, label) for t, label in zip(traces, labels)]
     info = sys.stderr if args.json else sys.stdout
     if args.json:

@@ -135,6 +135,10 @@ class Trace:
     requests: list[Request] = field(default_factory=list)
     events: Events | None = None   # None when /events is absent or unreadable
     ranks: RankInfo | None = None  # None when /ranks is absent or unreadable
+    ranks_missing: list[int] = field(default_factory=list)   # ranks whose events never reached the file
+    trace_id: str = ""             # a rotated trace (--trace-rotate): the id its files share
+    segment: int | None = None     # ... and this file's place among them (0 = --out)
+    files: list[str] = field(default_factory=list)   # the files read (several: segments merged)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -278,7 +282,7 @@ def read_trace(path: str) -> Trace:
                 raise UserError(f"{path} is an HDF5 file but not a swiftspec trace (no 'format' "
                                 "attribute, no /requests); pass a file written by `swiftspec run --out`")
             warnings.append("file: attribute 'format' missing (treated as a swiftspec trace)")
-        t = Trace(path=path)
+        t = Trace(path=path, files=[path])
         t.format_version = _attr(attrs, "format_version", int, warnings, "file")
         if t.format_version is not None and t.format_version > FORMAT_VERSION:
             warnings.append(f"file: format_version {t.format_version} is newer than this reader "
@@ -322,7 +326,21 @@ def read_trace(path: str) -> Trace:
         rk = _read_dataset(f, "ranks", "file", warnings, required=False)
         if rk is not None and rk.dtype.names is not None:
             t.ranks = RankInfo(**_columns(rk, RANK_FIELDS, "ranks", warnings))
-        if not t.complete:
+        if "ranks_missing" in attrs:
+            try:
+                t.ranks_missing = [int(r) for r in json.loads(_to_str(attrs["ranks_missing"]))]
+            except (ValueError, TypeError) as exc:
+                warnings.append(f"file: attribute 'ranks_missing' unreadable ({exc})")
+        if t.ranks_missing:
+            warnings.append(f"file: rank(s) {', '.join(map(str, t.ranks_missing))} sent no events at the "
+                            "end of the job (dead or hung); their events are missing")
+        if "trace_id" in attrs:
+            t.trace_id = _to_str(attrs["trace_id"])
+            t.segment = _attr(attrs, "segment", int, warnings, "file", default=None)
+        if t.exit_status == "rotated":
+            warnings.append(f"file: segment {t.segment} of a rotated trace (the job went on in the next "
+                            "file); pass all its files to read them as one")
+        elif not t.complete:
             warnings.append(f"file: run incomplete (exit_status: {t.exit_status or 'unknown'}); "
                             "reporting what was written")
         t.warnings = warnings
@@ -347,3 +365,68 @@ def group_leaders(trace) -> dict[int, int]:
             if role not in leaders or leaders[role] not in set(ranks.tolist()):
                 leaders[role] = int(ranks.min())
     return leaders
+
+
+def expand_paths(paths: list[str]) -> list[str]:
+    """Command-line trace paths, a quoted glob pattern (runs/serve*.h5) expanded in name order;
+    a file named twice is read once."""
+    import glob
+    import os
+    out, seen = [], set()
+    for p in paths:
+        hits = sorted(glob.glob(p)) if any(c in p for c in "*?[") else []
+        for q in hits or [p]:
+            key = os.path.realpath(q)
+            if key not in seen:
+                seen.add(key)
+                out.append(q)
+    return out
+
+
+def read_traces(paths: list[str]) -> list[Trace]:
+    """Read every path (globs expanded); the files of one rotated trace (same trace_id) become
+    one Trace, its segments in order, wherever they stand in `paths`."""
+    traces, by_id = [], {}
+    for path in expand_paths(paths):
+        t = read_trace(path)
+        if not t.trace_id:
+            traces.append(t)
+        elif t.trace_id in by_id:
+            by_id[t.trace_id].append(t)
+        else:
+            by_id[t.trace_id] = [t]
+            traces.append(t)
+    return [merge_segments(by_id[t.trace_id]) if t.trace_id else t for t in traces]
+
+
+def merge_segments(parts: list[Trace]) -> Trace:
+    """The files of one rotated trace -> one Trace: requests and events of all of them, the
+    run's config, environment and first file's path from segment 0 (or the first given), the
+    exit status and ranks table from the last segment."""
+    parts = sorted(parts, key=lambda t: (t.segment if t.segment is not None else -1, t.path))
+    if len(parts) == 1:
+        return parts[0]
+    first, last = parts[0], parts[-1]
+    t = Trace(path=first.path, format_version=first.format_version, mode=first.mode,
+              complete=last.complete, exit_status=last.exit_status, config=first.config, env=first.env,
+              created=first.created, event_kinds=first.event_kinds, trace_id=first.trace_id,
+              segment=first.segment, files=[p.path for p in parts])
+    seen = {}
+    for p in parts:
+        for r in p.requests:
+            seen[r.index] = r
+        t.warnings += [w for w in p.warnings if not (w.startswith("file: segment ") or
+                                                     (p is not last and w.startswith("file: run incomplete")))]
+        t.ranks_missing = sorted(set(t.ranks_missing) | set(p.ranks_missing))
+    t.requests = [seen[i] for i in sorted(seen)]
+    have = [p.segment for p in parts if p.segment is not None]
+    gaps = sorted(set(range(min(have), max(have) + 1)) - set(have)) if have else []
+    if have and (gaps or min(have) > 0):
+        lacking = ([0] if min(have) > 0 else []) + gaps
+        t.warnings.append(f"file: segment(s) {', '.join(map(str, lacking))} of this rotated trace not given")
+    evs = [p.events for p in parts if p.events is not None]
+    if evs:
+        t.events = Events(**{f: np.concatenate([getattr(e, f) for e in evs]) for f in EVENT_FIELDS},
+                          kind_names=first.event_kinds)
+    t.ranks = next((p.ranks for p in reversed(parts) if p.ranks is not None), None)
+    return t

@@ -3,7 +3,9 @@
 Each rank appends fixed-size records into a preallocated numpy structured array (no allocation
 per event). World rank 0 keeps the file as an HDF5 image in memory (`TraceFile`) and, after each
 finished request, every few seconds of a request in flight and at the end, saves it under a
-temporary name and renames it, so a reader never sees a half-written file.
+temporary name and renames it, so a reader never sees a half-written file. A long-lived job
+(--serve, --interactive) rotates: a new TraceFile (and file) every --trace-rotate requests or
+minutes, so the image, and the time to write it, stay bounded.
 """
 from __future__ import annotations
 
@@ -67,6 +69,11 @@ class EventRecorder:
     def snapshot(self) -> np.ndarray:
         return self.events[: self.n]
 
+    def reset(self) -> None:
+        """Start over (a new trace segment): the events so far are written, their rows reused."""
+        self.n = 0
+        self.dropped = 0
+
 
 @dataclass
 class RequestResult:
@@ -115,16 +122,17 @@ def h5_text(s: str) -> str:
     return s
 
 
-def _write_root(f, mode: str, config_json: str, env: dict, complete: bool, exit_status: str) -> None:
-    f.attrs["format"] = "swiftspec-trace"
-    f.attrs["format_version"] = 1
-    f.attrs["mode"] = mode
-    f.attrs["complete"] = bool(complete)
-    f.attrs["exit_status"] = h5_text(exit_status)
-    f.attrs["config_json"] = config_json
-    f.attrs["env_json"] = json.dumps(env, sort_keys=True, default=str)
-    f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    f.attrs["event_kinds"] = json.dumps(list(EVENT_KINDS))
+def _root_attrs(mode: str, config_json: str, env: dict, complete: bool, exit_status: str,
+                segment: tuple[str, int] | None = None, ranks_missing=()) -> dict:
+    """Root attributes; `segment` = (trace_id, k) of a rotated trace's k-th file."""
+    attrs = {"format": "swiftspec-trace", "format_version": 1, "mode": mode, "complete": bool(complete),
+             "exit_status": h5_text(exit_status), "config_json": config_json,
+             "env_json": json.dumps(env, sort_keys=True, default=str),
+             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "event_kinds": json.dumps(list(EVENT_KINDS)),
+             "ranks_missing": json.dumps(sorted(int(r) for r in ranks_missing))}
+    if segment is not None:
+        attrs["trace_id"], attrs["segment"] = segment[0], int(segment[1])
+    return attrs
 
 
 def _write_request(group, r: RequestResult) -> None:
@@ -175,11 +183,12 @@ class TraceFile:
     and rename (about 2 ms per MB of file, GIL released) leave the decode loop alone; a newer
     image replaces one still waiting. So rank 0 can write after every request of a long job."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, segment: tuple[str, int] | None = None):
         import h5py
-        self.path = path
+        self.path, self.segment = path, segment
         self.pending: bytes | None = None      # the newest image not yet handed to the disk
         self.saving = False
+        self.closing = False                   # close(): the saver thread ends after its last image
         self.cond = threading.Condition()
         self.saver: threading.Thread | None = None
         self.f = h5py.File(f"{path}.image", "w", driver="core", backing_store=False)
@@ -187,21 +196,29 @@ class TraceFile:
         self.final: set[int] = set()           # indices of requests whose group is final
         self.events_base = None                # the recorder array the events dataset mirrors
         self.events_n = 0
+        self.root: dict = {}                   # the root attributes as written (each rewritten on change)
+        self.ranks_bytes = b""                 # the ranks table as written
 
     def write(self, *, mode: str, config_json: str, env: dict, requests: list[RequestResult],
               events: np.ndarray, ranks: np.ndarray, complete: bool, exit_status: str,
-              sync: bool = True) -> None:
+              sync: bool = True, ranks_missing=()) -> None:
+        """`ranks_missing`: world ranks whose events could not be gathered (named in the file)."""
         f = self.f
-        _write_root(f, mode, config_json, env, complete, exit_status)
+        for k, v in _root_attrs(mode, config_json, env, complete, exit_status, self.segment, ranks_missing).items():
+            if self.root.get(k) != v:          # an attribute costs ~0.2 ms a write: only what changed
+                f.attrs[k] = self.root[k] = v
         for r in requests:
             if r.index not in self.final:
                 _write_request(self.requests, r)
                 if r.t_end is not None:
                     self.final.add(r.index)
         self._write_events(np.asarray(events).astype(EVENT_DTYPE, copy=False), events)
-        if "ranks" in f:
-            del f["ranks"]
-        f.create_dataset("ranks", data=ranks.astype(RANK_DTYPE, copy=False))
+        ranks = ranks.astype(RANK_DTYPE, copy=False)
+        if ranks.tobytes() != self.ranks_bytes:
+            if "ranks" in f:
+                del f["ranks"]
+            f.create_dataset("ranks", data=ranks)
+            self.ranks_bytes = ranks.tobytes()
         f.flush()
         image = f.id.get_file_image()
         if sync:
@@ -218,8 +235,10 @@ class TraceFile:
     def _save_loop(self) -> None:
         while True:
             with self.cond:
-                while self.pending is None:
+                while self.pending is None and not self.closing:
                     self.cond.wait()
+                if self.pending is None:       # closing, nothing left to write
+                    return
                 image, self.pending, self.saving = self.pending, None, True
             try:
                 _save(self.path, image)
@@ -252,5 +271,13 @@ class TraceFile:
         self.events_n = len(rows)
 
     def close(self) -> None:
+        """Write what is pending, end the saver thread (a rotated trace makes one TraceFile per
+        segment: none may leave a thread behind), close the in-memory file."""
         self.wait_saved()
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        if self.saver is not None:
+            self.saver.join()
+            self.saver = None
         self.f.close()
