@@ -153,6 +153,9 @@ class Job:
         rec = EventRecorder(self.rank, role, clock)
         self.ctx = EngineContext(cfg, topo, clock, rec, self.stop_flag, self.watch, target, draft,
                                  tokenizer)
+        if cfg.accept_model is not None:
+            from swiftspec_mpi.engine.replay import Replay
+            self.ctx.replay = Replay.of(cfg.accept_model, cfg.tree_topk, cfg.seed)
         profiled = profile_expansions(self.ctx)      # also fixes bs and w when they are auto
         self.ctx.expansions = cfg.expansions or profiled
         if cfg.mode == "async":      # paced when asked, or when a draft rank shares a verify rank's GPU
@@ -183,6 +186,12 @@ class Job:
         from swiftspec_mpi.serve.interactive import PromptSource
         cfg, ctx, topo = self.cfg, self.ctx, self.topo
         acceptor = Acceptor(cfg.temperature, cfg.sampling_rule, cfg.seed)
+        if ctx.replay is not None:
+            from swiftspec_mpi.engine.replay import ReplayAcceptor
+            acceptor = ReplayAcceptor(ctx.replay.table, cfg.seed)
+            if self.rank == 0:
+                print(f"swiftspec run: acceptance replayed from {cfg.accept_from} on dummy weights "
+                      "(the generated text is meaningless)", file=sys.stderr, flush=True)
         # the file exists from here on (a run in progress shows up), written before any request
         # so that none pays the write; the next checkpoint comes after some decoding
         self.write(complete=False, status="running", events=None)

@@ -29,6 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--draft-layers", type=int, help="truncate the draft to its first N layers")
     m.add_argument("--load-format", choices=("auto", "dummy"),
                    help="dummy: random weights at the checkpoints' shapes (measures step time only)")
+    m.add_argument("--accept-from", metavar="TRACE.h5|MODEL.json",
+                   help="with --load-format dummy: the target's choice at each tree node is drawn from "
+                        "this acceptance model (a trace of a real pair, or `swiftspec analyze --acceptance-out`), "
+                        "seeded by --seed, so trees are accepted as deeply as the real pair's; sync / async "
+                        "(an error with ar or real weights); the text is then meaningless")
     m.add_argument("--quant", choices=("auto", "int4", "none"),
                    help="auto (default): a quantized checkpoint runs packed 4-bit, a dense one dense; "
                         "int4: packed 4-bit weights (with --load-format dummy: random ones, group 128); "
@@ -113,7 +118,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     del S
 
 
-FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "quant", "head_bits", "dtype", "mode",
+FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "accept_from", "quant", "head_bits", "dtype", "mode",
                "draft_ranks", "async_policy", "floor_depth", "threads", "device", "prompt", "prompts", "interactive", "serve", "serve_max_body",
                "serve_read_timeout", "chat", "max_new_tokens", "stop",
                "stop_token_ids", "ignore_eos", "temperature", "seed", "sampling_rule", "tree_width", "tree_topk",

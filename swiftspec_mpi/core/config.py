@@ -60,6 +60,8 @@ class RunConfig:
     draft: str | None = None
     draft_layers: int | None = None    # truncate the draft to its first N layers (self-speculation)
     load_format: str = "auto"          # auto | dummy (random weights at the checkpoint's shape)
+    accept_from: str | None = None     # replay: the target's choices drawn from this acceptance
+                                       # model (a trace .h5 or a model .json; dummy weights only)
     quant: str = "auto"                # auto | int4 | none: packed 4-bit weights (model/quant.py)
     head_bits: int = 16                # 16 | 4: the LM head as loaded, or packed 4-bit at load (GPU int4)
     # parallel layout
@@ -100,6 +102,8 @@ class RunConfig:
     peer_timeout: float = 30.0         # seconds a blocking receive waits for a peer before failing
     quiet: bool = False                # do not stream text to stdout
     requests: list[Request] = field(default_factory=list)  # filled by validation
+    accept_sha256: str | None = None   # filled by validation: the sha256 of the --accept-from file
+    accept_model: dict | None = None   # filled by validation: the model replayed (trace/acceptance.py)
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -164,7 +168,7 @@ def load_toml(path: str) -> dict:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"config file {path} is not valid TOML ({exc}); fix the syntax") from None
-    fields = {f.name for f in dataclasses.fields(RunConfig)} - {"requests"}
+    fields = {f.name for f in dataclasses.fields(RunConfig)} - {"requests", "accept_sha256", "accept_model"}
     flags = {name: name for name in fields - set(RENAMED_FLAGS.values())} | RENAMED_FLAGS
     out = {}
     for key, value in data.items():
@@ -265,6 +269,14 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
                         "attention takes; use at most 64")
     if world_size < 1:
         raise UserError("world size must be >= 1")
+    if cfg.accept_from is not None:
+        if cfg.load_format != "dummy":
+            raise UserError("--accept-from replays acceptance on random weights: add --load-format dummy "
+                            "(with real weights the target itself decides what it accepts)")
+        if cfg.mode == "ar":
+            raise UserError("--accept-from needs a draft: use --mode sync or async (`ar` verifies no tree)")
+        if cfg.temperature != 0.0:
+            raise UserError("--accept-from draws the target's choices from the model; drop --temperature")
     if cfg.mode == "async":
         if world_size < 2:
             raise UserError("--mode async needs at least 2 MPI ranks (one draft, one verify); "

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from swiftspec_mpi import _tree
+from swiftspec_mpi.engine.replay import calibrate
 from swiftspec_mpi.gpu.graphs import logits_argmax, logits_topk_logprobs
 from swiftspec_mpi.model.transformer import chain_mask
 
@@ -112,10 +113,12 @@ def verify_forward(model, tokens, positions, start: int, mask, greedy: bool):
 
 
 class DraftSide:
-    """Draft model + token tree for one request."""
+    """Draft model + token tree for one request. `replay` (replay.Replay; `run --accept-from`):
+    the children's log-probabilities are the acceptance model's (replay.calibrate)."""
 
-    def __init__(self, model, width: int, topk: int, capacity: int, max_depth: int):
+    def __init__(self, model, width: int, topk: int, capacity: int, max_depth: int, replay=None):
         self.model = model
+        self.replay = replay
         self.device = model_device(model)
         self.width, self.topk = width, topk
         self.tree = _tree.TokenTree(capacity, max_depth)
@@ -171,6 +174,8 @@ class DraftSide:
         ids, lps = top
         if share is not None:
             ids, lps = share(ids, lps)
+        if self.replay is not None:
+            lps = calibrate(self.replay, np.asarray(self.tree.depth)[leaves], lps.shape[1])
         self.tree.expand(leaves, ids, lps)
         self.kv_used += n
         return True
@@ -232,6 +237,8 @@ class DraftSide:
                               logits_row=1)      # the root's row
         if share is not None:
             ids, lps = share(ids, lps)
+        if self.replay is not None:
+            lps = calibrate(self.replay, np.zeros(1, dtype=np.int64), lps.shape[1])
         root = np.zeros(1, dtype=np.int32)
         self.tree.assign_slots(root, P)
         self.tree.expand(root, ids, lps)

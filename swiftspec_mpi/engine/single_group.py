@@ -20,7 +20,8 @@ def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, 
     target = TargetSide(ctx.target)
     draft = None
     if cfg.mode == "sync":
-        draft = DraftSide(ctx.draft, cfg.tree_width, cfg.tree_topk, cfg.tree_capacity, cfg.max_depth)
+        draft = DraftSide(ctx.draft, cfg.tree_width, cfg.tree_topk, cfg.tree_capacity, cfg.max_depth,
+                          replay=ctx.replay)
     decision = np.zeros(3 + 2 * bs, dtype=np.int64)     # [a, done, n, path[bs], accepted[bs]]
     share = make_topk_share(ctx, np.zeros((cfg.tree_width, cfg.tree_topk), dtype=np.int64),
                             np.zeros((cfg.tree_width, cfg.tree_topk), dtype=np.float32))
@@ -39,7 +40,7 @@ def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, 
         t_step = clock.now()
         if draft is None:
             tokens, parents = np.array([root], dtype=np.int64), np.array([-1], dtype=np.int32)
-            expanded = 0
+            expanded, scores = 0, None
         else:
             expanded = 0
             for e in range(ctx.expansions):
@@ -51,11 +52,11 @@ def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, 
                 rec.record(KIND["expand"], request, step, te, clock.now(), len(leaves), 0,
                            comm_seconds(ctx.draft) - ce)
                 expanded += 1
-            tokens, parents, _scores = draft.best_subtree(bs)
+            tokens, parents, scores = draft.best_subtree(bs)
         tv, cv = clock.now(), comm_seconds(ctx.target)
         logits = target.forward_tree(tokens, parents, greedy=acceptor.argmax_only)
         done, taken, path, accepted = decide(ctx, tokens, parents, logits, acceptor, tracker, result,
-                                             decision, bs)
+                                             decision, bs, scores)
         a = len(path)
         t_end = clock.now()
         rec.record(KIND["verify" if draft is not None else "decode"], request, step, tv, t_end,
