@@ -155,7 +155,8 @@ class Job:
                                  tokenizer)
         if cfg.accept_model is not None:
             from swiftspec_mpi.engine.replay import Replay
-            self.ctx.replay = Replay.of(cfg.accept_model, cfg.tree_topk, cfg.seed)
+            self.ctx.replay = Replay.of(cfg.accept_model, cfg.tree_topk, cfg.seed,
+                                       int(cfg.accept_model["replay_vocab"]))
         profiled = profile_expansions(self.ctx)      # also fixes bs and w when they are auto
         self.ctx.expansions = cfg.expansions or profiled
         if cfg.mode == "async":      # paced when asked, or when a draft rank shares a verify rank's GPU
@@ -188,7 +189,7 @@ class Job:
         acceptor = Acceptor(cfg.temperature, cfg.sampling_rule, cfg.seed)
         if ctx.replay is not None:
             from swiftspec_mpi.engine.replay import ReplayAcceptor
-            acceptor = ReplayAcceptor(ctx.replay.table, cfg.seed)
+            acceptor = ReplayAcceptor(ctx.replay.table, cfg.seed, cfg.tree_topk, ctx.replay.vocab)
             if self.rank == 0:
                 print(f"swiftspec run: acceptance replayed from {cfg.accept_from} on dummy weights "
                       "(the generated text is meaningless)", file=sys.stderr, flush=True)

@@ -49,6 +49,9 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
             check_weight_files(path, mcfg)
     resolve_quant(cfg)
     check_head_bits(cfg)
+    if cfg.accept_model is not None:   # the replay's token ids (engine/replay.py child_tokens)
+        cfg.accept_model["replay_vocab"] = min(tcfg.vocab_size, dcfg.vocab_size)
+        cfg.ignore_eos = True          # its tokens mean nothing: every request runs to the end
     # tensor-parallel degrees must divide the heads
     if cfg.mode == "async":
         groups = [("target", tcfg, world_size - cfg.draft_ranks), ("draft", dcfg, cfg.draft_ranks)]

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from swiftspec_mpi import _tree
-from swiftspec_mpi.engine.replay import calibrate
+from swiftspec_mpi.engine.replay import calibrate, child_tokens
 from swiftspec_mpi.gpu.graphs import logits_argmax, logits_topk_logprobs
 from swiftspec_mpi.model.transformer import chain_mask
 
@@ -176,6 +176,7 @@ class DraftSide:
             ids, lps = share(ids, lps)
         if self.replay is not None:
             lps = calibrate(self.replay, np.asarray(self.tree.depth)[leaves], lps.shape[1])
+            ids = child_tokens(self.tree.tokens_of(leaves), ids.shape[1], self.replay.vocab)
         self.tree.expand(leaves, ids, lps)
         self.kv_used += n
         return True
@@ -239,6 +240,7 @@ class DraftSide:
             ids, lps = share(ids, lps)
         if self.replay is not None:
             lps = calibrate(self.replay, np.zeros(1, dtype=np.int64), lps.shape[1])
+            ids = child_tokens(self.tree.token[:1], ids.shape[1], self.replay.vocab)
         root = np.zeros(1, dtype=np.int32)
         self.tree.assign_slots(root, P)
         self.tree.expand(root, ids, lps)

@@ -8,16 +8,18 @@ Two halves:
   down from the root, at a node of depth d with c children (best-first, so in the draft's
   probability order) it draws r from the model's row d: rank 1..K with p[d][r-1], none with
   p_none[d]. r <= c accepts that child and goes on; otherwise the step ends there and the bonus
-  token is the target's argmax at the node (the next token not among the children's when the
-  random argmax happens to be one of them). Draws come from (seed, request), so a `sync` run is
-  reproducible; in `async` the trees depend on timing, the draws on the seed.
-- the draft (`calibrate`, in DraftSide.expand): random weights have near-uniform top-k, so the
+  token is the draft's rank-r child (which the draft may have grown without sending it; its
+  token is known, `child_tokens`), or for none a token that is not among the draft's top-k.
+  Draws come from (seed, request), so a `sync` run is reproducible; in `async` the trees depend
+  on timing, the draws on the seed.
+- the draft (`calibrate` and `child_tokens`, in DraftSide.expand): random weights have near-uniform top-k, so the
   tree a draft grows from them has no shape. The log-probabilities of a leaf's top-k children
   become those of a node of the real draft at that depth, drawn from the model's
   `draft_lp_samples`, so the replayed draft grows trees of the real draft's shapes; a model without them (one built from a
   reported mean accepted length) gives log p[d][r]: a draft calibrated to acceptance, which
   grows the tree with the most expected accepted tokens under the model.
-The tokens themselves stay the random model's: the text means nothing.
+The tokens are not the random model's either (child_tokens: a function of the parent's token
+and the rank): the text means nothing, and every request runs to --max-new-tokens.
 """
 from __future__ import annotations
 
@@ -37,11 +39,22 @@ class Replay(NamedTuple):
     table: np.ndarray
     draft_lp: list | None
     rng: np.random.Generator
+    vocab: int
 
     @classmethod
-    def of(cls, model: dict, topk: int, seed: int) -> "Replay":
+    def of(cls, model: dict, topk: int, seed: int, vocab: int) -> "Replay":
         from swiftspec_mpi.trace.acceptance import draft_logprobs, probs
-        return cls(probs(model), draft_logprobs(model, topk), np.random.default_rng([seed, 3]))
+        return cls(probs(model), draft_logprobs(model, topk), np.random.default_rng([seed, 3]), vocab)
+
+
+def child_tokens(parents: np.ndarray, k: int, vocab: int) -> np.ndarray:
+    """int64[n, k]: the replayed draft's top-k children of nodes holding tokens `parents` int[n],
+    rank r (1-based) at column r - 1: (parent * k + r - 1) mod vocab, distinct among siblings
+    (vocab > k). A function of the parent's token alone, so that the verify leader knows the
+    token of a child it was not sent (the bonus token when the model picks a rank the verified
+    tree did not hold), as the real target's bonus is often a child the draft grew but did not send."""
+    p = np.asarray(parents, dtype=np.int64).reshape(-1, 1)
+    return (p * k + np.arange(k, dtype=np.int64)[None, :]) % vocab
 
 
 class ReplayAcceptor:
@@ -51,8 +64,9 @@ class ReplayAcceptor:
     temperature = 0.0
     rule = "replay"
 
-    def __init__(self, table: np.ndarray, seed: int):
+    def __init__(self, table: np.ndarray, seed: int, topk: int, vocab: int):
         self.table = np.asarray(table, dtype=np.float64)
+        self.topk, self.vocab = topk, vocab
         self.cdf = np.cumsum(self.table, axis=1)
         self.cdf[:, -1] = 1.0
         self.seed = seed
@@ -81,18 +95,17 @@ class ReplayAcceptor:
         node, depth = 0, 0
         while True:
             kids = np.flatnonzero(parents == node)          # best-first: the draft's rank order
-            r = self.draw(depth) if len(kids) else 0
+            r = self.draw(depth)
             if 1 <= r <= len(kids):
                 node = int(kids[r - 1])
                 path.append(node)
                 accepted.append(int(tokens[node]))
                 depth += 1
                 continue
-            taken = {int(t) for t in tokens[kids]}
-            bonus = int(choice[node])
-            if bonus in taken:                               # a rejection: not one of the children
-                bonus = next(t for t in range(len(taken) + 1) if t not in taken)
-            accepted.append(bonus)
+            # the bonus: the draft's rank-r child (one the verified tree did not hold), or for
+            # none of them the token after the draft's top-k (child_tokens' next value)
+            parent_tok = int(tokens[node])
+            accepted.append(int((parent_tok * self.topk + (r - 1 if r else self.topk)) % self.vocab))
             return np.asarray(path, dtype=np.int32), np.asarray(accepted, dtype=np.int64)
 
 
