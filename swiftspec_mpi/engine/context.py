@@ -94,7 +94,7 @@ def decide(ctx: EngineContext, tokens, parents, logits, acceptor, tracker, resul
     The leader also records what the target chose at each node (result.verdicts; `scores`: the
     tree's path log-probabilities under the draft, float64[n], for their lp fields)."""
     if ctx.topo.is_leader:
-        path, accepted = acceptor.accept(tokens, parents, logits, len(result.output_ids))
+        path, accepted = acceptor.accept(tokens, parents, logits, len(result.output_ids), scores)
         logprobs = None
         if acceptor.top_logprobs is not None:
             from swiftspec_mpi.engine.decoding import committed_logprobs   # (torch: not at job import)

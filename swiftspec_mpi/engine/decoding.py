@@ -299,9 +299,10 @@ class Acceptor:
         self.residual_rng = np.random.default_rng([self.seed, request_index, 1])
 
     def accept(self, tokens: np.ndarray, parents: np.ndarray, logits: torch.Tensor,
-               out_len: int) -> tuple[np.ndarray, np.ndarray]:
+               out_len: int, scores=None) -> tuple[np.ndarray, np.ndarray]:
         """-> (path int32[a] local indices from the root, accepted int64[a]: draft tokens + bonus).
-        `logits`: the target's float32[n, vocab], or when greedy its argmax int64[n]."""
+        `logits`: the target's float32[n, vocab], or when greedy its argmax int64[n]; `scores`
+        (the draft's, replay.ReplayAcceptor reads them) are not needed here."""
         if self.greedy:
             choice = logits if isinstance(logits, np.ndarray) else logits_argmax(logits)
             return _tree.verify_greedy(tokens, parents, choice)

@@ -27,14 +27,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from swiftspec_mpi.gpu.graphs import logits_argmax
+from swiftspec_mpi.trace.acceptance import confidence_bucket
 
 FLOOR_LOGPROB = -30.0      # log-probability of a rank the model never accepts (keeps scores finite)
 
 
 class Replay(NamedTuple):
-    """What a replaying job's ranks hold (EngineContext.replay): `table` float64[D, K + 1]
-    (acceptance.probs), `draft_lp` per depth float64[S, topk] or None (acceptance.draft_logprobs),
+    """What a replaying job's ranks hold (EngineContext.replay): `table` float64[D, B + 1, K + 1]
+    (acceptance.probs by confidence bucket, the last the depth's own row), `draft_lp` per depth float64[S, topk] or None (acceptance.draft_logprobs),
     `rng` the draft's draws of them (seeded alike on every rank of a group, so their trees agree)."""
     table: np.ndarray
     draft_lp: list | None
@@ -44,7 +44,8 @@ class Replay(NamedTuple):
     @classmethod
     def of(cls, model: dict, topk: int, seed: int, vocab: int) -> "Replay":
         from swiftspec_mpi.trace.acceptance import draft_logprobs, probs
-        return cls(probs(model), draft_logprobs(model, topk), np.random.default_rng([seed, 3]), vocab)
+        return cls(probs(model, by_confidence=True), draft_logprobs(model, topk),
+                   np.random.default_rng([seed, 3]), vocab)
 
 
 def child_tokens(parents: np.ndarray, k: int, vocab: int) -> np.ndarray:
@@ -59,7 +60,7 @@ def child_tokens(parents: np.ndarray, k: int, vocab: int) -> np.ndarray:
 
 class ReplayAcceptor:
     """decoding.Acceptor's interface (greedy: the verify forward returns the target's argmax);
-    `table` float64[D, K + 1] from acceptance.probs."""
+    `table` float64[D, B + 1, K + 1] from acceptance.probs(by_confidence=True)."""
 
     temperature = 0.0
     rule = "replay"
@@ -67,8 +68,8 @@ class ReplayAcceptor:
     def __init__(self, table: np.ndarray, seed: int, topk: int, vocab: int):
         self.table = np.asarray(table, dtype=np.float64)
         self.topk, self.vocab = topk, vocab
-        self.cdf = np.cumsum(self.table, axis=1)
-        self.cdf[:, -1] = 1.0
+        self.cdf = np.cumsum(self.table, axis=2)
+        self.cdf[:, :, -1] = 1.0
         self.seed = seed
         self.top_logprobs = None
         self.rng = np.random.default_rng([seed, 0, 2])
@@ -79,23 +80,28 @@ class ReplayAcceptor:
     def start_request(self, request_index: int, max_new_tokens: int, verify_size: int) -> None:
         self.rng = np.random.default_rng([self.seed, request_index, 2])
 
-    def draw(self, depth: int) -> int:
-        """A rank 1..K from row `depth` (the last row past it), or 0 for none."""
-        row = self.cdf[min(depth, len(self.cdf) - 1)]
+    def draw(self, depth: int, bucket: int = -1) -> int:
+        """A rank 1..K from row `depth` (the last row past it) of confidence `bucket` (-1:
+        unknown, the depth's own row), or 0 for none."""
+        row = self.cdf[min(depth, len(self.cdf) - 1), bucket]
         r = int(np.searchsorted(row, self.rng.random(), side="right"))
         return r + 1 if r < len(row) - 1 else 0
 
-    def accept(self, tokens: np.ndarray, parents: np.ndarray, logits, out_len: int
+    def accept(self, tokens: np.ndarray, parents: np.ndarray, logits, out_len: int, scores=None
                ) -> tuple[np.ndarray, np.ndarray]:
         """-> (path int32[a] from the root, accepted int64[a]: draft tokens + the bonus), as
-        decoding.Acceptor.accept; `logits` the target's argmax int64[n] (or logits [n, vocab])."""
-        choice = logits if isinstance(logits, np.ndarray) else logits_argmax(logits)
+        decoding.Acceptor.accept (`logits`, the target's, are not read). `scores` float64[n], the
+        draft's path log-probabilities, give the draft's confidence at each node (the
+        log-probability of its first child): the row of its bucket is drawn from."""
         parents = np.asarray(parents)
         path, accepted = [0], []
         node, depth = 0, 0
         while True:
             kids = np.flatnonzero(parents == node)          # best-first: the draft's rank order
-            r = self.draw(depth)
+            bucket = -1
+            if scores is not None and len(kids):
+                bucket = int(confidence_bucket(scores[kids[0]] - scores[node]))
+            r = self.draw(depth, bucket)
             if 1 <= r <= len(kids):
                 node = int(kids[r - 1])
                 path.append(node)
@@ -114,7 +120,7 @@ def calibrate(replay: Replay, depths: np.ndarray, k: int) -> np.ndarray:
     at `depths` int[n]: each leaf draws one of the real draft's nodes at its depth (draft_lp) when
     the model has them, else log p[d][r] (a draft calibrated to acceptance; FLOOR_LOGPROB where
     the model gives 0)."""
-    table = replay.table
+    table = replay.table[:, -1]
     if replay.draft_lp is not None:
         out = np.empty((len(depths), k), dtype=np.float32)
         for i, dep in enumerate(np.asarray(depths).tolist()):

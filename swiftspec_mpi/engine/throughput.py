@@ -71,8 +71,8 @@ def simulate(model: dict, mode: str, n: int, w: int, d: int, steps: int = 300, t
             draft.reroot(accepted)
         if mode == "sync" or accepted is None:
             _grow(draft, d)
-        tokens, parents, _ = draft.best_subtree(n)
-        _path, accepted = acceptor.accept(tokens, parents, np.zeros(len(tokens), dtype=np.int64), 0)
+        tokens, parents, scores = draft.best_subtree(n)
+        _path, accepted = acceptor.accept(tokens, parents, None, 0, scores)
         total += len(accepted)
         if mode == "async":                # the draft grew the tree while the target verified
             _grow(draft, d)

@@ -31,6 +31,10 @@ from swiftspec_mpi.core.errors import UserError
 
 FORMAT = "swiftspec-acceptance"
 VERSION = 1
+# the draft's confidence at a node: the log-probability of its likeliest child, in buckets
+# [-inf, log 0.5), [log 0.5, log 0.8), [log 0.8, 0]; acceptance is estimated per depth and bucket
+# too (`by_confidence`), since a draft that is sure is right more often (and grows deeper there)
+CONF_EDGES = (math.log(0.5), math.log(0.8))
 LP_SAMPLES = 64      # rows of the draft's confidence kept per depth (lp_samples)
 MIN_NODES = 20       # a depth with fewer decision nodes than this is pooled into the one above it
 
@@ -85,13 +89,17 @@ def estimate(depth: np.ndarray, children: np.ndarray, rank: np.ndarray, topk: in
             d += 1
             sel |= depth == d
         c, k = children[sel], rank[sel]
-        chosen = [int((k == r).sum()) for r in range(1, K + 1)]
-        at_risk = [int(((c >= r) & ((k == 0) | (k >= r))).sum()) for r in range(1, K + 1)]
-        p, alive = [], 1.0
-        for r in range(K):
-            h = chosen[r] / at_risk[r] if at_risk[r] else 0.0
-            p.append(alive * h)
-            alive *= 1.0 - h
+        chosen, at_risk, p, alive = _km(c, k, K)
+        conf = confidence_bucket(lp[sel, 0])
+        by_conf = []
+        for b in range(len(CONF_EDGES) + 1):
+            m = conf == b
+            if m.sum() >= MIN_NODES:
+                _c, _r, pb, ab = _km(c[m], k[m], K)
+                by_conf.append({"nodes": int(m.sum()), "p": [round(x, 6) for x in pb],
+                                "p_none": round(max(0.0, ab), 6)})
+            else:
+                by_conf.append(None)
         draft_lp = []
         for j in range(3):
             col = lp[sel, j]
@@ -99,9 +107,31 @@ def estimate(depth: np.ndarray, children: np.ndarray, rank: np.ndarray, topk: in
             draft_lp.append(round(float(col.mean()), 4) if len(col) else None)
         rows.append({"depth": lo, "nodes": int(sel.sum()), "chosen": chosen, "none": int((k == 0).sum()),
                      "at_risk": at_risk, "p": [round(x, 6) for x in p], "p_none": round(max(0.0, alive), 6),
-                     "draft_lp": draft_lp, "draft_lp_samples": lp_samples(lp[sel])})
+                     "draft_lp": draft_lp, "draft_lp_samples": lp_samples(lp[sel]),
+                     "by_confidence": by_conf})
         d += 1
     return rows
+
+
+def _km(c: np.ndarray, k: np.ndarray, K: int):
+    """(chosen, at_risk, p, p_none) of decision nodes with c children and draft rank k (0: none):
+    the hazard estimate of the module doc."""
+    chosen = [int((k == r).sum()) for r in range(1, K + 1)]
+    at_risk = [int(((c >= r) & ((k == 0) | (k >= r))).sum()) for r in range(1, K + 1)]
+    p, alive = [], 1.0
+    for r in range(K):
+        h = chosen[r] / at_risk[r] if at_risk[r] else 0.0
+        p.append(alive * h)
+        alive *= 1.0 - h
+    return chosen, at_risk, p, alive
+
+
+def confidence_bucket(lp1) -> np.ndarray:
+    """int64[...] bucket (0, 1, 2: CONF_EDGES) of the draft's log-probability of a node's
+    likeliest child; NaN (unknown) gives -1."""
+    lp1 = np.asarray(lp1, dtype=np.float64)
+    b = np.searchsorted(np.asarray(CONF_EDGES), np.nan_to_num(lp1, nan=-np.inf), side="right")
+    return np.where(np.isfinite(lp1), b, -1)
 
 
 def lp_samples(lp: np.ndarray, n: int = LP_SAMPLES) -> list[list[float]]:
@@ -213,19 +243,30 @@ def load(path: str) -> tuple[dict, str]:
     return check_model(model, path), file_sha256(path)
 
 
-def probs(model: dict) -> np.ndarray:
+def probs(model: dict, by_confidence: bool = False) -> np.ndarray:
     """float64[D, K + 1]: per depth (row D-1 serves deeper ones) the probability that the target's
-    token is the draft's rank-1..K child (columns 0..K-1) or none of them (column K)."""
+    token is the draft's rank-1..K child (columns 0..K-1) or none of them (column K).
+    by_confidence: float64[D, B + 1, K + 1], [:, b] the rows of confidence bucket b
+    (confidence_bucket; the depth's own row where the bucket had too few nodes), [:, B] the
+    depth's own row (for an unknown confidence)."""
     rows = sorted(model["depths"], key=lambda r: r["depth"])
     K = max(len(r["p"]) for r in rows)
     D = int(rows[-1]["depth"]) + 1
-    out = np.zeros((D, K + 1))
+    B = len(CONF_EDGES) + 1
+    out = np.zeros((D, B + 1, K + 1))
+
+    def fill(dst, p):
+        p = list(p) + [0.0] * (K - len(p))
+        dst[:K] = p
+        dst[K] = max(0.0, 1.0 - sum(p))
+
     for d in range(D):
         row = max((r for r in rows if r["depth"] <= d), key=lambda r: r["depth"], default=rows[0])
-        p = list(row["p"]) + [0.0] * (K - len(row["p"]))
-        out[d, :K] = p
-        out[d, K] = max(0.0, 1.0 - sum(p))
-    return out
+        fill(out[d, B], row["p"])
+        conf = row.get("by_confidence") or [None] * B
+        for b in range(B):
+            fill(out[d, b], conf[b]["p"] if b < len(conf) and conf[b] else row["p"])
+    return out if by_confidence else out[:, B]
 
 
 def draft_logprobs(model: dict, k: int) -> list[np.ndarray] | None:
@@ -329,11 +370,13 @@ def _ordinal(r: int) -> str:
 
 
 def spread(a: dict, b: dict, depths: int = 4) -> float:
-    """The largest absolute difference of p (rank 1..3 and none) over the first `depths` depths of
-    two models: how stable the estimate is (e.g. between two halves of a trace)."""
+    """The largest absolute difference of p (rank 1..3 and none) over the first `depths` depths
+    that both models (e.g. of the two halves of a trace) estimated from their own nodes (not
+    pooled with deeper ones): how stable the estimate is."""
     ta, tb = probs(a), probs(b)
+    own = {r["depth"] for r in a["depths"]} & {r["depth"] for r in b["depths"]}
     out = 0.0
-    for d in range(min(depths, len(ta), len(tb))):
+    for d in sorted(own)[:depths]:
         for c in (0, 1, 2, ta.shape[1] - 1):
             if c < ta.shape[1] and c < tb.shape[1]:
                 out = max(out, abs(ta[d, c] - tb[d, c]))
