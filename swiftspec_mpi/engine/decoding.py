@@ -175,7 +175,9 @@ class DraftSide:
         if share is not None:
             ids, lps = share(ids, lps)
         if self.replay is not None:
-            lps = calibrate(self.replay, np.asarray(self.tree.depth)[leaves], lps.shape[1])
+            score, parent = np.asarray(self.tree.score), np.asarray(self.tree.parent)
+            own = np.where(leaves > 0, score[leaves] - score[np.maximum(parent[leaves], 0)], np.nan)
+            lps = calibrate(self.replay, np.asarray(self.tree.depth)[leaves], lps.shape[1], own)
             ids = child_tokens(self.tree.tokens_of(leaves), ids.shape[1], self.replay.vocab)
         self.tree.expand(leaves, ids, lps)
         self.kv_used += n

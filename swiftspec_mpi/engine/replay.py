@@ -115,16 +115,19 @@ class ReplayAcceptor:
             return np.asarray(path, dtype=np.int32), np.asarray(accepted, dtype=np.int64)
 
 
-def calibrate(replay: Replay, depths: np.ndarray, k: int) -> np.ndarray:
+def calibrate(replay: Replay, depths: np.ndarray, k: int, own: np.ndarray | None = None) -> np.ndarray:
     """float32[n, k]: the log-probabilities the replayed draft gives the top-k children of leaves
-    at `depths` int[n]: each leaf draws one of the real draft's nodes at its depth (draft_lp) when
-    the model has them, else log p[d][r] (a draft calibrated to acceptance; FLOOR_LOGPROB where
-    the model gives 0)."""
+    at `depths` int[n] whose own log-probabilities (their parents' for them; NaN: unknown, the
+    root) are `own` float[n]: each leaf draws one of the real draft's nodes at its depth whose own
+    log-probability fell in the same confidence bucket (draft_lp), so that a sure path goes on
+    sure as the real draft's do; a model without them gives log p[d][r] (a draft calibrated to
+    acceptance; FLOOR_LOGPROB where the model gives 0)."""
     table = replay.table[:, -1]
     if replay.draft_lp is not None:
+        buckets = confidence_bucket(np.full(len(depths), np.nan) if own is None else own)
         out = np.empty((len(depths), k), dtype=np.float32)
-        for i, dep in enumerate(np.asarray(depths).tolist()):
-            rows = replay.draft_lp[min(int(dep), len(replay.draft_lp) - 1)]
+        for i, (dep, b) in enumerate(zip(np.asarray(depths).tolist(), buckets.tolist())):
+            rows = replay.draft_lp[min(int(dep), len(replay.draft_lp) - 1)][b]
             out[i] = rows[replay.rng.integers(len(rows)), :k]
         return out
     d = np.minimum(np.asarray(depths, dtype=np.int64), len(table) - 1)

@@ -48,15 +48,25 @@ def file_sha256(path: str) -> str:
 
 
 def _rows(trace, requests=None):
-    """(depth, children, rank int64[N], lp float64[N, 3]) of the verdicts of `requests` (default all)."""
+    """(depth, children, rank int64[N], lp float64[N, 4]) of the verdicts of `requests` (default
+    all); lp columns: the draft's log-probabilities of the node's first three children, then the
+    node's own (the one its parent gave it, when the parent is the row before: the accepted path)."""
     reqs = trace.requests if requests is None else requests
     parts = [r.verdicts for r in reqs if r.verdicts is not None and len(r.verdicts)]
     if not parts:
-        return (np.zeros(0, np.int64),) * 3 + (np.zeros((0, 3)),)
-    cols = [np.concatenate([getattr(v, f) for v in parts]).astype(np.int64) for f in ("depth", "children", "rank")]
+        return (np.zeros(0, np.int64),) * 3 + (np.zeros((0, 4)),)
+    cols = [np.concatenate([getattr(v, f) for v in parts]).astype(np.int64) for f in ("step", "depth", "children", "rank")]
+    step, depth, children, rank = cols
     lp = np.stack([np.concatenate([getattr(v, f) for v in parts]).astype(np.float64)
                    for f in ("lp1", "lp2", "lp3")], axis=1)
-    return (*cols, lp)
+    own = np.full(len(depth), np.nan)
+    prev = np.arange(len(depth)) - 1
+    ok = (prev >= 0) & (depth == depth[np.maximum(prev, 0)] + 1) & (step == step[np.maximum(prev, 0)])
+    prank = rank[np.maximum(prev, 0)]
+    ok &= (prank >= 1) & (prank <= 3)
+    idx = np.flatnonzero(ok)
+    own[idx] = lp[idx - 1, prank[idx] - 1]
+    return depth, children, rank, np.concatenate([lp, own[:, None]], axis=1)
 
 
 def mean_accepted(trace, requests=None) -> float:
@@ -70,12 +80,13 @@ def mean_accepted(trace, requests=None) -> float:
 
 def estimate(depth: np.ndarray, children: np.ndarray, rank: np.ndarray, topk: int | None = None,
              lp: np.ndarray | None = None) -> list[dict]:
-    """The per-depth rows of the model from verdict columns (int64[N] each; lp float64[N, 3] the
-    draft's log-probabilities of the first three children, NaN where absent); see the module
-    doc. Depths with fewer than MIN_NODES nodes (that have children) join the next ones."""
+    """The per-depth rows of the model from verdict columns (int64[N] each; lp float64[N, 4] the
+    draft's log-probabilities of the first three children and the node's own, NaN where absent:
+    _rows); see the module doc. Depths with fewer than MIN_NODES nodes (that have children) join
+    the next ones."""
     informative = children > 0
     depth, children, rank = depth[informative], children[informative], rank[informative]
-    lp = np.full((len(depth), 3), np.nan) if lp is None else lp[informative]
+    lp = np.full((len(depth), 4), np.nan) if lp is None else lp[informative]
     if len(depth) == 0:
         return []
     K = int(topk or children.max())
@@ -105,9 +116,12 @@ def estimate(depth: np.ndarray, children: np.ndarray, rank: np.ndarray, topk: in
             col = lp[sel, j]
             col = col[np.isfinite(col)]
             draft_lp.append(round(float(col.mean()), 4) if len(col) else None)
+        incoming = confidence_bucket(lp[sel, 3])
         rows.append({"depth": lo, "nodes": int(sel.sum()), "chosen": chosen, "none": int((k == 0).sum()),
                      "at_risk": at_risk, "p": [round(x, 6) for x in p], "p_none": round(max(0.0, alive), 6),
-                     "draft_lp": draft_lp, "draft_lp_samples": lp_samples(lp[sel]),
+                     "draft_lp": draft_lp, "draft_lp_samples": lp_samples(lp[sel, :3]),
+                     "draft_lp_samples_by_own": [lp_samples(lp[sel, :3][incoming == b]) if (incoming == b).sum() >= MIN_NODES
+                                                 else [] for b in range(len(CONF_EDGES) + 1)],
                      "by_confidence": by_conf})
         d += 1
     return rows
@@ -269,27 +283,40 @@ def probs(model: dict, by_confidence: bool = False) -> np.ndarray:
     return out if by_confidence else out[:, B]
 
 
-def draft_logprobs(model: dict, k: int) -> list[np.ndarray] | None:
-    """Per depth (as probs; the last serves deeper ones) float64[S, k]: the real draft's
-    log-probabilities of its top-k children at S nodes (`draft_lp_samples`: ranks 1-3, continued
-    past rank 3 by the step from rank 2 to 3), which a replayed draft draws from; None when the
+def _lp_table(samples, k: int) -> np.ndarray:
+    """float64[S, k] from sample rows of up to 3 log-probabilities: ranks past them go on with
+    the ratio of the last two (geometrically), but never past the mass the ones before left."""
+    table = np.zeros((len(samples), k))
+    for i, lp in enumerate(samples):
+        lp = [float(x) for x in lp][:k] or [-1.0]
+        mass = max(1e-9, 1.0 - sum(math.exp(x) for x in lp))
+        while len(lp) < k:
+            step = min(lp[-1] - lp[-2], -1e-3) if len(lp) >= 2 else -1.0
+            lp.append(min(lp[-1] + step, math.log(max(mass, 1e-9))))
+            mass = max(1e-9, mass - math.exp(lp[-1]))
+        table[i] = lp
+    return table
+
+
+def draft_logprobs(model: dict, k: int) -> list[list[np.ndarray]] | None:
+    """Per depth (as probs; the last serves deeper ones) B + 1 tables float64[S, k]: the real
+    draft's log-probabilities of its top-k children at S nodes (`draft_lp_samples`: ranks 1-3,
+    then on geometrically within the mass left: _lp_table), [b] those of nodes whose own
+    log-probability (their parent's for them) fell in confidence bucket b (the whole depth's
+    where too few did), [B] the whole depth's. A replayed draft draws from them. None when the
     model has none (a model built from a reported figure)."""
     rows = sorted(model["depths"], key=lambda r: r["depth"])
     D = int(rows[-1]["depth"]) + 1
+    B = len(CONF_EDGES) + 1
     out = []
     for d in range(D):
         row = max((r for r in rows if r["depth"] <= d), key=lambda r: r["depth"], default=rows[0])
         samples = row.get("draft_lp_samples") or []
         if not samples:
             return None
-        table = np.zeros((len(samples), k))
-        for i, lp in enumerate(samples):
-            lp = [float(x) for x in lp][:k] or [-1.0]
-            while len(lp) < k:
-                step = lp[-1] - lp[-2] if len(lp) >= 2 else -1.0
-                lp.append(lp[-1] + min(step, -1e-3))
-            table[i] = lp
-        out.append(table)
+        whole = _lp_table(samples, k)
+        own = list(row.get("draft_lp_samples_by_own") or []) + [[]] * B
+        out.append([_lp_table(own[b], k) if own[b] else whole for b in range(B)] + [whole])
     return out
 
 
