@@ -11,14 +11,17 @@ scheduler's TokenTree, replay-calibrated log-probabilities) against the acceptan
 
 Step times come from profiled forwards (t_target(n), t_draft(w) of the group's size g):
 
-  sync                 t_step = d * t_draft(w) + t_target(n)
+  sync                 t_step = (d + s) * t_draft(w) + t_target(n)
   async, own devices   t_step = t_target(n) + t_x + s * t_draft(w)
                        d = max(1, floor((t_target(n) + t_x) / t_draft(w)))
   async, one device    t_step = t_target(n) + (d + s) * t_draft(w) + t_x   (the groups share
                        the device's bandwidth: no overlap is counted, a lower bound)
 
-where s is the share of async steps whose re-rooted tree is the bare root (the target's token
-was none of the draft's children), so the verify group waits for one expansion.
+where s counts the extra draft forwards a step on the critical path: in sync the re-root's
+hole fills (the target took a leaf the draft had not expanded: its KV and the new root's
+children take one more forward, of 2 tokens, counted as one of w), in async the steps whose
+re-rooted tree is the bare root (the target's token was none of the draft's children), so that
+the verify group waits for one expansion.
 
   tokens/s = E[tokens a step] / t_step
 
@@ -44,8 +47,10 @@ class _TreeOnlyDraft:
 
     device = "cpu"
     max_slots = 1 << 30
+    calls = 0
 
     def forward_topk_logprobs(self, tokens, positions, start, mask, k):
+        self.calls += 1
         return np.zeros((len(tokens), k), dtype=np.int64), np.zeros((len(tokens), k), dtype=np.float32)
 
     def compact_kv(self, src, dst):
@@ -54,10 +59,12 @@ class _TreeOnlyDraft:
 
 def simulate(model: dict, mode: str, n: int, w: int, d: int, steps: int = 300, topk: int = 8,
              max_depth: int = 16, seed: int = 0) -> tuple[float, float]:
-    """-> (mean tokens committed a step: accepted draft tokens + the bonus, share of steps whose
-    tree was the bare root after the re-root, so that the draft had to expand it before the
-    verify group could start: async only) over `steps` steps of the `mode` loop (sync | async)
-    with verify size n, width w, d expansions a step."""
+    """-> (mean tokens committed a step: accepted draft tokens + the bonus; extra draft forwards
+    a step on the critical path: in sync the re-root's hole fills (the target took a leaf the
+    draft never expanded: DraftSide.reroot forwards it with the new root), in async the steps
+    whose re-rooted tree was the bare root, which the draft must expand before the verify group
+    can start) over `steps` steps of the `mode` loop (sync | async) with verify size n, width w,
+    d expansions a step."""
     replay = Replay.of(model, topk, seed, SIM_VOCAB)
     acceptor = ReplayAcceptor(replay.table, seed, topk, SIM_VOCAB)
     acceptor.start_request(0, 0, n)
@@ -68,7 +75,9 @@ def simulate(model: dict, mode: str, n: int, w: int, d: int, steps: int = 300, t
     accepted = None
     for _ in range(steps):
         if mode == "sync" and accepted is not None:
+            before = fake.calls
             draft.reroot(accepted)
+            stalls += fake.calls - before
         if mode == "sync" or accepted is None:
             _grow(draft, d)
         tokens, parents, scores = draft.best_subtree(n)
@@ -106,7 +115,7 @@ class Candidate:
     w: int
     d: int
     tokens: float = 0.0           # expected tokens a step
-    stall: float = 0.0            # async: share of steps that wait for one draft expansion
+    stall: float = 0.0            # extra draft forwards a step on the critical path (simulate)
     step_s: float = 0.0           # expected seconds a step
     shared: bool = False          # async with both groups on one device
 
@@ -124,7 +133,7 @@ def step_seconds(c: Candidate, t_target: float, t_draft: float, t_x: float) -> f
     """A step's seconds by the module doc's rules (t_target = t_target(n) at the verify group's
     size, t_draft = t_draft(w) at the draft group's), c.stall known."""
     if c.mode == "sync":
-        return c.d * t_draft + t_target
+        return (c.d + c.stall) * t_draft + t_target
     if c.shared:
         return t_target + (c.d + c.stall) * t_draft + t_x
     return t_target + t_x + c.stall * t_draft
