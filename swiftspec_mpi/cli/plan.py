@@ -108,7 +108,7 @@ def main(args) -> int:
         return EXIT_USER_ERROR
     cfg, tcfg, dcfg, model, sizes = payload
     from swiftspec_mpi.cli.plan_profile import profile_groups
-    prof = profile_groups(world, cfg, sizes, args.threads)
+    prof = profile_groups(world, cfg, sizes, args.threads, (tcfg.num_heads, dcfg.num_heads))
     if rank != 0:
         return 0
     result = choose(prof, model, sizes, (tcfg.num_heads, dcfg.num_heads), args, world.Get_size(),
@@ -129,11 +129,12 @@ def choose(prof: dict, model: dict, sizes: list[int], heads: tuple[int, int], ar
     t_target = {int(g): {int(n): t for n, t in v.items()} for g, v in prof["t_target_s"].items()}
     t_draft = {int(g): {int(n): t for n, t in v.items()} for g, v in prof["t_draft_s"].items()}
     groups = sorted(t_target)
+    sync_top = max((g for g in groups if g <= prof["sync_ranks"]), default=1)
     sync_g = prof["sync_ranks"]
     cands = [c for c in T.candidates(world, sizes, heads, args.max_expansions, prof["shared"])
              if c.mode == "async" and c.draft_ranks in t_draft and c.verify_ranks in t_target]
     for g in groups:            # sync on the first g ranks that drive distinct devices
-        if g <= sync_g:
+        if g <= sync_g and g in t_draft:
             cands += [c for c in T.candidates(g, sizes, heads, args.max_expansions, False) if c.mode == "sync"]
     if not cands:
         raise UserError(f"no split of {world} ranks divides the models' heads ({heads[0]} target, "
@@ -141,7 +142,7 @@ def choose(prof: dict, model: dict, sizes: list[int], heads: tuple[int, int], ar
     table = T.evaluate(cands, model, t_target, t_draft, prof["t_x_s"], args.tree_topk, args.max_depth, args.steps)
     out = {"world": world, "devices": prof["devices"], "shared_device": prof["shared"],
            "t_target_s": prof["t_target_s"], "t_draft_s": prof["t_draft_s"], "t_x_s": prof["t_x_s"],
-           "ar_tok_s": 1.0 / t_target[min(sync_g, max(groups))][1] if 1 in t_target[min(sync_g, max(groups))] else None,
+           "ar_tok_s": 1.0 / t_target[sync_top][1], "ar_ranks": sync_top,
            "model_mean_accepted": model.get("mean_accepted"),
            "table": [row(c, t_target, t_draft) for c in table], "chosen": row(table[0], t_target, t_draft)}
     if args.gpus:
@@ -193,7 +194,7 @@ def render(result: dict, args, top: int = 16) -> list[str]:
              + f"; acceptance from {args.accept_from} (mean {result['model_mean_accepted']} tokens a step "
                f"in its trace); leaders' round trip {1e3 * result['t_x_s']:.3f} ms"]
     if result.get("ar_tok_s"):
-        lines.append(f"ar (target alone) would run {result['ar_tok_s']:.1f} tok/s")
+        lines.append(f"ar (the target alone on {result['ar_ranks']} rank(s)) would run {result['ar_tok_s']:.1f} tok/s")
     head = ("mode", "draft", "verify", "n", "w", "d", "t_tgt ms", "t_dft ms", "step ms", "tok/step", "tok/s")
     rows = [head]
     for r in result["table"][:top]:

@@ -90,10 +90,11 @@ def round_trip(world, reps: int = 30) -> float:
     return float(world.bcast(np.median(times) if rank == n - 1 else None, root=n - 1))
 
 
-def profile_groups(world, cfg, sizes: list[int], threads: int | None) -> dict:
+def profile_groups(world, cfg, sizes: list[int], threads: int | None, heads: tuple[int, int]) -> dict:
     """Every rank: -> (on rank 0, None elsewhere) {"t_target_s": {g: {n: s}}, "t_draft_s": {g:
     {w: s}}, "t_x_s", "devices" (per rank), "shared" (a draft and a verify rank would share a
-    device), "sync_ranks" (the most leading ranks on distinct devices)}; n includes 1 (`ar`)."""
+    device), "sync_ranks" (the most leading ranks on distinct devices)}; n includes 1 (`ar`).
+    A model is timed only at the group sizes that divide its heads (target, draft)."""
     rank, size = world.Get_rank(), world.Get_size()
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // size))
     device = rank_device(cfg, world)
@@ -111,10 +112,14 @@ def profile_groups(world, cfg, sizes: list[int], threads: int | None) -> dict:
         sub = world.Split(0 if rank < g else MPI.UNDEFINED, rank)
         if sub != MPI.COMM_NULL:
             comm = make_comm(sub, device, "a rank of the plan's group")
-            tt = _forward_times(cfg, cfg.target, comm, device, None, target_sizes, True)
-            td = _forward_times(cfg, cfg.draft, comm, device, cfg.draft_layers, sizes, False)
-            if rank == 0:
-                t_target[g], t_draft[g] = tt, td
+            if heads[0] % g == 0:
+                tt = _forward_times(cfg, cfg.target, comm, device, None, target_sizes, True)
+                if rank == 0:
+                    t_target[g] = tt
+            if heads[1] % g == 0:
+                td = _forward_times(cfg, cfg.draft, comm, device, cfg.draft_layers, sizes, False)
+                if rank == 0:
+                    t_draft[g] = td
             sub.Free()
         world.Barrier()
     t_x = round_trip(world)

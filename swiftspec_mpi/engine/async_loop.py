@@ -280,7 +280,7 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
         cv = comm_seconds(ctx.target)
         logits = target.forward_tree(tokens, parents, greedy=acceptor.argmax_only)
         done, taken, path, accepted = decide(ctx, tokens, parents, logits, acceptor, tracker, result,
-                                             decision, bs, inbox.local[2][:len(tokens)] if leader else None)
+                                             decision, bs, inbox.local[1:] if leader else None)
         a = len(path)
         if not done:
             target.commit(path)

@@ -87,13 +87,15 @@ def comm_seconds(model) -> float:
 
 
 def decide(ctx: EngineContext, tokens, parents, logits, acceptor, tracker, result,
-           decision: np.ndarray, bs: int, scores=None):
+           decision: np.ndarray, bs: int, hand=None):
     """The verify leader picks the accepted path of a verified tree and commits its tokens to the
     output; every rank of the group gets the verdict through `decision` (int64 [3 + 2*bs]:
     a, done, tokens taken, path[bs], accepted[bs]). -> (done, taken, path, accepted).
-    The leader also records what the target chose at each node (result.verdicts; `scores`: the
-    tree's path log-probabilities under the draft, float64[n], for their lp fields)."""
+    The leader also records what the target chose at each node (result.verdicts); `hand` =
+    (parents int32[m], scores float64[m]) of the tree at hand whose first n nodes were verified
+    (scores: the draft's path log-probabilities), for the verdicts' lp fields and a replay."""
     if ctx.topo.is_leader:
+        scores = None if hand is None else hand[1][:len(tokens)]
         path, accepted = acceptor.accept(tokens, parents, logits, len(result.output_ids), scores)
         logprobs = None
         if acceptor.top_logprobs is not None:
@@ -104,7 +106,7 @@ def decide(ctx: EngineContext, tokens, parents, logits, acceptor, tracker, resul
             result.t_first = ctx.clock.now()
         a = len(path)
         if len(tokens) > 1:      # a tree (not `ar`'s lone root): what the target chose at each node
-            result.verdicts.extend(verdict_rows(len(result.steps), parents, path, accepted, tokens, scores))
+            result.verdicts.extend(verdict_rows(len(result.steps), parents, path, accepted, tokens, hand))
         decision[:3] = (a, int(done), taken)
         decision[3:3 + a] = path
         decision[3 + bs:3 + bs + a] = accepted

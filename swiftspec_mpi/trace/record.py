@@ -34,7 +34,9 @@ SOURCE = {name: i for i, name in enumerate(TREE_SOURCES)}
 # nodes: the root, each accepted draft token): the node's depth in the verified tree, its
 # children there, and which of them the target's token was, by the draft's probability
 # (1 = the most likely; 0 = none of them, the bonus token then ended the step), and the draft's
-# log-probabilities of its first three children there (NaN past `children`). The verified tree
+# log-probabilities of its first three children in the tree at hand (the draft's tree the
+# verified one was cut from, as far as the verify leader holds it; NaN where it held fewer).
+# The verified tree
 # is best-first (scheduler best_subtree), so siblings stand in the draft's probability order.
 VERDICT_DTYPE = np.dtype([("step", "<i4"), ("depth", "<i2"), ("children", "<i2"), ("rank", "<i2"),
                           ("lp1", "<f4"), ("lp2", "<f4"), ("lp3", "<f4")])
@@ -109,11 +111,12 @@ def step_row(step: int, tree_size: int, accepted: int, t_start: float, t_end: fl
 
 
 def verdict_rows(step: int, parents: np.ndarray, path: np.ndarray, accepted: np.ndarray,
-                 tokens: np.ndarray, scores: np.ndarray | None = None) -> list[tuple]:
+                 tokens: np.ndarray, hand: tuple | None = None) -> list[tuple]:
     """The VERDICT_DTYPE rows of one verified tree: parents int32[n] (-1 at the root, best-first),
     tokens int64[n], path int32[a] (the nodes the target chose at, path[0] = 0), accepted
-    int64[a] (the target's token at each: the accepted draft tokens, then the bonus), scores
-    float64[n] (the draft's path log-probabilities; None: the lp fields are NaN)."""
+    int64[a] (the target's token at each: the accepted draft tokens, then the bonus); hand =
+    (parents int32[m], scores float64[m]) of the tree at hand, best-first, whose first n nodes
+    are the verified tree (scores: the draft's path log-probabilities; None: lp fields NaN)."""
     rows = []
     par = np.asarray(parents)
     nan = float("nan")
@@ -121,8 +124,9 @@ def verdict_rows(step: int, parents: np.ndarray, path: np.ndarray, accepted: np.
         kids = np.flatnonzero(par == node)                    # in best-first order
         hit = np.flatnonzero(np.asarray(tokens)[kids] == chosen) if len(kids) else kids
         lp = [nan, nan, nan]
-        if scores is not None:
-            for j, kid in enumerate(kids[:3].tolist()):
+        if hand is not None:
+            hand_parents, scores = hand
+            for j, kid in enumerate(np.flatnonzero(np.asarray(hand_parents) == node)[:3].tolist()):
                 lp[j] = float(scores[kid] - scores[node])
         rows.append((step, depth, len(kids), int(hit[0]) + 1 if len(hit) else 0, *lp))
     return rows
