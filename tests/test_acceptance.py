@@ -40,13 +40,16 @@ def test_censored_ranks_are_estimated_not_counted_as_none():
 
 def test_verdict_rows_rank_by_sibling_order():
     """Siblings in best-first order: the target's token's place among them is its draft rank;
-    a bonus that is none of them is rank 0; the draft's log-probabilities are the score steps."""
+    a bonus that is none of them is rank 0; the draft's log-probabilities are the score steps of
+    the tree at hand, past the verified nodes (its first n)."""
     tokens = np.array([5, 10, 11, 12, 20], dtype=np.int64)
-    parents = np.array([-1, 0, 0, 0, 2], dtype=np.int32)
-    scores = np.array([0.0, -0.5, -1.0, -2.0, -1.5])
-    rows = verdict_rows(3, parents, np.array([0, 2]), np.array([11, 99]), tokens, scores)
+    hand_parents = np.array([-1, 0, 0, 0, 2, 2], dtype=np.int32)      # the verified tree: 5 first
+    hand_scores = np.array([0.0, -0.5, -1.0, -2.0, -1.5, -3.0])
+    rows = verdict_rows(3, hand_parents[:5], np.array([0, 2]), np.array([11, 99]), tokens,
+                        (hand_parents, hand_scores))
     assert [r[:4] for r in rows] == [(3, 0, 3, 2), (3, 1, 1, 0)]
-    assert rows[0][4:] == pytest.approx((-0.5, -1.0, -2.0)) and rows[1][4] == pytest.approx(-0.5)
+    assert rows[0][4:] == pytest.approx((-0.5, -1.0, -2.0))
+    assert rows[1][4:6] == pytest.approx((-0.5, -2.0)) and np.isnan(rows[1][6])
 
 
 def test_model_file_round_trip_and_bad_files(tmp_path):

@@ -46,7 +46,7 @@ def add_arguments(p) -> None:
                    help="the most draft expansions a step weighed for sync (and async on one device)")
     p.add_argument("--max-context", type=int, default=4096,
                    help="KV slots per model (default 4096); every tree must fit in it")
-    p.add_argument("--gpus", type=int, metavar="N", help="also predict for 1..N devices like rank 0's "
+    p.add_argument("--gpus", type=int, metavar="N", help="also predict for 1, 2, 4 ... N devices like rank 0's "
                                                          "(step times scaled from one device: docs/internals.md)")
     p.add_argument("--allreduce-us", type=float, default=DEFAULT_ALLREDUCE_US,
                    help=f"--gpus: one all-reduce between devices, microseconds (default {DEFAULT_ALLREDUCE_US:g})")
@@ -139,7 +139,9 @@ def choose(prof: dict, model: dict, sizes: list[int], heads: tuple[int, int], ar
     if not cands:
         raise UserError(f"no split of {world} ranks divides the models' heads ({heads[0]} target, "
                         f"{heads[1]} draft); use a rank count that does")
-    table = T.evaluate(cands, model, t_target, t_draft, prof["t_x_s"], args.tree_topk, args.max_depth, args.steps)
+    sims: dict = {}
+    table = T.evaluate(cands, model, t_target, t_draft, prof["t_x_s"], args.tree_topk, args.max_depth,
+                       args.steps, sims)
     out = {"world": world, "devices": prof["devices"], "shared_device": prof["shared"],
            "t_target_s": prof["t_target_s"], "t_draft_s": prof["t_draft_s"], "t_x_s": prof["t_x_s"],
            "ar_tok_s": 1.0 / t_target[sync_top][1], "ar_ranks": sync_top,
@@ -149,7 +151,7 @@ def choose(prof: dict, model: dict, sizes: list[int], heads: tuple[int, int], ar
         one_t, one_d = t_target[1], t_draft[1]
         ar_s = args.allreduce_us * 1e-6
         pred = {}
-        for n_dev in range(1, args.gpus + 1):
+        for n_dev in sorted({1 << i for i in range(8) if 1 << i <= args.gpus} | {args.gpus}):
             tt = {g: T.scaled_times(one_t, g, target_layers, ar_s) for g in range(1, n_dev + 1)}
             td = {g: T.scaled_times(one_d, g, draft_layers, ar_s) for g in range(1, n_dev + 1)}
             cs = T.candidates(n_dev, sizes, heads, args.max_expansions, n_dev == 1)
@@ -159,7 +161,7 @@ def choose(prof: dict, model: dict, sizes: list[int], heads: tuple[int, int], ar
                 cs += [c for c in T.candidates(1, sizes, heads, args.max_expansions, False)]
             if not cs:
                 continue
-            best = T.evaluate(cs, model, tt, td, prof["t_x_s"], args.tree_topk, args.max_depth, args.steps)
+            best = T.evaluate(cs, model, tt, td, prof["t_x_s"], args.tree_topk, args.max_depth, args.steps, sims)
             ar = 1.0 / tt[n_dev][1] if 1 in tt[n_dev] else None
             pred[n_dev] = {"chosen": row(best[0], tt, td), "ar_tok_s": ar,
                            "best_sync": next((row(c, tt, td) for c in best if c.mode == "sync"), None),

@@ -158,11 +158,11 @@ def candidates(world: int, sizes: list[int], heads: tuple[int, int], max_d: int,
 
 
 def evaluate(cands: list[Candidate], model: dict, t_target: dict, t_draft: dict, t_x: float,
-             topk: int = 8, max_depth: int = 16, steps: int = 300) -> list[Candidate]:
+             topk: int = 8, max_depth: int = 16, steps: int = 300, cache: dict | None = None) -> list[Candidate]:
     """Fill tokens / step_s of each candidate; t_target[g][n], t_draft[g][w] seconds measured at
     group size g. -> the candidates, best tok/s first. Simulations are shared between
-    candidates with the same (mode, n, w, d)."""
-    cache: dict = {}
+    candidates with the same (mode, n, w, d), and between calls given the same `cache`."""
+    cache = {} if cache is None else cache
     for c in cands:
         tt, td = t_target[c.verify_ranks][c.n], t_draft[c.draft_ranks or c.verify_ranks][c.w]
         if c.mode == "async" and not c.shared:

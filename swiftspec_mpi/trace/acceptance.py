@@ -83,7 +83,7 @@ def estimate(depth: np.ndarray, children: np.ndarray, rank: np.ndarray, topk: in
     """The per-depth rows of the model from verdict columns (int64[N] each; lp float64[N, 4] the
     draft's log-probabilities of the first three children and the node's own, NaN where absent:
     _rows); see the module doc. Depths with fewer than MIN_NODES nodes (that have children) join
-    the next ones."""
+    the next ones (the deepest ones: the row above)."""
     informative = children > 0
     depth, children, rank = depth[informative], children[informative], rank[informative]
     lp = np.full((len(depth), 4), np.nan) if lp is None else lp[informative]
@@ -91,14 +91,17 @@ def estimate(depth: np.ndarray, children: np.ndarray, rank: np.ndarray, topk: in
         return []
     K = int(topk or children.max())
     rows = []
-    d = 0
+    groups, lo = [], 0                   # [first depth, last depth] of each row
     top = int(depth.max())
-    while d <= top:
-        sel = depth == d
-        lo = d
-        while sel.sum() < MIN_NODES and d < top:       # too few: pool with the next depth
-            d += 1
-            sel |= depth == d
+    for d in range(top + 1):
+        if (depth[(depth >= lo) & (depth <= d)]).size >= MIN_NODES or d == top:
+            groups.append([lo, d])
+            lo = d + 1
+    if len(groups) > 1 and ((depth >= groups[-1][0]) & (depth <= top)).sum() < MIN_NODES:
+        last = groups.pop()              # too few at the deepest levels: join the row above
+        groups[-1][1] = last[1]
+    for lo, hi in groups:
+        sel = (depth >= lo) & (depth <= hi)
         c, k = children[sel], rank[sel]
         chosen, at_risk, p, alive = _km(c, k, K)
         conf = confidence_bucket(lp[sel, 0])
@@ -123,7 +126,6 @@ def estimate(depth: np.ndarray, children: np.ndarray, rank: np.ndarray, topk: in
                      "draft_lp_samples_by_own": [lp_samples(lp[sel, :3][incoming == b]) if (incoming == b).sum() >= MIN_NODES
                                                  else [] for b in range(len(CONF_EDGES) + 1)],
                      "by_confidence": by_conf})
-        d += 1
     return rows
 
 
