@@ -132,3 +132,20 @@ def test_plan_refuses_impossible_input_in_one_line(tmp_path, tiny_pair, n, extra
     assert proc.returncode == EXIT_USER_ERROR
     errors = [ln for ln in proc.stderr.splitlines() if "error" in ln]
     assert len(errors) == 1 and message in errors[0], proc.stderr
+
+
+def test_run_draft_ranks_auto_takes_the_plans_split(tmp_path, tiny_pair):
+    """--draft-ranks auto on 3 ranks: the job runs with the split the plan's model weighs best,
+    and its config says it was chosen."""
+    target, draft = tiny_pair
+    model = tmp_path / "m.json"
+    acceptance.write_model(acceptance.chain_model(2.8, 8), str(model))
+    out = tmp_path / "auto.h5"
+    proc = run_swiftspec(3, ["--target", target, "--draft", draft, "--load-format", "dummy", "--accept-from",
+                             str(model), "--mode", "async", "--draft-ranks", "auto", "--prompt", "def fib(n):",
+                             "--max-new-tokens", "16", "--quiet", "--out", str(out)])
+    assert "--draft-ranks auto:" in proc.stderr
+    root = read_root(out)
+    env = json.loads(root["env_json"])
+    assert root["config"]["auto_split"] and env["draft_ranks"] == root["config"]["draft_ranks"] in (1, 2)
+    assert env["draft_ranks"] + env["verify_ranks"] == 3

@@ -69,6 +69,9 @@ def run_job(flags: dict, config_path: str | None) -> int:
             print(f"swiftspec run: error: {one_line(payload)}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR if status == "error" else EXIT_RUNTIME_ERROR
     cfg: C.RunConfig = payload
+    if cfg.auto_split:
+        from swiftspec_mpi.cli.plan import auto_split
+        auto_split(world, cfg)
     job = Job(cfg, world, stop_flag, AbortWatch(world))
     return job.run()
 

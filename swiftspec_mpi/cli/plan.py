@@ -225,3 +225,42 @@ def render(result: dict, args, top: int = 16) -> list[str]:
                      f"(draft {b['draft_ranks']} / verify {b['verify_ranks']}, n = {b['verify_size']}, d = "
                      f"{b['expansions']}) {b['tok_s']:.1f} tok/s at {b['tokens_per_step']:.2f} tokens a step")
     return lines
+
+
+def auto_split(world, cfg) -> None:
+    """`run --draft-ranks auto`, every rank before the job: time the models at every group size
+    (plan_profile), weigh the async splits by the acceptance replayed (--accept-from) or, without
+    one, the startup profile's prior (a chain accepting C.ACCEPT_PRIOR a token), and set
+    cfg.draft_ranks, and cfg.verify_size / tree_width / (on a shared device) expansions where the
+    flags left them open. Rank 0 decides and prints its choice; every rank takes it."""
+    from types import SimpleNamespace
+
+    from swiftspec_mpi.cli.plan_profile import profile_groups
+    from swiftspec_mpi.trace import acceptance
+    heads = None
+    if world.Get_rank() == 0:
+        from swiftspec_mpi.cli.validate import resolve_models
+        tcfg, _tok, dcfg = resolve_models(cfg)
+        heads = (tcfg.num_heads, dcfg.num_heads, tcfg.num_layers, dcfg.num_layers)
+    heads = world.bcast(heads, root=0)
+    sizes = [cfg.verify_size] if cfg.verify_size else list(C.TREE_SIZES)
+    prof = profile_groups(world, cfg, sizes, cfg.threads, heads[:2])
+    choice = None
+    if world.Get_rank() == 0:
+        model = cfg.accept_model or acceptance.chain_model(C.expected_tokens(8), 8)
+        args = SimpleNamespace(max_expansions=8, tree_topk=cfg.tree_topk, max_depth=cfg.max_depth,
+                               steps=200, gpus=None)
+        result = choose(prof, model, sizes, heads[:2], args, world.Get_size(), heads[2], heads[3])
+        choice = next((r for r in result["table"] if r["mode"] == "async"), None)
+        if choice is not None:
+            print(f"swiftspec run: --draft-ranks auto: {choice['draft_ranks']} draft / {choice['verify_ranks']} "
+                  f"verify ranks, verify size {choice['verify_size']}, width {choice['tree_width']} (expected "
+                  f"{choice['tok_s']:.1f} tok/s; swiftspec plan prints the table)", file=sys.stderr, flush=True)
+    choice = world.bcast(choice, root=0)
+    if choice is None:
+        return                                   # no async split divides the heads: the default stays
+    cfg.draft_ranks = choice["draft_ranks"]
+    cfg.verify_size = cfg.verify_size or choice["verify_size"]
+    cfg.tree_width = cfg.tree_width or choice["tree_width"]
+    if choice["shared_device"] and cfg.expansions is None:
+        cfg.expansions = choice["expansions"]

@@ -44,8 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", help="float32 (default) | bfloat16 | float16")
     g = p.add_argument_group("parallel layout")
     g.add_argument("--mode", help=f"{' | '.join(MODES)} (default async)")
-    g.add_argument("--draft-ranks", type=int, help="ranks in the draft group (async; default 1, "
-                                                   "world/4 from 8 ranks); the rest verify")
+    g.add_argument("--draft-ranks", type=draft_ranks_arg,
+                   help="ranks in the draft group (async; default 1, world/4 from 8 ranks); the rest verify. "
+                        "auto: at start the ranks time the models at every group size and the split, verify "
+                        "size and width with the most expected tok/s are taken (swiftspec plan's model; the "
+                        "acceptance of --accept-from, else the startup profile's prior), which costs a load of "
+                        "the models per group size")
     g.add_argument("--async-policy", help="async: which tree the verify group checks next. "
                                           "stream: the newest the draft sent (it sends after every "
                                           "expansion), else the rest of the last one; remnant: the same, "
@@ -116,6 +120,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--quiet", action="store_true", default=None, help="do not stream text to stdout")
     p.add_argument("--config", help="TOML file with any of these options (flags win)")
     del S
+
+
+def draft_ranks_arg(text: str):
+    """--draft-ranks: a number, or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is neither a number of ranks nor auto") from None
 
 
 FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "accept_from", "quant", "head_bits", "dtype", "mode",

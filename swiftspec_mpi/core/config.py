@@ -66,7 +66,8 @@ class RunConfig:
     head_bits: int = 16                # 16 | 4: the LM head as loaded, or packed 4-bit at load (GPU int4)
     # parallel layout
     mode: str = "async"
-    draft_ranks: int | None = None     # async: ranks in the draft group (default: 1, or world/4 from 8 ranks)
+    draft_ranks: int | None = None     # async: ranks in the draft group (default: 1, or world/4 from 8
+                                       # ranks; the flag's "auto": chosen at start, auto_split)
     async_policy: str | None = None    # async: one of ASYNC_POLICIES (None: DEFAULT_ASYNC_POLICY)
     floor_depth: int | None = None     # deep / floor: the depth floor (None: DEFAULT_FLOOR_DEPTH)
     threads: int | None = None         # torch threads per rank (default: cores of the node / ranks on it)
@@ -102,6 +103,7 @@ class RunConfig:
     peer_timeout: float = 30.0         # seconds a blocking receive waits for a peer before failing
     quiet: bool = False                # do not stream text to stdout
     requests: list[Request] = field(default_factory=list)  # filled by validation
+    auto_split: bool = False           # --draft-ranks auto: draft ranks, bs and w chosen at start (cli/plan.py)
     accept_sha256: str | None = None   # filled by validation: the sha256 of the --accept-from file
     accept_model: dict | None = None   # filled by validation: the model replayed (trace/acceptance.py)
 
@@ -168,7 +170,8 @@ def load_toml(path: str) -> dict:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"config file {path} is not valid TOML ({exc}); fix the syntax") from None
-    fields = {f.name for f in dataclasses.fields(RunConfig)} - {"requests", "accept_sha256", "accept_model"}
+    fields = {f.name for f in dataclasses.fields(RunConfig)} - {"requests", "accept_sha256", "accept_model",
+                                                                 "auto_split"}
     flags = {name: name for name in fields - set(RENAMED_FLAGS.values())} | RENAMED_FLAGS
     out = {}
     for key, value in data.items():
@@ -281,6 +284,8 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         if world_size < 2:
             raise UserError("--mode async needs at least 2 MPI ranks (one draft, one verify); "
                             "launch with mpiexec -n 2 or more, or use --mode sync / ar on 1 rank")
+        if cfg.draft_ranks == "auto":     # provisional, for the checks; the job's start picks it
+            cfg.auto_split, cfg.draft_ranks = True, default_draft_ranks(world_size)
         if cfg.draft_ranks is None:
             cfg.draft_ranks = default_draft_ranks(world_size)
         if not isinstance(cfg.draft_ranks, int) or cfg.draft_ranks < 1:
@@ -306,7 +311,8 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         if cfg.floor_depth is not None:
             raise UserError(f"--floor-depth applies to --mode async only; drop it for --mode {cfg.mode}")
         if cfg.draft_ranks not in (None, 0):
-            raise UserError(f"--draft-ranks applies to --mode async only; drop it for --mode {cfg.mode}")
+            raise UserError(f"--draft-ranks applies to --mode async only; drop it for --mode {cfg.mode} "
+                            "(swiftspec plan weighs sync too)")
         cfg.draft_ranks = 0
     if cfg.prompt is not None and cfg.prompts is not None:
         raise UserError("give either --prompt or --prompts, not both")
