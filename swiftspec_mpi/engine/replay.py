@@ -6,16 +6,18 @@ trees are accepted as deeply as the real pair's were.
 Two halves:
 - the target (`ReplayAcceptor`, on the verify leader, in place of decoding.Acceptor): walking
   down from the root, at a node of depth d with c children (best-first, so in the draft's
-  probability order) it draws r from the model's row d: rank 1..K with p[d][r-1], none with
+  probability order) it draws r from the model's row of depth d and of the draft's confidence
+  there (the bucket of its first child's log-probability): rank 1..K with p[d][r-1], none with
   p_none[d]. r <= c accepts that child and goes on; otherwise the step ends there and the bonus
   token is the draft's rank-r child (which the draft may have grown without sending it; its
   token is known, `child_tokens`), or for none a token that is not among the draft's top-k.
   Draws come from (seed, request), so a `sync` run is reproducible; in `async` the trees depend
   on timing, the draws on the seed.
-- the draft (`calibrate` and `child_tokens`, in DraftSide.expand): random weights have near-uniform top-k, so the
-  tree a draft grows from them has no shape. The log-probabilities of a leaf's top-k children
-  become those of a node of the real draft at that depth, drawn from the model's
-  `draft_lp_samples`, so the replayed draft grows trees of the real draft's shapes; a model without them (one built from a
+- the draft (`calibrate` and `child_tokens`, in DraftSide.expand): random weights have
+  near-uniform top-k, so the tree a draft grows from them has no shape. The log-probabilities of
+  a leaf's top-k children become those of a node of the real draft at that depth whose own
+  log-probability fell in the leaf's bucket, drawn from the model's samples, so the replayed
+  draft grows trees of the real draft's shapes; a model without samples (one built from a
   reported mean accepted length) gives log p[d][r]: a draft calibrated to acceptance, which
   grows the tree with the most expected accepted tokens under the model.
 The tokens are not the random model's either (child_tokens: a function of the parent's token
@@ -34,8 +36,10 @@ FLOOR_LOGPROB = -30.0      # log-probability of a rank the model never accepts (
 
 class Replay(NamedTuple):
     """What a replaying job's ranks hold (EngineContext.replay): `table` float64[D, B + 1, K + 1]
-    (acceptance.probs by confidence bucket, the last the depth's own row), `draft_lp` per depth float64[S, topk] or None (acceptance.draft_logprobs),
-    `rng` the draft's draws of them (seeded alike on every rank of a group, so their trees agree)."""
+    (acceptance.probs by confidence bucket, [:, B] the depth's own row), `draft_lp` per depth B + 1
+    tables float64[S, topk] or None (acceptance.draft_logprobs), `rng` the draft's draws of them
+    (seeded alike on every rank of a group, so that their trees agree), `vocab` the modulus of
+    child_tokens (the smaller vocabulary of the pair)."""
     table: np.ndarray
     draft_lp: list | None
     rng: np.random.Generator
