@@ -214,9 +214,10 @@ def render(result: dict, args, top: int = 16) -> list[str]:
         lines.append("async*: both groups on one device; its step counts the draft's expansions in full "
                      "(no overlap: a lower bound)")
     c = result["chosen"]
-    lines.append(f"chosen: {c['mode']} with {c['draft_ranks']} draft / {c['verify_ranks']} verify ranks, n = "
-                 f"{c['verify_size']}, w = {c['tree_width']}, d = {c['expansions']}: {c['tokens_per_step']:.2f} "
-                 f"tokens a step in {c['step_ms']:.3f} ms = {c['tok_s']:.1f} tok/s expected")
+    split = (f"sync on {c['verify_ranks']} of the {result['world']} ranks" if c["mode"] == "sync" else
+             f"async with {c['draft_ranks']} draft / {c['verify_ranks']} verify ranks")
+    lines.append(f"chosen: {split}, n = {c['verify_size']}, w = {c['tree_width']}, d = {c['expansions']}: "
+                 f"{c['tokens_per_step']:.2f} tokens a step in {c['step_ms']:.3f} ms = {c['tok_s']:.1f} tok/s expected")
     lines.append(f"run it: {run_flags(c, result['world'])}")
     for n_dev, p in (result.get("predicted") or {}).items():
         b = p["chosen"]
