@@ -217,10 +217,13 @@ def chain_model(mean_tokens: float, tree_nodes: int, topk: int = 8, depths: int 
 
 
 def write_model(model: dict, path: str) -> None:
+    """The model as JSON, one line per top-level field and per depth row (atomically)."""
+    head = {k: v for k, v in model.items() if k != "depths"}
+    lines = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
+    rows = ",\n".join(f"  {json.dumps(r, separators=(',', ':'))}" for r in model["depths"])
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(model, f, indent=1)
-        f.write("\n")
+        f.write("{\n" + "\n".join(lines) + '\n "depths": [\n' + rows + "\n ]\n}\n")
     os.replace(tmp, path)
 
 
