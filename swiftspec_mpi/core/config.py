@@ -133,9 +133,11 @@ def expected_tokens(n: int, alpha: float = ACCEPT_PRIOR) -> float:
     return sum(alpha ** i for i in range(n))
 
 
-def choose_tree_size(target_times: dict[int, float]) -> int:
-    """The n with the best expected tokens per target second (ties: the smaller n)."""
-    return max(sorted(target_times), key=lambda n: expected_tokens(n) / target_times[n])
+def choose_tree_size(target_times: dict[int, float], tokens: dict[int, float] | None = None) -> int:
+    """The n with the best expected tokens per target second (ties: the smaller n); `tokens`
+    gives the expected tokens of an n-node tree (an acceptance model's, when one is replayed),
+    else the chain with ACCEPT_PRIOR."""
+    return max(sorted(target_times), key=lambda n: (tokens[n] if tokens else expected_tokens(n)) / target_times[n])
 
 
 # TOML keys are the `swiftspec run` flag names (dashes or underscores). Flags named otherwise
