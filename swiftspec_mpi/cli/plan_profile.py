@@ -32,9 +32,10 @@ def rank_device(cfg, world) -> str:
 def device_id(device: str) -> str:
     """A name equal on ranks that drive the same device: the GPU's UUID, or cpu:<host>:<rank>
     (CPU ranks are pinned to their own cores: distinct)."""
-    if device.startswith("cuda"):
-        return f"gpu:{torch.cuda.get_device_properties(torch.device(device)).uuid}"
     import platform
+    if device.startswith("cuda"):
+        uuid = getattr(torch.cuda.get_device_properties(torch.device(device)), "uuid", None)
+        return f"gpu:{uuid}" if uuid is not None else f"gpu:{platform.node()}:{device}"
     return f"cpu:{platform.node()}:{MPI.COMM_WORLD.Get_rank()}"
 
 
