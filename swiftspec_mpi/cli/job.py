@@ -75,6 +75,9 @@ def run_job(flags: dict, config_path: str | None) -> int:
             print(f"swiftspec run: error: {one_line(payload)}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR if status == "error" else EXIT_RUNTIME_ERROR
     cfg: C.RunConfig = payload
+    if cfg.auto_split:
+        from swiftspec_mpi.cli.plan import auto_split
+        auto_split(world, cfg)
     job = Job(cfg, world, stop_flag, AbortWatch(world))
     return job.run()
 
@@ -168,6 +171,10 @@ class Job:
         rec = EventRecorder(self.rank, role, clock)
         self.ctx = EngineContext(cfg, topo, clock, rec, self.stop_flag, self.watch, target, draft,
                                  tokenizer)
+        if cfg.accept_model is not None:
+            from swiftspec_mpi.engine.replay import Replay
+            self.ctx.replay = Replay.of(cfg.accept_model, cfg.tree_topk, cfg.seed,
+                                       int(cfg.accept_model["replay_vocab"]))
         profiled = profile_expansions(self.ctx)      # also fixes bs and w when they are auto
         self.ctx.expansions = cfg.expansions or profiled
         if cfg.mode == "async":      # paced when asked, or when a draft rank shares a verify rank's GPU
@@ -200,6 +207,12 @@ class Job:
         from swiftspec_mpi.serve.interactive import PromptSource
         cfg, ctx, topo = self.cfg, self.ctx, self.topo
         acceptor = Acceptor(cfg.temperature, cfg.sampling_rule, cfg.seed)
+        if ctx.replay is not None:
+            from swiftspec_mpi.engine.replay import ReplayAcceptor
+            acceptor = ReplayAcceptor(ctx.replay.table, cfg.seed, cfg.tree_topk, ctx.replay.vocab)
+            if self.rank == 0:
+                print(f"swiftspec run: acceptance replayed from {cfg.accept_from} on dummy weights "
+                      "(the generated text is meaningless)", file=sys.stderr, flush=True)
         # the file exists from here on (a run in progress shows up), written before any request
         # so that none pays the write; the next checkpoint comes after some decoding
         self.write(complete=False, status="running", events=None)

@@ -168,7 +168,11 @@ def profile_expansions(ctx) -> int:
         # mismatched collectives (seen in sync on 2 ranks). The group leader's tables decide;
         # in async both leaders hold the same pair (their own + the swapped one).
         t_target, t_draft = ctx.topo.group.bcast((t_target, t_draft), root=0)
-    bs = cfg.verify_size or C.choose_tree_size(t_target)
+    tokens = None
+    if cfg.accept_model is not None:      # replay: the model's best n-node tree, not the prior
+        from swiftspec_mpi.trace.acceptance import model_mean_tokens
+        tokens = {n: model_mean_tokens(cfg.accept_model, n) for n in t_target}
+    bs = cfg.verify_size or C.choose_tree_size(t_target, tokens)
     w = cfg.tree_width or bs
     cfg.verify_size, cfg.tree_width = bs, w
     ctx.scratch["profile"] = {"t_target_s": {str(k): v for k, v in t_target.items()},

@@ -21,6 +21,8 @@ SUBCOMMANDS = {
             "generate text; every rank of an mpiexec/srun job runs this (modes async|sync|ar)"),
     "analyze": ("swiftspec_mpi.trace.analyze",
                 "summarize HDF5 traces: tokens/s, acceptance, time per role, plots, Perfetto export"),
+    "plan": ("swiftspec_mpi.cli.plan",
+             "choose the draft/verify split, tree size and expansions from step times and acceptance"),
     "bench": ("swiftspec_mpi.bench.compare",
               "run the same prompts through ar/sync/async and HF baselines; Markdown table"),
     "tiny-checkpoint": ("swiftspec_mpi.checkpoints.tiny",

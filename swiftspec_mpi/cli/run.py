@@ -30,6 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--draft-layers", type=int, help="truncate the draft to its first N layers")
     m.add_argument("--load-format", choices=("auto", "dummy"),
                    help="dummy: random weights at the checkpoints' shapes (measures step time only)")
+    m.add_argument("--accept-from", metavar="TRACE.h5|MODEL.json",
+                   help="with --load-format dummy: the target's choice at each tree node is drawn from "
+                        "this acceptance model (a trace of a real pair, or `swiftspec analyze --acceptance-out`), "
+                        "seeded by --seed, so trees are accepted as deeply as the real pair's; sync / async "
+                        "(an error with ar or real weights); the text is then meaningless")
     m.add_argument("--quant", choices=("auto", "int4", "none"),
                    help="auto (default): a quantized checkpoint runs packed 4-bit, a dense one dense; "
                         "int4: packed 4-bit weights (with --load-format dummy: random ones, group 128); "
@@ -45,8 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", help="float32 (default) | bfloat16 | float16")
     g = p.add_argument_group("parallel layout")
     g.add_argument("--mode", help=f"{' | '.join(MODES)} (default async)")
-    g.add_argument("--draft-ranks", type=int, help="ranks in the draft group (async; default 1, "
-                                                   "world/4 from 8 ranks); the rest verify")
+    g.add_argument("--draft-ranks", type=draft_ranks_arg,
+                   help="ranks in the draft group (async; default 1, world/4 from 8 ranks); the rest verify. "
+                        "auto: at start the ranks time the models at every group size and the split, verify "
+                        "size and width with the most expected tok/s are taken (swiftspec plan's model; the "
+                        "acceptance of --accept-from, else the startup profile's prior), which costs a load of "
+                        "the models per group size")
     g.add_argument("--async-policy", help="async: which tree the verify group checks next. "
                                           "rate: the tree the draft re-rooted on the latest result "
                                           "(sent once --floor-depth levels deep) or the rest of the "
@@ -128,7 +137,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     del S
 
 
-FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "quant", "head_bits", "step_kernel", "dtype", "mode",
+def draft_ranks_arg(text: str):
+    """--draft-ranks: a number, or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is neither a number of ranks nor auto") from None
+
+
+FLAG_FIELDS = ("target", "draft", "draft_layers", "load_format", "accept_from", "quant", "head_bits", "step_kernel", "dtype", "mode",
                "draft_ranks", "async_policy", "floor_depth", "threads", "device", "prompt", "prompts", "interactive", "serve", "serve_max_body",
                "serve_read_timeout", "serve_max_queue", "serve_max_idle", "trace_rotate", "chat", "max_new_tokens", "stop",
                "stop_token_ids", "ignore_eos", "temperature", "seed", "sampling_rule", "tree_width", "tree_topk",

@@ -33,6 +33,10 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
     C.check_output_path_default(cfg)
     # cheap checks that need no model first (fail fast); then the models' configs and headers
     C.check_output_path(cfg)
+    if cfg.accept_from is not None:
+        from swiftspec_mpi.trace import acceptance
+        cfg.accept_model, cfg.accept_sha256 = acceptance.load(cfg.accept_from)
+        cfg.accept_from = os.path.abspath(cfg.accept_from)
     if C.requests_stream_in(cfg):
         cfg.requests = []            # they come from stdin or HTTP (interactive.py, http_server.py)
     elif cfg.prompts is not None:
@@ -45,6 +49,9 @@ def prepare_config(flags: dict, config_path: str | None, world_size: int,
             check_weight_files(path, mcfg)
     resolve_quant(cfg)
     check_head_bits(cfg)
+    if cfg.accept_model is not None:   # the replay's token ids (engine/replay.py child_tokens)
+        cfg.accept_model["replay_vocab"] = min(tcfg.vocab_size, dcfg.vocab_size)
+        cfg.ignore_eos = True          # its tokens mean nothing: every request runs to the end
     # tensor-parallel degrees must divide the heads
     if cfg.mode == "async":
         groups = [("target", tcfg, world_size - cfg.draft_ranks), ("draft", dcfg, cfg.draft_ranks)]

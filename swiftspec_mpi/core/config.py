@@ -60,6 +60,8 @@ class RunConfig:
     draft: str | None = None
     draft_layers: int | None = None    # truncate the draft to its first N layers (self-speculation)
     load_format: str = "auto"          # auto | dummy (random weights at the checkpoint's shape)
+    accept_from: str | None = None     # replay: the target's choices drawn from this acceptance
+                                       # model (a trace .h5 or a model .json; dummy weights only)
     quant: str = "auto"                # auto | int4 | none: packed 4-bit weights (packed/int4.py)
     head_bits: int = 16                # 16 | 4: the LM head as loaded, or packed 4-bit at load (GPU int4)
     step_kernel: str = "chain"         # chain | persistent: a GPU decode step as the chain of fused
@@ -67,7 +69,8 @@ class RunConfig:
     #                                    than the chain so far: docs/benchmarks.md)
     # parallel layout
     mode: str = "async"
-    draft_ranks: int | None = None     # async: ranks in the draft group (default: 1, or world/4 from 8 ranks)
+    draft_ranks: int | None = None     # async: ranks in the draft group (default: 1, or world/4 from 8
+                                       # ranks; the flag's "auto": chosen at start, auto_split)
     async_policy: str | None = None    # async: one of ASYNC_POLICIES (None: DEFAULT_ASYNC_POLICY)
     floor_depth: int | None = None     # rate: the depth floor (None: DEFAULT_FLOOR_DEPTH)
     threads: int | None = None         # torch threads per rank (default: cores of the node / ranks on it)
@@ -107,6 +110,9 @@ class RunConfig:
     peer_timeout: float = 30.0         # seconds a blocking receive waits for a peer before failing
     quiet: bool = False                # do not stream text to stdout
     requests: list[Request] = field(default_factory=list)  # filled by validation
+    auto_split: bool = False           # --draft-ranks auto: draft ranks, bs and w chosen at start (cli/plan.py)
+    accept_sha256: str | None = None   # filled by validation: the sha256 of the --accept-from file
+    accept_model: dict | None = None   # filled by validation: the model replayed (trace/acceptance.py)
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
@@ -134,9 +140,11 @@ def expected_tokens(n: int, alpha: float = ACCEPT_PRIOR) -> float:
     return sum(alpha ** i for i in range(n))
 
 
-def choose_tree_size(target_times: dict[int, float]) -> int:
-    """The n with the best expected tokens per target second (ties: the smaller n)."""
-    return max(sorted(target_times), key=lambda n: expected_tokens(n) / target_times[n])
+def choose_tree_size(target_times: dict[int, float], tokens: dict[int, float] | None = None) -> int:
+    """The n with the best expected tokens per target second (ties: the smaller n); `tokens`
+    gives the expected tokens of an n-node tree (an acceptance model's, when one is replayed),
+    else the chain with ACCEPT_PRIOR."""
+    return max(sorted(target_times), key=lambda n: (tokens[n] if tokens else expected_tokens(n)) / target_times[n])
 
 
 # TOML keys are the `swiftspec run` flag names (dashes or underscores). Flags named otherwise
@@ -171,7 +179,8 @@ def load_toml(path: str) -> dict:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"config file {path} is not valid TOML ({exc}); fix the syntax") from None
-    fields = {f.name for f in dataclasses.fields(RunConfig)} - {"requests"}
+    fields = {f.name for f in dataclasses.fields(RunConfig)} - {"requests", "accept_sha256", "accept_model",
+                                                                 "auto_split"}
     flags = {name: name for name in fields - set(RENAMED_FLAGS.values())} | RENAMED_FLAGS
     out = {}
     for key, value in data.items():
@@ -274,10 +283,20 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
                         "attention takes; use at most 64")
     if world_size < 1:
         raise UserError("world size must be >= 1")
+    if cfg.accept_from is not None:
+        if cfg.load_format != "dummy":
+            raise UserError("--accept-from replays acceptance on random weights: add --load-format dummy "
+                            "(with real weights the target itself decides what it accepts)")
+        if cfg.mode == "ar":
+            raise UserError("--accept-from needs a draft: use --mode sync or async (`ar` verifies no tree)")
+        if cfg.temperature != 0.0:
+            raise UserError("--accept-from draws the target's choices from the model; drop --temperature")
     if cfg.mode == "async":
         if world_size < 2:
             raise UserError("--mode async needs at least 2 MPI ranks (one draft, one verify); "
                             "launch with mpiexec -n 2 or more, or use --mode sync / ar on 1 rank")
+        if cfg.draft_ranks == "auto":     # provisional, for the checks; the job's start picks it
+            cfg.auto_split, cfg.draft_ranks = True, default_draft_ranks(world_size)
         if cfg.draft_ranks is None:
             cfg.draft_ranks = default_draft_ranks(world_size)
         if not isinstance(cfg.draft_ranks, int) or cfg.draft_ranks < 1:
@@ -302,7 +321,8 @@ def validate_basic(cfg: RunConfig, world_size: int) -> RunConfig:
         if cfg.floor_depth is not None:
             raise UserError(f"--floor-depth applies to --mode async only; drop it for --mode {cfg.mode}")
         if cfg.draft_ranks not in (None, 0):
-            raise UserError(f"--draft-ranks applies to --mode async only; drop it for --mode {cfg.mode}")
+            raise UserError(f"--draft-ranks applies to --mode async only; drop it for --mode {cfg.mode} "
+                            "(swiftspec plan weighs sync too)")
         cfg.draft_ranks = 0
     if cfg.prompt is not None and cfg.prompts is not None:
         raise UserError("give either --prompt or --prompts, not both")

@@ -246,7 +246,7 @@ def verify_loop(ctx: EngineContext, prompt_ids: list[int], request: int, result,
         cv = comm_seconds(ctx.target)
         logits = target.forward_tree(tokens, parents, greedy=acceptor.argmax_only)
         done, taken, path, accepted = decide(ctx, tokens, parents, logits, acceptor, tracker, result,
-                                             decision, bs)
+                                             decision, bs, inbox.local[1:] if leader else None)
         a = len(path)
         if not done:
             target.commit(path)
@@ -290,7 +290,7 @@ def draft_loop(ctx: EngineContext, prompt_ids: list[int], request: int) -> None:
     chan = ctx.scratch.setdefault("chan", LeaderChannel(bs, m))
     control = ctx.scratch.setdefault("control", np.zeros(3 + bs, dtype=np.int64))  # [act, a, done, accepted]
     share = make_topk_share(ctx, np.zeros((w, k), dtype=np.int64), np.zeros((w, k), dtype=np.float32))
-    draft = DraftSide(ctx.draft, w, k, cfg.tree_capacity, cfg.max_depth)
+    draft = DraftSide(ctx.draft, w, k, cfg.tree_capacity, cfg.max_depth, replay=ctx.replay)
     verify_leader = topo.describe_rank(0, leader=True)
 
     t0, c0 = clock.now(), comm_seconds(ctx.draft)

@@ -8,7 +8,7 @@ import numpy as np
 from swiftspec_mpi.core.config import RunConfig
 from swiftspec_mpi.engine.protocol import AbortWatch, Interrupted, StopFlag
 from swiftspec_mpi.core.topology import Topology
-from swiftspec_mpi.trace.record import Clock, EventRecorder
+from swiftspec_mpi.trace.record import Clock, EventRecorder, verdict_rows
 
 
 @dataclass
@@ -17,7 +17,8 @@ class EngineContext:
     and event recorder, the stop flag and abort watch, the models of this rank's group (target,
     draft; None where the group has none) and the target's tokenizer; `scratch` keeps buffers
     between requests, `expansions` is d (draft forwards per verify in `sync`), `draft_pace` the
-    async draft's expansions a step before it waits for the next result (0: no pause)."""
+    async draft's expansions a step before it waits for the next result (0: no pause), `replay`
+    the acceptance model replayed under `run --accept-from` (engine/replay.py)."""
     cfg: RunConfig
     topo: Topology
     clock: Clock
@@ -30,6 +31,7 @@ class EngineContext:
     expansions: int = 1           # d: draft expansions per verify step (sync)
     draft_pace: int = 0           # async: expansions a step, then wait for the result (0: no pause)
     on_progress: object = None    # callable() the verify leader calls after each step (checkpoints)
+    replay: object = None         # replay.Replay when acceptance is replayed (run --accept-from)
     scratch: dict = field(default_factory=dict)
 
     def check_stop(self) -> None:
@@ -85,12 +87,16 @@ def comm_seconds(model) -> float:
 
 
 def decide(ctx: EngineContext, tokens, parents, logits, acceptor, tracker, result,
-           decision: np.ndarray, bs: int):
+           decision: np.ndarray, bs: int, hand=None):
     """The verify leader picks the accepted path of a verified tree and commits its tokens to the
     output; every rank of the group gets the verdict through `decision` (int64 [3 + 2*bs]:
-    a, done, tokens taken, path[bs], accepted[bs]). -> (done, taken, path, accepted)."""
+    a, done, tokens taken, path[bs], accepted[bs]). -> (done, taken, path, accepted).
+    The leader also records what the target chose at each node (result.verdicts); `hand` =
+    (parents int32[m], scores float64[m]) of the tree at hand whose first n nodes were verified
+    (scores: the draft's path log-probabilities), for the verdicts' lp fields and a replay."""
     if ctx.topo.is_leader:
-        path, accepted = acceptor.accept(tokens, parents, logits, len(result.output_ids))
+        scores = None if hand is None else hand[1][:len(tokens)]
+        path, accepted = acceptor.accept(tokens, parents, logits, len(result.output_ids), scores)
         logprobs = None
         if acceptor.top_logprobs is not None:
             from swiftspec_mpi.engine.decoding import committed_logprobs   # (torch: not at job import)
@@ -99,6 +105,8 @@ def decide(ctx: EngineContext, tokens, parents, logits, acceptor, tracker, resul
         if result.t_first is None:
             result.t_first = ctx.clock.now()
         a = len(path)
+        if len(tokens) > 1:      # a tree (not `ar`'s lone root): what the target chose at each node
+            result.verdicts.extend(verdict_rows(len(result.steps), parents, path, accepted, tokens, hand))
         decision[:3] = (a, int(done), taken)
         decision[3:3 + a] = path
         decision[3 + bs:3 + bs + a] = accepted

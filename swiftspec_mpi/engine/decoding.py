@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from swiftspec_mpi import _tree
+from swiftspec_mpi.engine.replay import calibrate, child_tokens
 from swiftspec_mpi.gpu.graphs import logits_argmax, logits_topk_logprobs
 from swiftspec_mpi.network.transformer import chain_mask
 
@@ -112,10 +113,12 @@ def verify_forward(model, tokens, positions, start: int, mask, greedy: bool):
 
 
 class DraftSide:
-    """Draft model + token tree for one request."""
+    """Draft model + token tree for one request. `replay` (replay.Replay; `run --accept-from`):
+    the children's log-probabilities are the acceptance model's (replay.calibrate)."""
 
-    def __init__(self, model, width: int, topk: int, capacity: int, max_depth: int):
+    def __init__(self, model, width: int, topk: int, capacity: int, max_depth: int, replay=None):
         self.model = model
+        self.replay = replay
         self.device = model_device(model)
         self.width, self.topk = width, topk
         self.tree = _tree.TokenTree(capacity, max_depth)
@@ -171,6 +174,11 @@ class DraftSide:
         ids, lps = top
         if share is not None:
             ids, lps = share(ids, lps)
+        if self.replay is not None:
+            score, parent = np.asarray(self.tree.score), np.asarray(self.tree.parent)
+            own = np.where(leaves > 0, score[leaves] - score[np.maximum(parent[leaves], 0)], np.nan)
+            lps = calibrate(self.replay, np.asarray(self.tree.depth)[leaves], lps.shape[1], own)
+            ids = child_tokens(self.tree.tokens_of(leaves), ids.shape[1], self.replay.vocab)
         self.tree.expand(leaves, ids, lps)
         self.kv_used += n
         return True
@@ -232,6 +240,9 @@ class DraftSide:
                               logits_row=1)      # the root's row
         if share is not None:
             ids, lps = share(ids, lps)
+        if self.replay is not None:
+            lps = calibrate(self.replay, np.zeros(1, dtype=np.int64), lps.shape[1])
+            ids = child_tokens(self.tree.token[:1], ids.shape[1], self.replay.vocab)
         root = np.zeros(1, dtype=np.int32)
         self.tree.assign_slots(root, P)
         self.tree.expand(root, ids, lps)
@@ -290,9 +301,10 @@ class Acceptor:
         self.residual_rng = np.random.default_rng([self.seed, request_index, 1])
 
     def accept(self, tokens: np.ndarray, parents: np.ndarray, logits: torch.Tensor,
-               out_len: int) -> tuple[np.ndarray, np.ndarray]:
+               out_len: int, scores=None) -> tuple[np.ndarray, np.ndarray]:
         """-> (path int32[a] local indices from the root, accepted int64[a]: draft tokens + bonus).
-        `logits`: the target's float32[n, vocab], or when greedy its argmax int64[n]."""
+        `logits`: the target's float32[n, vocab], or when greedy its argmax int64[n]; `scores`
+        (the draft's, replay.ReplayAcceptor reads them) are not needed here."""
         if self.greedy:
             choice = logits if isinstance(logits, np.ndarray) else logits_argmax(logits)
             return _tree.verify_greedy(tokens, parents, choice)

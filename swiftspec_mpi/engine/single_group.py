@@ -10,6 +10,8 @@ from swiftspec_mpi.engine.context import EngineContext, comm_seconds, decide, ma
 from swiftspec_mpi.engine.sent_tree import tree_depth
 from swiftspec_mpi.trace.record import KIND, SOURCE, step_row
 
+HAND = 4    # sync: the verdicts look at the draft's best HAND * bs nodes (the verified bs first)
+
 
 def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, result,
                        tracker: OutputTracker | None, acceptor: Acceptor) -> None:
@@ -20,7 +22,8 @@ def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, 
     target = TargetSide(ctx.target)
     draft = None
     if cfg.mode == "sync":
-        draft = DraftSide(ctx.draft, cfg.tree_width, cfg.tree_topk, cfg.tree_capacity, cfg.max_depth)
+        draft = DraftSide(ctx.draft, cfg.tree_width, cfg.tree_topk, cfg.tree_capacity, cfg.max_depth,
+                          replay=ctx.replay)
     decision = np.zeros(3 + 2 * bs, dtype=np.int64)     # [a, done, n, path[bs], accepted[bs]]
     share = make_topk_share(ctx, np.zeros((cfg.tree_width, cfg.tree_topk), dtype=np.int64),
                             np.zeros((cfg.tree_width, cfg.tree_topk), dtype=np.float32))
@@ -39,7 +42,7 @@ def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, 
         t_step = clock.now()
         if draft is None:
             tokens, parents = np.array([root], dtype=np.int64), np.array([-1], dtype=np.int32)
-            expanded = 0
+            expanded, hand = 0, None
         else:
             expanded = 0
             for e in range(ctx.expansions):
@@ -51,11 +54,14 @@ def run_request_single(ctx: EngineContext, prompt_ids: list[int], request: int, 
                 rec.record(KIND["expand"], request, step, te, clock.now(), len(leaves), 0,
                            comm_seconds(ctx.draft) - ce)
                 expanded += 1
-            tokens, parents, _scores = draft.best_subtree(bs)
+            # the tree at hand (best-first: the verified tree is its first bs nodes), so that the
+            # verdicts see the draft's children past the verified ones
+            hand_tokens, hand_parents, hand_scores = draft.best_subtree(HAND * bs)
+            tokens, parents, hand = hand_tokens[:bs], hand_parents[:bs], (hand_parents, hand_scores)
         tv, cv = clock.now(), comm_seconds(ctx.target)
         logits = target.forward_tree(tokens, parents, greedy=acceptor.argmax_only)
         done, taken, path, accepted = decide(ctx, tokens, parents, logits, acceptor, tracker, result,
-                                             decision, bs)
+                                             decision, bs, hand)
         a = len(path)
         t_end = clock.now()
         rec.record(KIND["verify" if draft is not None else "decode"], request, step, tv, t_end,

@@ -7,6 +7,13 @@
   swiftspec analyze run.h5 --plot figs/         timeline, accepted-length histogram, tokens/s
   swiftspec analyze run.h5 --perfetto t.json    Chrome trace for https://ui.perfetto.dev
   swiftspec analyze 'serve*.h5'                 a rotated trace (--trace-rotate): its files as one
+  swiftspec analyze run.h5 --acceptance         the acceptance model (trace/acceptance.py): per
+                                                depth, how often the target took the draft's
+                                                1st, 2nd ... child or none (--json: as JSON)
+  swiftspec analyze run.h5 --acceptance-out m.json   write it as a model file (run --accept-from)
+
+A trace of a run that replayed acceptance (run --accept-from) says so on the first line: its
+accepted lengths are the model's, its text is meaningless.
 
 Definitions (all computed from the file, nothing estimated):
   tokens/s             sum of new tokens / sum of request seconds (prefill start to last token)
@@ -49,6 +56,13 @@ def add_arguments(parser) -> None:
                              f"first {plots.DEFAULT_WINDOW_STEPS} verify steps)")
     parser.add_argument("--perfetto", metavar="FILE.json", default=None,
                         help="export the events in Chrome trace format (open in ui.perfetto.dev)")
+    parser.add_argument("--acceptance", action="store_true",
+                        help="print the acceptance model instead of the summary: per tree depth, how often "
+                             "the target's token was the draft's 1st, 2nd, 3rd ... child or none (with "
+                             "--json: the model file's JSON); the spread between the two halves of the requests")
+    parser.add_argument("--acceptance-out", metavar="MODEL.json", default=None,
+                        help="write the acceptance model of the (one) trace to MODEL.json, for "
+                             "swiftspec run --accept-from / swiftspec plan --accept-from")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,18 +407,75 @@ def unique_labels(paths: list[str]) -> list[str]:
     return labels
 
 
+def replay_line(trace) -> str | None:
+    """The line that says a trace replayed acceptance (run --accept-from), None otherwise."""
+    src = (trace.config or {}).get("accept_from")
+    if not src:
+        return None
+    sha = str(trace.config.get("accept_sha256") or "")[:12]
+    return (f"{os.path.basename(trace.path)}: acceptance REPLAYED from {src} (sha256 {sha}...) on "
+            f"{trace.config.get('load_format')} weights: accepted lengths follow that model, the text is meaningless")
+
+
+def acceptance_main(args, traces, labels) -> int:
+    """--acceptance / --acceptance-out: the model of each trace, the halves' spread."""
+    from swiftspec_mpi.trace import acceptance
+    if args.acceptance_out and len(traces) != 1:
+        raise UserError("--acceptance-out takes one trace; give one FILE.h5")
+    models = []
+    for t, label in zip(traces, labels):
+        model = acceptance.from_trace(t)
+        half = len(t.requests) // 2
+        if half >= 1:
+            try:
+                a = acceptance.from_trace(t, t.requests[:half])
+                b = acceptance.from_trace(t, t.requests[half:])
+                model["halves_spread"] = round(acceptance.spread(a, b), 4)
+                model["halves_mean_accepted"] = [a["mean_accepted"], b["mean_accepted"]]
+            except UserError:
+                pass
+        models.append(model)
+        if args.acceptance_out:
+            acceptance.write_model(model, args.acceptance_out)
+            print(f"acceptance model -> {args.acceptance_out}", file=sys.stderr)
+        if args.acceptance and not args.json:
+            line = replay_line(t)
+            if line:
+                print(line)
+            for text in acceptance.format_table(model, f"{label}: acceptance of {acceptance.describe_source(model)}"):
+                print(text)
+            if "halves_spread" in model:
+                ma, mb = model["halves_mean_accepted"]
+                print(f"stability: the two halves of the requests differ by at most "
+                      f"{100 * model['halves_spread']:.1f} points (ranks 1-3 and none, depths 0-3); "
+                      f"mean tokens a step {ma} vs {mb}")
+    if args.acceptance and args.json:
+        print(json.dumps(models[0] if len(models) == 1 else models, indent=1))
+    return 0
+
+
 def main(args) -> int:
     from swiftspec_mpi.trace.read import read_traces
 
     window = parse_window(args.window)
     traces = read_traces(args.files)
     labels = unique_labels([t.path for t in traces])
+    if args.acceptance or args.acceptance_out:
+        acceptance_main(args, traces, labels)
+        if args.acceptance:
+            return 0
     summaries = [summarize(t, label) for t, label in zip(traces, labels)]
     info = sys.stderr if args.json else sys.stdout
     if args.json:
+        for s in summaries:
+            s["replay"] = replay_line(next(t for t in traces if t.path == s["file"]))
         payload = summaries[0] if len(summaries) == 1 else summaries
         print(json.dumps(json_safe(payload), indent=1))
     else:
+        for t in traces:
+            line = replay_line(t)
+            if line:
+                print(line)
         print(render_table(summaries))
     if args.plot:
         try:

@@ -32,6 +32,9 @@ EVENT_FIELDS = {"rank": (np.int32, -1), "role": (np.int8, -1), "request": (np.in
 RANK_FIELDS = {"rank": (np.int32, -1), "role": (np.int8, -1), "group_rank": (np.int32, -1),
                "group_size": (np.int32, -1), "host": (object, ""), "device": (object, ""),
                "events_dropped": (np.int64, 0), "late_graph_captures": (np.int32, 0)}
+VERDICT_FIELDS = {"step": (np.int32, -1), "depth": (np.int16, -1), "children": (np.int16, 0),
+                  "rank": (np.int16, 0), "lp1": (np.float32, np.nan), "lp2": (np.float32, np.nan),
+                  "lp3": (np.float32, np.nan)}
 # fields added after format_version 1 was first written: older files lack them, silently
 ADDED_FIELDS = {"late_graph_captures", "tree_source", "tree_depth", "tree_nodes", "drafted",
                 "fresh_wait_s"}
@@ -56,6 +59,23 @@ class Steps:
 
 
 @dataclass
+class Verdicts:
+    """One row per node of a verified tree at which the target chose (trace.record.VERDICT_DTYPE):
+    its depth, its children in the verified tree, the draft rank of the target's token among
+    them (1 = the draft's likeliest, 0 = none)."""
+    step: np.ndarray
+    depth: np.ndarray
+    children: np.ndarray
+    rank: np.ndarray
+    lp1: np.ndarray             # the draft's log-probability of its 1st child there (NaN: none)
+    lp2: np.ndarray
+    lp3: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+
+@dataclass
 class Request:
     """One request of a trace: its prompt, output, timings and per-step rows (`steps`)."""
 
@@ -72,6 +92,7 @@ class Request:
     prompt_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     output_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     steps: Steps | None = None     # None when the dataset is absent
+    verdicts: Verdicts | None = None   # None when absent (`ar`, or a file from before the field)
 
 
 @dataclass
@@ -247,6 +268,9 @@ def _read_request(g, name: str, warnings: list[str]) -> Request:
             warnings.append(f"{where}: dataset 'steps' is not a compound table; ignored")
         else:
             r.steps = Steps(**_columns(steps, STEP_FIELDS, f"{where} steps", warnings))
+    verdicts = _read_dataset(g, "verdicts", where, warnings, required=False)
+    if verdicts is not None and verdicts.dtype.names is not None:
+        r.verdicts = Verdicts(**_columns(verdicts, VERDICT_FIELDS, f"{where} verdicts", warnings))
     # derive what a partial request lacks from what it has
     if r.new_tokens is None and "output_ids" in g:
         r.new_tokens = int(len(r.output_ids))

@@ -33,6 +33,16 @@ STEP_DTYPE = np.dtype([("step", "<i4"), ("tree_size", "<i4"), ("accepted", "<i4"
 # where a verified tree came from (steps.tree_source; -1: no tree, `ar`)
 TREE_SOURCES = ("fresh", "rerooted", "remnant")
 SOURCE = {name: i for i, name in enumerate(TREE_SOURCES)}
+# one row per node of a verified tree at which the target chose a token (the accepted path's
+# nodes: the root, each accepted draft token): the node's depth in the verified tree, its
+# children there, and which of them the target's token was, by the draft's probability
+# (1 = the most likely; 0 = none of them, the bonus token then ended the step), and the draft's
+# log-probabilities of its first three children in the tree at hand (the draft's tree the
+# verified one was cut from, as far as the verify leader holds it; NaN where it held fewer).
+# The verified tree
+# is best-first (scheduler best_subtree), so siblings stand in the draft's probability order.
+VERDICT_DTYPE = np.dtype([("step", "<i4"), ("depth", "<i2"), ("children", "<i2"), ("rank", "<i2"),
+                          ("lp1", "<f4"), ("lp2", "<f4"), ("lp3", "<f4")])
 RANK_DTYPE = np.dtype([("rank", "<i4"), ("role", "i1"), ("group_rank", "<i4"), ("group_size", "<i4"),
                        ("host", "S64"), ("device", "S32"), ("events_dropped", "<i8"),
                        ("late_graph_captures", "<i4")])
@@ -90,6 +100,7 @@ class RequestResult:
     stop_reason: str = "interrupted"
     steps: list[tuple] = field(default_factory=list)  # rows of STEP_DTYPE (step_row)
     logprobs: list[tuple] = field(default_factory=list)  # --serve logprobs: decoding.committed_logprobs
+    verdicts: list[tuple] = field(default_factory=list)  # rows of VERDICT_DTYPE (verdict_rows)
 
     @property
     def seconds(self) -> float:
@@ -105,6 +116,28 @@ def step_row(step: int, tree_size: int, accepted: int, t_start: float, t_end: fl
     verify group ran its previous step, and the time the step would have waited for the fresh
     tree (the one the draft re-rooted on the previous result; NaN when none came)."""
     return (step, tree_size, accepted, t_start, t_end, source, depth, nodes, drafted, fresh_wait_s)
+
+
+def verdict_rows(step: int, parents: np.ndarray, path: np.ndarray, accepted: np.ndarray,
+                 tokens: np.ndarray, hand: tuple | None = None) -> list[tuple]:
+    """The VERDICT_DTYPE rows of one verified tree: parents int32[n] (-1 at the root, best-first),
+    tokens int64[n], path int32[a] (the nodes the target chose at, path[0] = 0), accepted
+    int64[a] (the target's token at each: the accepted draft tokens, then the bonus); hand =
+    (parents int32[m], scores float64[m]) of the tree at hand, best-first, whose first n nodes
+    are the verified tree (scores: the draft's path log-probabilities; None: lp fields NaN)."""
+    rows = []
+    par = np.asarray(parents)
+    nan = float("nan")
+    for depth, (node, chosen) in enumerate(zip(np.asarray(path).tolist(), np.asarray(accepted).tolist())):
+        kids = np.flatnonzero(par == node)                    # in best-first order
+        hit = np.flatnonzero(np.asarray(tokens)[kids] == chosen) if len(kids) else kids
+        lp = [nan, nan, nan]
+        if hand is not None:
+            hand_parents, scores = hand
+            for j, kid in enumerate(np.flatnonzero(np.asarray(hand_parents) == node)[:3].tolist()):
+                lp[j] = float(scores[kid] - scores[node])
+        rows.append((step, depth, len(kids), int(hit[0]) + 1 if len(hit) else 0, *lp))
+    return rows
 
 
 def h5_text(s: str) -> str:
@@ -154,6 +187,7 @@ def _write_request(group, r: RequestResult) -> None:
     g.create_dataset("prompt_ids", data=np.asarray(r.prompt_ids, dtype=np.int64))
     g.create_dataset("output_ids", data=np.asarray(r.output_ids, dtype=np.int64))
     g.create_dataset("steps", data=np.array(r.steps, dtype=STEP_DTYPE))
+    g.create_dataset("verdicts", data=np.array(r.verdicts, dtype=VERDICT_DTYPE))
 
 
 def _save(path: str, image: bytes) -> None:

@@ -1,0 +1,131 @@
+"""The step times `swiftspec plan` weighs: for each tensor-parallel group size g the job can
+form, its first g ranks load the target and the draft at size g and time their forwards the way
+the decode loops run them (cli/loading.py's profile: the target's verify forward with the greedy
+argmax read-back, the draft's forward with its top-k), and the leaders' message round trip."""
+from __future__ import annotations
+
+import gc
+import os
+import time
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from swiftspec_mpi.cli.loading import load_one, make_comm, torch_dtype
+from swiftspec_mpi.engine.decoding import draft_topk, verify_forward
+from swiftspec_mpi.engine.protocol import TREE_HEADER
+from swiftspec_mpi.model.transformer import chain_mask
+
+
+def rank_device(cfg, world) -> str:
+    """This rank's device: cuda:(node-local rank % GPUs) or cpu, as `swiftspec run` picks it."""
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        return "cpu"
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    idx = node.Get_rank() % torch.cuda.device_count()
+    node.Free()
+    torch.cuda.set_device(idx)
+    return f"cuda:{idx}"
+
+
+def device_id(device: str) -> str:
+    """A name equal on ranks that drive the same device: the GPU's UUID, or cpu:<host>:<rank>
+    (CPU ranks are pinned to their own cores: distinct)."""
+    import platform
+    if device.startswith("cuda"):
+        uuid = getattr(torch.cuda.get_device_properties(torch.device(device)), "uuid", None)
+        return f"gpu:{uuid}" if uuid is not None else f"gpu:{platform.node()}:{device}"
+    return f"cpu:{platform.node()}:{MPI.COMM_WORLD.Get_rank()}"
+
+
+def _time(fn, device: str, reps: int = 6) -> float:
+    cuda = device.startswith("cuda")
+    times = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return float(min(times[1:]))
+
+
+def _forward_times(cfg, path, comm, device, num_layers, sizes, target: bool) -> dict[int, float]:
+    model, _tok = load_one(cfg, path, comm, torch_dtype(cfg.dtype), device, num_layers)
+    out = {}
+    for n in sizes:
+        tokens, pos, mask = torch.zeros(n, dtype=torch.long), torch.arange(n, dtype=torch.long), chain_mask(0, n)
+        if target:
+            out[n] = _time(lambda: verify_forward(model, tokens, pos, 0, mask, True), device)
+        else:
+            out[n] = _time(lambda: draft_topk(model, cfg.tree_topk, tokens, pos, 0, mask), device)
+    del model
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return out
+
+
+def round_trip(world, reps: int = 30) -> float:
+    """Seconds of one tree message (64 nodes) from the last rank to rank 0 and one result back:
+    what an async step adds between the groups' leaders (median of `reps`)."""
+    n = world.Get_size()
+    if n < 2:
+        return 0.0
+    buf = np.zeros(TREE_HEADER + 3 * 64, dtype=np.int64)
+    times = []
+    rank = world.Get_rank()
+    for _ in range(reps):
+        world.Barrier()
+        t = time.perf_counter()
+        if rank == 0:
+            world.Recv(buf, source=n - 1, tag=7)
+            world.Send(buf[:70], dest=n - 1, tag=8)
+        elif rank == n - 1:
+            world.Send(buf, dest=0, tag=7)
+            world.Recv(buf[:70], source=0, tag=8)
+        times.append(time.perf_counter() - t)
+    return float(world.bcast(np.median(times) if rank == n - 1 else None, root=n - 1))
+
+
+def profile_groups(world, cfg, sizes: list[int], threads: int | None, heads: tuple[int, int]) -> dict:
+    """Every rank: -> (on rank 0, None elsewhere) {"t_target_s": {g: {n: s}}, "t_draft_s": {g:
+    {w: s}}, "t_x_s", "devices" (per rank), "shared" (a draft and a verify rank would share a
+    device), "sync_ranks" (the most leading ranks on distinct devices)}; n includes 1 (`ar`).
+    A model is timed only at the group sizes that divide its heads (target, draft)."""
+    rank, size = world.Get_rank(), world.Get_size()
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // size))
+    device = rank_device(cfg, world)
+    ids = world.allgather(device_id(device))
+    distinct = 1
+    while distinct < size and ids[distinct] not in ids[:distinct]:
+        distinct += 1
+    shared = len(set(ids)) < size
+    # group sizes: async verify / draft groups of size 1..size-1; sync on `distinct` ranks; on
+    # shared devices NCCL cannot join two ranks of one GPU: only groups of distinct devices
+    groups = sorted({g for g in range(1, size + 1) if g <= distinct})
+    t_target, t_draft = {}, {}
+    target_sizes = sorted(set(sizes) | {1})
+    for g in groups:
+        sub = world.Split(0 if rank < g else MPI.UNDEFINED, rank)
+        if sub != MPI.COMM_NULL:
+            comm = make_comm(sub, device, "a rank of the plan's group")
+            if heads[0] % g == 0:
+                tt = _forward_times(cfg, cfg.target, comm, device, None, target_sizes, True)
+                if rank == 0:
+                    t_target[g] = tt
+            if heads[1] % g == 0:
+                td = _forward_times(cfg, cfg.draft, comm, device, cfg.draft_layers, sizes, False)
+                if rank == 0:
+                    t_draft[g] = td
+            sub.Free()
+        world.Barrier()
+    t_x = round_trip(world)
+    if rank != 0:
+        return None
+    return {"t_target_s": t_target, "t_draft_s": t_draft, "t_x_s": t_x,
+            "devices": [i.split(":")[0] if i.startswith("cpu") else i for i in ids],
+            "shared": shared, "sync_ranks": distinct}

@@ -1,0 +1,146 @@
+"""Acceptance replayed from a model (`run --load-format dummy --accept-from FILE`): every kernel
+and message runs on the real shapes, but at each node of a verified tree the target's choice is
+drawn from the acceptance model (trace/acceptance.py) instead of read from its random logits, so
+trees are accepted as deeply as the real pair's were.
+
+Two halves:
+- the target (`ReplayAcceptor`, on the verify leader, in place of decoding.Acceptor): walking
+  down from the root, at a node of depth d with c children (best-first, so in the draft's
+  probability order) it draws r from the model's row of depth d and of the draft's confidence
+  there (the bucket of its first child's log-probability): rank 1..K with p[d][r-1], none with
+  p_none[d]. r <= c accepts that child and goes on; otherwise the step ends there and the bonus
+  token is the draft's rank-r child (which the draft may have grown without sending it; its
+  token is known, `child_tokens`), or for none a token that is not among the draft's top-k.
+  Draws come from (seed, request), so a `sync` run is reproducible; in `async` the trees depend
+  on timing, the draws on the seed.
+- the draft (`calibrate` and `child_tokens`, in DraftSide.expand): random weights have
+  near-uniform top-k, so the tree a draft grows from them has no shape. The log-probabilities of
+  a leaf's top-k children become those of a node of the real draft at that depth whose own
+  log-probability fell in the leaf's bucket, drawn from the model's samples, so the replayed
+  draft grows trees of the real draft's shapes; a model without samples (one built from a
+  reported mean accepted length) gives log p[d][r]: a draft calibrated to acceptance, which
+  grows the tree with the most expected accepted tokens under the model.
+The tokens are not the random model's either (child_tokens: a function of the parent's token
+and the rank): the text means nothing, and every request runs to --max-new-tokens.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from swiftspec_mpi.trace.acceptance import confidence_bucket
+
+FLOOR_LOGPROB = -30.0      # log-probability of a rank the model never accepts (keeps scores finite)
+
+
+class Replay(NamedTuple):
+    """What a replaying job's ranks hold (EngineContext.replay): `table` float64[D, B + 1, K + 1]
+    (acceptance.probs by confidence bucket, [:, B] the depth's own row), `draft_lp` per depth B + 1
+    tables float64[S, topk] or None (acceptance.draft_logprobs), `rng` the draft's draws of them
+    (seeded alike on every rank of a group, so that their trees agree), `vocab` the modulus of
+    child_tokens (the smaller vocabulary of the pair)."""
+    table: np.ndarray
+    draft_lp: list | None
+    rng: np.random.Generator
+    vocab: int
+
+    @classmethod
+    def of(cls, model: dict, topk: int, seed: int, vocab: int) -> "Replay":
+        from swiftspec_mpi.trace.acceptance import draft_logprobs, probs
+        return cls(probs(model, by_confidence=True), draft_logprobs(model, topk),
+                   np.random.default_rng([seed, 3]), vocab)
+
+
+def child_tokens(parents: np.ndarray, k: int, vocab: int) -> np.ndarray:
+    """int64[n, k]: the replayed draft's top-k children of nodes holding tokens `parents` int[n],
+    rank r (1-based) at column r - 1: (parent * k + r - 1) mod vocab, distinct among siblings
+    (vocab > k). A function of the parent's token alone, so that the verify leader knows the
+    token of a child it was not sent (the bonus token when the model picks a rank the verified
+    tree did not hold), as the real target's bonus is often a child the draft grew but did not send."""
+    p = np.asarray(parents, dtype=np.int64).reshape(-1, 1)
+    return (p * k + np.arange(k, dtype=np.int64)[None, :]) % vocab
+
+
+class ReplayAcceptor:
+    """decoding.Acceptor's interface (greedy: the verify forward returns the target's argmax);
+    `table` float64[D, B + 1, K + 1] from acceptance.probs(by_confidence=True)."""
+
+    temperature = 0.0
+    rule = "replay"
+
+    def __init__(self, table: np.ndarray, seed: int, topk: int, vocab: int):
+        self.table = np.asarray(table, dtype=np.float64)
+        self.topk, self.vocab = topk, vocab
+        self.cdf = np.cumsum(self.table, axis=2)
+        self.cdf[:, :, -1] = 1.0
+        self.seed = seed
+        self.top_logprobs = None
+        self.rng = np.random.default_rng([seed, 0, 2])
+
+    greedy = True
+    argmax_only = True
+
+    def start_request(self, request_index: int, max_new_tokens: int, verify_size: int) -> None:
+        self.rng = np.random.default_rng([self.seed, request_index, 2])
+
+    def draw(self, depth: int, bucket: int = -1) -> int:
+        """A rank 1..K from row `depth` (the last row past it) of confidence `bucket` (-1:
+        unknown, the depth's own row), or 0 for none."""
+        row = self.cdf[min(depth, len(self.cdf) - 1), bucket]
+        r = int(np.searchsorted(row, self.rng.random(), side="right"))
+        return r + 1 if r < len(row) - 1 else 0
+
+    def accept(self, tokens: np.ndarray, parents: np.ndarray, logits, out_len: int, scores=None
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """-> (path int32[a] from the root, accepted int64[a]: draft tokens + the bonus), as
+        decoding.Acceptor.accept (`logits`, the target's, are not read). `scores` float64[n], the
+        draft's path log-probabilities, give the draft's confidence at each node (the
+        log-probability of its first child): the row of its bucket is drawn from."""
+        parents = np.asarray(parents)
+        path, accepted = [0], []
+        node, depth = 0, 0
+        while True:
+            kids = np.flatnonzero(parents == node)          # best-first: the draft's rank order
+            bucket = -1
+            if scores is not None and len(kids):
+                bucket = int(confidence_bucket(scores[kids[0]] - scores[node]))
+            r = self.draw(depth, bucket)
+            if 1 <= r <= len(kids):
+                node = int(kids[r - 1])
+                path.append(node)
+                accepted.append(int(tokens[node]))
+                depth += 1
+                continue
+            # the bonus: the draft's rank-r child (one the verified tree did not hold), or for
+            # none of them the token after the draft's top-k (child_tokens' next value)
+            parent_tok = int(tokens[node])
+            accepted.append(int((parent_tok * self.topk + (r - 1 if r else self.topk)) % self.vocab))
+            return np.asarray(path, dtype=np.int32), np.asarray(accepted, dtype=np.int64)
+
+
+def calibrate(replay: Replay, depths: np.ndarray, k: int, own: np.ndarray | None = None) -> np.ndarray:
+    """float32[n, k]: the log-probabilities the replayed draft gives the top-k children of leaves
+    at `depths` int[n] whose own log-probabilities (their parents' for them; NaN: unknown, the
+    root) are `own` float[n]: each leaf draws one of the real draft's nodes at its depth whose own
+    log-probability fell in the same confidence bucket (draft_lp), so that a sure path goes on
+    sure as the real draft's do; a model without them gives log p[d][r] (a draft calibrated to
+    acceptance; FLOOR_LOGPROB where the model gives 0)."""
+    table = replay.table[:, -1]
+    if replay.draft_lp is not None:
+        buckets = confidence_bucket(np.full(len(depths), np.nan) if own is None else own)
+        out = np.empty((len(depths), k), dtype=np.float32)
+        for i, (dep, b) in enumerate(zip(np.asarray(depths).tolist(), buckets.tolist())):
+            rows = replay.draft_lp[min(int(dep), len(replay.draft_lp) - 1)][b]
+            out[i] = rows[replay.rng.integers(len(rows)), :k]
+        return out
+    d = np.minimum(np.asarray(depths, dtype=np.int64), len(table) - 1)
+    K = table.shape[1] - 1
+    p = np.zeros((len(d), k))
+    m = min(k, K)
+    p[:, :m] = table[d, :m]
+    with np.errstate(divide="ignore"):
+        lp = np.where(p > 0, np.log(np.maximum(p, 1e-300)), FLOOR_LOGPROB)
+    # equal probabilities would tie: keep the draft's rank order strictly
+    lp = lp - 1e-6 * np.arange(k)[None, :]
+    return lp.astype(np.float32)
