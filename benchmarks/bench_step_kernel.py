@@ -41,7 +41,7 @@ def bench_row(name: str, context: int, bw: float) -> dict:
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.gpu.graphs import GraphedModel
     from swiftspec_mpi.gpu.step_kernel import StepKernel
-    from swiftspec_mpi.checkpoints.dummy import dummy_model
+    from swiftspec_mpi.checkpoints.load import dummy_model
     from swiftspec_mpi.network.transformer import chain_mask
     shape, quant, head4, draft = ROWS[name]
     t0 = time.perf_counter()

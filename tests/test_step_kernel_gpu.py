@@ -33,11 +33,12 @@ def _available():
 def _model(spec: str, layers: int, quant: str = "none", group: int = 128, slots: int = 4224):
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.checkpoints import dummy
+    from swiftspec_mpi.checkpoints.load import dummy_model
     old = dummy.RandomPackedSource.GROUP
     dummy.RandomPackedSource.GROUP = group
     try:
-        model, _ = dummy.dummy_model(spec, SingleComm(), slots, torch.bfloat16, "cuda", num_layers=layers,
-                                     quant=quant)
+        model, _ = dummy_model(spec, SingleComm(), slots, torch.bfloat16, "cuda", num_layers=layers,
+                               quant=quant)
     finally:
         dummy.RandomPackedSource.GROUP = old
     return model

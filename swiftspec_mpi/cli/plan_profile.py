@@ -15,7 +15,7 @@ from mpi4py import MPI
 from swiftspec_mpi.cli.loading import load_one, make_comm, torch_dtype
 from swiftspec_mpi.engine.decoding import draft_topk, verify_forward
 from swiftspec_mpi.engine.protocol import TREE_HEADER
-from swiftspec_mpi.model.transformer import chain_mask
+from swiftspec_mpi.network.transformer import chain_mask
 
 
 def rank_device(cfg, world) -> str:
