@@ -6,9 +6,10 @@
 // its own list of instructions (built on the host once per model and N, in layer order):
 //   EMBED  x = embed[tokens]; h = RMSNorm(x, ln1 of layer 0)
 //   GEMV   `ntiles` 16-row tiles of one projection (QKV, O, gate|up, down or the LM head) over all
-//          K, with the op's epilogue; O and down add into the residual x, and the block that
-//          finishes the op's last instruction (the last arriver) runs the following RMSNorm of
-//          x into h (ln2, the next layer's ln1, or the final norm)
+//          K, in rounds of up to 8 tiles (128 rows: a warp a tile), with the op's epilogue; O and
+//          down add into the residual x, and the block that finishes the op's last instruction
+//          (the last arriver) runs the following RMSNorm of x into h (ln2, the next layer's ln1,
+//          or the final norm)
 //   ATTN   one query head x up to 8 rows: RoPE of this KV head's new K rows + their K/V append
 //          into the cache (every instruction of the KV head writes the same values), then the
 //          masked attention of the rows over the slots [0, n_valid) with an online softmax, the
@@ -20,14 +21,20 @@
 // Weight streaming: warp 8 is the loader. It walks the same instruction list and copies each GEMV
 // tile's weights, page after page (16 rows x up to 512 k's of bf16, or 16 rows x up to 16 128-k
 // chunks of 4-bit codes with their scales), into a ring of `npages` shared-memory pages with
-// cp.async.bulk (the TMA's 1-D copy, completion on an mbarrier). Weights do not depend on
-// activations, so the loader runs ahead of the counters the compute warps wait on: the next
-// tile's, op's and layer's weights stream while the current op finishes and while the block
-// waits. The 8 compute warps split each page's k's, multiply on tensor cores (mma m16n8k16: the
-// 16 W rows as A, up to 32 token rows as B in m-blocks of 8) and release the page. A GEMV
+// cp.async.bulk (the TMA's 1-D copy, completion on a `full` mbarrier per page). Weights do not
+// depend on activations, so the loader runs ahead of the counters the compute warps wait on: the
+// next tile's, op's and layer's weights stream while the current op finishes and while the block
+// waits. Each compute warp owns one tile of a round for the whole K (the 16 W rows as A of mma
+// m16n8k16, up to 32 token rows as B in m-blocks of 8): it waits for its own pages only, takes
+// each whole, releases it with one arrival on the page's `empty` mbarrier, and writes its 16 rows'
+// outputs from its accumulators, so no cross-warp reduction and no block barrier per tile or
+// page. A round of fewer than 5 tiles splits each tile's pages over 8 / na warps (2, 4 or 8),
+// whose sums meet once in shared memory at the round's end. The loader fills a round's pages in
+// (page, tile) order, so the warps advance through K together and share the ring's depth. A GEMV
 // instruction first stages its input X [N, K] in shared memory (the SwiGLU applied for the down
-// projection) when it fits in the host's split of the pool (step_kernel.py, pool_split: the
-// largest input that leaves 4 pages); else X is read from L2 for each page.
+// projection), whole when it fits in the host's split of the pool (step_kernel.py, pool_split),
+// else in blocks of whole pages' k's (x_block_k; staged again for each round), the compute warps
+// passing a barrier around each staging.
 //
 // Weight formats: bf16 [rows, K] row-major (each page = 16 row segments, padded to a 64-byte
 // odd multiple so that the fragment loads are conflict-free); 4-bit = swiftspec_mpi.gpu.w4a16's
@@ -66,9 +73,10 @@ constexpr int BF16_ROW_BYTES = BF16_PAGE_K * 2 + 64;   // 1088 = 64 mod 128: con
 constexpr int Q4_PAGE_CHUNKS = 16;              // 128-k chunks of one 4-bit page
 constexpr int Q4_SCALES_OFF = 16384;            // byte offset of the page's scale words
 constexpr int RED_BYTES = COMPUTE_WARPS * 16 * 32 * 4;
-// Shared memory: red (the warps' partial tiles, attention's scratch), the pages' mbarriers, a flag,
-// then the pool: X staged [N rows of 2 K + 64 bytes] (`xs_bytes`, the host's choice: the largest
-// op input that leaves room for 4 pages) and the ring of `npages` pages after it.
+// Shared memory: red (the k-split's partial tiles, attention's scratch), the pages' mbarriers, a flag,
+// then the pool: X staged [N rows of 2 kx + 64 bytes] (`xs_bytes`, the host's choice: the largest
+// op input whole when that leaves MIN_PAGES pages, else blocks of kx k's) and the ring of
+// `npages` pages after it.
 constexpr int HEAD_BYTES = 17408;               // red + 2 MAX_PAGES mbarriers + flag, rounded up
 constexpr int SMEM_BYTES = 227 * 1024;
 constexpr int POOL_BYTES = SMEM_BYTES - HEAD_BYTES;
