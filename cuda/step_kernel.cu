@@ -25,11 +25,10 @@
 // depend on activations, so the loader runs ahead of the counters the compute warps wait on: the
 // next tile's, op's and layer's weights stream while the current op finishes and while the block
 // waits. Each compute warp owns one tile of a round for the whole K (the 16 W rows as A of mma
-// m16n8k16, up to 32 token rows as B in m-blocks of 8): it waits for its own pages only, takes
-// each whole, releases it with one arrival on the page's `empty` mbarrier, and writes its 16 rows'
-// outputs from its accumulators, so no cross-warp reduction and no block barrier per tile or
-// page. A round of fewer than 5 tiles splits each tile's pages over 8 / na warps (2, 4 or 8),
-// whose sums meet once in shared memory at the round's end. The loader fills a round's pages in
+// m16n8k16, up to 32 token rows as B in m-blocks of 8): it multiplies its own pages whole (the
+// other warps only pass them), and writes its 16 rows' outputs from its accumulators, so no
+// cross-warp reduction and no block barrier per tile or page. A round of fewer than 5 tiles splits each tile's pages' k's over 8 / na warps (2, 4 or
+// 8), whose sums meet once in shared memory at the round's end. The loader fills a round's pages in
 // (page, tile) order, so the warps advance through K together and share the ring's depth. A GEMV
 // instruction first stages its input X [N, K] in shared memory (the SwiGLU applied for the down
 // projection), whole when it fits in the host's split of the pool (step_kernel.py, pool_split),
@@ -323,11 +322,17 @@ __device__ void rmsnorm_rows(const Params& p, const bf16* w, float* part) {
 // round r, `na` = min(8, ntiles - 8 r) tiles; the loader fills the ring in the order
 // (page j, tile i of the round), so the page (i, j) of the round is ring sequence number
 //   seq = base + j * na + i          (base: the pages of the block's earlier rounds)
-// and is consumed by warp i + na * (j % ks), ks = 8 / na (1 from 5 tiles on): a round of fewer
-// than 5 tiles splits each tile's pages over ks warps, whose partial sums meet once, in `red`, at
-// the end of the round. A warp consumes its pages in increasing seq, each page by one warp (its
-// `empty` mbarrier counts 1 arrival). gpu/step_schedule.py, `ring_order`, is the same index math
-// on the host (tests/test_step_schedule.py checks it and runs the ring's handshake).
+// and is computed by the ks = k_split(na) warps i + na * s (s < ks): ks = 1 from 5 tiles on, else
+// 8 / na rounded down to 2, 4 or 8; warp s of a tile takes the page's k-steps (bf16) or chunks
+// (4-bit) s, s + ks, ..., and the ks partial sums meet once, in `red`, at the end of the round.
+// Every compute warp still passes every page in seq order: it waits for the page's `full`
+// mbarrier, does its part if it has one, and arrives once on the page's `empty` mbarrier (count
+// 8). That keeps the parity waits exact: a warp waiting for fill f of a slot has seen fill f - 1
+// land (it passed the slot's previous page) and fill f + 1 cannot start before its own arrival;
+// were a page released by its owners alone, a warp skipping other warps' pages could see a
+// slot's parity two fills away and read a page not yet there. tests/test_step_schedule.py holds
+// the same index math on the host (the order checked against the loader's, the handshake run
+// step by step with that parity bound asserted).
 struct Page {
   int tile, k0, kspan;    // k0, kspan in k's (4-bit: multiples of 128)
 };
@@ -346,7 +351,7 @@ __device__ __forceinline__ Page page_of(const OpDesc& op, int tile, int j) {
   return pg;
 }
 
-// Warps splitting each tile's pages in a round of `na` tiles.
+// Warps sharing each tile's pages in a round of `na` tiles.
 __device__ __forceinline__ int k_split(int na) { return na >= 5 ? 1 : COMPUTE_WARPS / (na == 3 ? 4 : na); }
 
 // k's of X staged at a time: all K when N rows of 2 K + 64 bytes fit in xs_bytes, else the
@@ -412,9 +417,10 @@ __device__ __forceinline__ uint32_t dq_pair(uint32_t word, int i, uint32_t so) {
 // One whole page's MMAs by one warp: acc[mb] += W[16 rows of the tile, the page's k's] x X[8 tokens
 // of m-block mb, the same k's]^T. xs: the staged X block (rows of xstride bytes) whose first
 // column is k = xk0.
+// This warp takes part `sub` of `ks` (the k-steps / chunks sub, sub + ks, ...).
 template <int MB>
 __device__ __forceinline__ void page_mma(const OpDesc& op, const Page& pg, uint32_t page, uint32_t xs, int xstride,
-                                         int xk0, int N, float (&acc)[MB][4]) {
+                                         int xk0, int N, int sub, int ks, float (&acc)[MB][4]) {
   const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   uint32_t xr[MB];       // this lane's token row of each m-block (rows past N read row N-1, dropped)
 #pragma unroll
@@ -423,7 +429,7 @@ __device__ __forceinline__ void page_mma(const OpDesc& op, const Page& pg, uint3
     const int steps = pg.kspan / 32;
     const uint32_t ra = page + g * BF16_ROW_BYTES + q * 16, rb = ra + 8 * BF16_ROW_BYTES;
 #pragma unroll 4
-    for (int s = 0; s < steps; ++s) {
+    for (int s = sub; s < steps; s += ks) {
       const uint4 wa = lds16(ra + s * 64);
       const uint4 wb = lds16(rb + s * 64);
 #pragma unroll
@@ -437,7 +443,7 @@ __device__ __forceinline__ void page_mma(const OpDesc& op, const Page& pg, uint3
     const int nch = pg.kspan / 128;
     const int SW = 128 / (int)op.group;
 #pragma unroll 2
-    for (int c = 0; c < nch; ++c) {
+    for (int c = sub; c < nch; c += ks) {
       const uint32_t cb = page + c * 1024;
       const uint4 wa = lds16(cb + g * 64 + q * 16);
       const uint4 wb = lds16(cb + (g + 8) * 64 + q * 16);
@@ -541,16 +547,19 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
         }
         compute_sync();
       }
-      if (active) {
+      {
         const int j_end = xb == nxb - 1 ? npt : (xb + 1) * ppx;
         for (int j = xb * ppx; j < j_end; ++j) {
-          if (j % ks != sub) continue;
-          const int seq = page_seq + j * na + ti;
-          const int slot = seq % np;
-          mbar_wait(p, full + 8 * slot, (seq / np) & 1, instr, (uint64_t)p.timeout_ns);
-          page_mma<MB>(op, page_of(op, tile0 + r0 + ti, j), pages + slot * PAGE_BYTES, xs, xstride, xk0, N, acc);
-          __syncwarp();
-          if (lane == 0) mbar_arrive(empty + 8 * slot);
+          for (int t = 0; t < na; ++t) {                       // every page passed, this warp's done
+            const int seq = page_seq + j * na + t;
+            const int slot = seq % np;
+            mbar_wait(p, full + 8 * slot, (seq / np) & 1, instr, (uint64_t)p.timeout_ns);
+            if (active && t == ti)
+              page_mma<MB>(op, page_of(op, tile0 + r0 + ti, j), pages + slot * PAGE_BYTES, xs, xstride, xk0, N, sub,
+                           ks, acc);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty + 8 * slot);
+          }
         }
       }
     }
@@ -769,7 +778,7 @@ __device__ void step_body(const Params& p) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < np; ++i) {
       mbar_init(full + 8 * i, 1);
-      mbar_init(empty + 8 * i, 1);                 // the one warp that consumed the page
+      mbar_init(empty + 8 * i, COMPUTE_WARPS);     // every compute warp passes every page
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }

@@ -161,9 +161,9 @@ def test_shared_memory_pool_split():
 
 # ---------------------------------------------------------------- the GEMV ring (cuda/step_kernel.cu)
 # A CPU reference of the kernel's index math: run_gemv's rounds of up to 8 tiles, the loader's
-# (page j, tile i) order, each warp's pages (seq = base + j * na + ti, the k-split of rounds of
-# fewer than 5 tiles), the X blocks; then the ring's handshake (full / empty per slot, the compute
-# warps' barriers) run step by step.
+# (page j, tile i) order, each warp's pages (seq = base + j * na + ti; in rounds of fewer than 5
+# tiles, ks warps share each page), the X blocks; then the ring's handshake (full / empty per slot,
+# every warp passing every page, the compute warps' barriers) run step by step.
 WARPS = 8
 
 
@@ -182,7 +182,8 @@ def loader_order(ntiles: int, npt: int) -> list[tuple[int, int]]:
 
 def warp_program(warp: int, ntiles: int, npt: int, ppx: int, nxb: int, base: int) -> list:
     """What one compute warp does in run_gemv, in order: ("bar",) a compute-warp barrier,
-    ("page", seq, tile, j) a page consumed, ("out", tile) the epilogue of a tile."""
+    ("page", seq, tile, j, own) a page passed (own: this warp multiplies a part of it), ("out",
+    tile) the epilogue of a tile."""
     prog = []
     for r0 in range(0, ntiles, WARPS):
         na = min(WARPS, ntiles - r0)
@@ -193,9 +194,9 @@ def warp_program(warp: int, ntiles: int, npt: int, ppx: int, nxb: int, base: int
                 if r0 > 0 or xb > 0:
                     prog.append(("bar",))
                 prog.append(("bar",))
-            if sub < ks:
-                j_end = npt if xb == nxb - 1 else (xb + 1) * ppx
-                prog += [("page", base + j * na + ti, r0 + ti, j) for j in range(xb * ppx, j_end) if j % ks == sub]
+            j_end = npt if xb == nxb - 1 else (xb + 1) * ppx
+            prog += [("page", base + j * na + t, r0 + t, j, sub < ks and t == ti)
+                     for j in range(xb * ppx, j_end) for t in range(na)]
         base += npt * na
         if ks > 1:
             prog.append(("bar",))
@@ -210,61 +211,68 @@ def warp_program(warp: int, ntiles: int, npt: int, ppx: int, nxb: int, base: int
 @pytest.mark.parametrize("ntiles", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 61])
 @pytest.mark.parametrize("npt", [1, 2, 3, 4, 7, 28])
 def test_ring_order_matches_the_loader(ntiles, npt):
-    """Every (tile, page) of the instruction consumed exactly once, by the warp and at the ring
-    sequence number the loader filled it with; each warp's sequence numbers increasing; each
-    tile's epilogue run once, by one warp; no more than 8 warps a round."""
+    """Every (tile, page) of the instruction multiplied by its tile's ks warps (ti + na s), at the
+    ring sequence number the loader filled it with; every warp passing every page once, in
+    increasing sequence numbers; each tile's epilogue run once, by one warp."""
     loader = loader_order(ntiles, npt)
     assert sorted(loader) == [(t, j) for t in range(ntiles) for j in range(npt)]
-    seen, outs = {}, Counter()
+    seen, arrivals, outs = {}, Counter(), Counter()
     for w in range(WARPS):
         prog = warp_program(w, ntiles, npt, ppx=npt, nxb=1, base=0)
         seqs = [e[1] for e in prog if e[0] == "page"]
-        assert seqs == sorted(seqs)
+        assert seqs == list(range(len(loader)))
         for e in prog:
             if e[0] == "page":
-                assert e[1] not in seen and loader[e[1]] == (e[2], e[3])
-                seen[e[1]] = w
+                assert loader[e[1]] == (e[2], e[3])
+                arrivals[e[1]] += 1
+                if e[4]:
+                    seen.setdefault(e[1], set()).add(w)
             elif e[0] == "out":
                 outs[e[1]] += 1
         # the barriers are the same for every warp (uniform control flow)
         assert prog.count(("bar",)) == warp_program(0, ntiles, npt, npt, 1, 0).count(("bar",))
     assert sorted(seen) == list(range(len(loader)))
+    assert set(arrivals.values()) == {WARPS}
     assert outs == Counter(range(ntiles))
-    # a tile's pages over its k-split warps: warp ti + na * (j % ks)
-    for seq, w in seen.items():
+    for seq, ws in seen.items():
         t, j = loader[seq]
         r0 = t // WARPS * WARPS
         na = min(WARPS, ntiles - r0)
-        assert w == (t - r0) + na * (j % k_split(na))
+        assert ws == {(t - r0) + na * s for s in range(k_split(na))}
 
 
 def run_ring(instrs: list[tuple[int, int, int, int]], npages: int) -> int:
     """The handshake of one block's GEMV instructions [(ntiles, pages a tile, pages an X block,
     X blocks)] through a ring of `npages` slots: the loader fills seq once the slot's previous
-    page (seq - npages) was consumed, a warp consumes seq once filled, the barriers wait for all
-    8 warps. Returns the pages moved; raises AssertionError on a deadlock."""
+    page (seq - npages) has its 8 arrivals, a warp passes seq once filled and arrives, the
+    barriers wait for all 8 warps. Whenever a warp looks at the slot of seq (fill f = seq //
+    npages), the slot has had f or f + 1 fills: what makes the kernel's parity waits exact.
+    Returns the pages moved; raises AssertionError on a deadlock."""
     progs, order, base = [[] for _ in range(WARPS)], [], 0
     for ntiles, npt, ppx, nxb in instrs:
         for w in range(WARPS):
             progs[w] += warp_program(w, ntiles, npt, ppx, nxb, base)
         order += loader_order(ntiles, npt)
         base = len(order)
-    filled, consumed = [False] * len(order), [False] * len(order)
+    fills, arrived = [0] * npages, [0] * len(order)
     nxt, pc = 0, [0] * WARPS
     while True:
         moved = False
-        while nxt < len(order) and (nxt < npages or consumed[nxt - npages]):
-            filled[nxt] = True
+        while nxt < len(order) and (nxt < npages or arrived[nxt - npages] == WARPS):
+            assert fills[nxt % npages] == nxt // npages
+            fills[nxt % npages] += 1
             nxt += 1
             moved = True
         for w in range(WARPS):
             while pc[w] < len(progs[w]) and progs[w][pc[w]][0] != "bar":
                 e = progs[w][pc[w]]
                 if e[0] == "page":
-                    if not filled[e[1]]:
+                    f = e[1] // npages
+                    assert fills[e[1] % npages] in (f, f + 1)
+                    if fills[e[1] % npages] == f:
                         break
-                    assert not consumed[e[1]]
-                    consumed[e[1]] = True
+                    arrived[e[1]] += 1
+                    assert arrived[e[1]] <= WARPS
                 pc[w] += 1
                 moved = True
         if all(pc[w] < len(progs[w]) and progs[w][pc[w]][0] == "bar" for w in range(WARPS)):
@@ -274,7 +282,7 @@ def run_ring(instrs: list[tuple[int, int, int, int]], npages: int) -> int:
         if not moved:
             break
     assert all(pc[w] == len(progs[w]) for w in range(WARPS)), f"ring deadlock at {pc}, loader at {nxt}"
-    assert all(consumed)
+    assert all(a == WARPS for a in arrived)
     return len(order)
 
 
