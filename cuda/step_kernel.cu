@@ -504,6 +504,35 @@ __device__ __forceinline__ void gemv_out(const Params& p, const OpDesc& op, int6
   }
 }
 
+// X[:, xk0 : xk0 + kn] (N rows; swiglu: bf16(bf16(silu(g)) * u) of gu) into shared memory at xs,
+// rows of xstride bytes, by the compute threads: X_BATCH 16-byte L2 loads in flight a thread
+// before their stores (a load-store pair at a time would pay an L2 round trip per 16 bytes).
+constexpr int X_BATCH = 4;
+__device__ __forceinline__ void stage_x(const bf16* X, int64_t ld, bool swiglu, int64_t I, int N, int xk0, int kn,
+                                        uint32_t xs, int xstride) {
+  const int per_row = kn / 8, total = N * per_row;
+  for (int i0 = threadIdx.x; i0 < total; i0 += X_BATCH * COMPUTE_THREADS) {
+    uint4 v[X_BATCH];
+#pragma unroll
+    for (int u = 0; u < X_BATCH; ++u) {
+      const int i = i0 + u * COMPUTE_THREADS;
+      if (i < total) {
+        const int r = i / per_row, c = (i - r * per_row) * 8;
+        v[u] = load_x(X, ld, r, xk0 + c, swiglu, I);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < X_BATCH; ++u) {
+      const int i = i0 + u * COMPUTE_THREADS;
+      if (i < total) {
+        const int r = i / per_row, c = (i - r * per_row) * 8;
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" :: "r"(xs + r * xstride + c * 2), "r"(v[u].x),
+                     "r"(v[u].y), "r"(v[u].z), "r"(v[u].w) : "memory");
+      }
+    }
+  }
+}
+
 // Tiles [tile0, tile0 + ntiles) of one GEMV op, in rounds of up to 8 tiles (the ring order above).
 // X [N, K] is staged in shared memory (the SwiGLU applied for the down projection) once for the
 // instruction when it fits, else in blocks of x_block_k k's, again for each round; the compute
@@ -537,14 +566,7 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
       const int xk0 = xb * kx;
       if (r0 == 0 || nxb > 1) {
         if (r0 > 0 || xb > 0) compute_sync();                // every warp is done with the staged block
-        const int per_row = min(kx, K - xk0) / 8;
-#pragma unroll 4
-        for (int i = threadIdx.x; i < N * per_row; i += COMPUTE_THREADS) {
-          const int r = i / per_row, c = (i - r * per_row) * 8;
-          const uint4 v = load_x(X, ld, r, xk0 + c, swiglu, p.I);
-          asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" :: "r"(xs + r * xstride + c * 2), "r"(v.x),
-                       "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-        }
+        stage_x(X, ld, swiglu, p.I, N, xk0, min(kx, K - xk0), xs, xstride);
         compute_sync();
       }
       {
