@@ -7,12 +7,12 @@
 #   bash benchmarks/gpu_step_kernel_quick.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
-export PYTHONPATH=$PWD
+export PYTHONPATH=$PWD CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/.cache/cupy}   # cubins kept across calls
 T0=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-timeout 45 python3 setup.py build_ext --inplace -q -j 8 > "$OUT/build.log" 2>&1 || { echo "build failed"; tail -5 "$OUT/build.log"; }
+timeout 40 python3 setup.py build_ext --inplace -q -j 8 > "$OUT/build.log" 2>&1 || { echo "build failed"; tail -5 "$OUT/build.log"; }
 echo "build done at $((SECONDS - T0)) s"
-STEP_KERNEL_CASES=quick timeout 60 python3 -m pytest -q -x -m gpu tests/test_step_kernel_gpu.py -p no:cacheprovider -s \
+STEP_KERNEL_CASES=quick timeout 70 python3 -m pytest -q -x -m gpu tests/test_step_kernel_gpu.py -p no:cacheprovider -s \
   -k "1b-2-none-128 or 1b-2-int4-128 or qwen2.5-0.5b-3-none-128 or graph or watchdog" \
   > "$OUT/tests.log" 2>&1
 echo "tests rc $? at $((SECONDS - T0)) s"
