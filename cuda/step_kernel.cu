@@ -19,7 +19,7 @@
 // zeroes every counter, so the next launch starts clean without another kernel.
 //
 // Weight streaming: warp 8 is the loader. It walks the same instruction list and copies each GEMV
-// tile's weights, page after page (16 rows x up to 512 k's of bf16, or 16 rows x up to 16 128-k
+// tile's weights, page after page (16 rows x up to 256 k's of bf16, or 16 rows x up to 8 128-k
 // chunks of 4-bit codes with their scales), into a ring of `npages` shared-memory pages with
 // cp.async.bulk (the TMA's 1-D copy, completion on a `full` mbarrier per page). Weights do not
 // depend on activations, so the loader runs ahead of the counters the compute warps wait on: the
@@ -65,12 +65,14 @@ typedef __nv_bfloat16 bf16;
 constexpr int COMPUTE_WARPS = 8;
 constexpr int COMPUTE_THREADS = COMPUTE_WARPS * 32;
 constexpr int THREADS = COMPUTE_THREADS + 32;
-constexpr int MAX_PAGES = 10;
-constexpr int PAGE_BYTES = 20480;
-constexpr int BF16_PAGE_K = 512;                // k's of one bf16 page
-constexpr int BF16_ROW_BYTES = BF16_PAGE_K * 2 + 64;   // 1088 = 64 mod 128: conflict-free rows
-constexpr int Q4_PAGE_CHUNKS = 16;              // 128-k chunks of one 4-bit page
-constexpr int Q4_SCALES_OFF = 16384;            // byte offset of the page's scale words
+// Pages of 10 KB: a warp holds the page it multiplies (all 8 may hold one each), so the ring
+// needs many more pages than warps to keep loads in flight.
+constexpr int MAX_PAGES = 20;
+constexpr int PAGE_BYTES = 10240;
+constexpr int BF16_PAGE_K = 256;                // k's of one bf16 page
+constexpr int BF16_ROW_BYTES = BF16_PAGE_K * 2 + 64;   // 576 = 64 mod 128: conflict-free rows
+constexpr int Q4_PAGE_CHUNKS = 8;               // 128-k chunks of one 4-bit page
+constexpr int Q4_SCALES_OFF = 8192;             // byte offset of the page's scale words
 constexpr int RED_BYTES = COMPUTE_WARPS * 16 * 32 * 4;
 // Shared memory: red (the k-split's partial tiles, attention's scratch), the pages' mbarriers, a flag,
 // then the pool: X staged [N rows of 2 kx + 64 bytes] (`xs_bytes`, the host's choice: the largest
@@ -132,6 +134,9 @@ static_assert(sizeof(LayerDesc) == 4 * 8, "LayerDesc layout");
 static_assert(sizeof(Params) == 39 * 8, "Params layout");
 static_assert(RED_BYTES + 2 * MAX_PAGES * 8 + 16 <= HEAD_BYTES, "shared memory head");
 static_assert(MAX_PAGES * PAGE_BYTES <= POOL_BYTES, "pages");
+static_assert(16 * BF16_ROW_BYTES <= PAGE_BYTES && BF16_ROW_BYTES % 128 == 64, "bf16 page");
+static_assert(Q4_PAGE_CHUNKS * 1024 == Q4_SCALES_OFF && Q4_SCALES_OFF + Q4_PAGE_CHUNKS * 64 * 4 <= PAGE_BYTES,
+              "4-bit page: codes, then the scale words of group 32");
 
 // ------------------------------------------------------------------ small helpers
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
@@ -316,8 +321,8 @@ __device__ void rmsnorm_rows(const Params& p, const bf16* w, float* part) {
 }
 
 // ------------------------------------------------------------------ pages of a GEMV instruction
-// A page = one 16-row tile's weights over `page_k` k's (bf16: 512 k's, 16 row segments of 1 KB at
-// a BF16_ROW_BYTES pitch; 4-bit: 16 chunks of 128 k's, the tile-major codes then the scale words).
+// A page = one 16-row tile's weights over `page_k` k's (bf16: 256 k's, 16 row segments of 512 B at
+// a BF16_ROW_BYTES pitch; 4-bit: 8 chunks of 128 k's, the tile-major codes then the scale words).
 // A GEMV instruction runs its `ntiles` tiles in rounds of up to 8 (one tile a warp, 128 rows): in
 // round r, `na` = min(8, ntiles - 8 r) tiles; the loader fills the ring in the order
 // (page j, tile i of the round), so the page (i, j) of the round is ring sequence number

@@ -137,12 +137,14 @@ def test_step_kernel_flag_and_record():
 
 def test_shared_memory_pool_split():
     """The staged input and the weight pages share the pool: at least MIN_PAGES pages while a
-    page's k's of X fit beside them (4 at N = 32 with 4-bit pages), never more than the pool; the
-    largest input whole when it fits (Llama-3.2-1B at N = 1: the down projection's 8192 inputs, 9
-    pages), else blocks of whole pages' k's; the rows 16-byte aligned, the pages 128."""
+    page's k's of X fit beside them, never more than the pool; the largest input whole when it
+    fits (Llama-3.2-1B at N = 1: the down projection's 8192 inputs, 19 pages), else blocks of whole
+    pages' k's (Llama-3-8B at N = 8: 5120 of 14336 for 4-bit); the rows 16-byte aligned, the pages
+    128."""
     from swiftspec_mpi.gpu import step_kernel as sk
-    assert sk.pool_split(1, [2048, 2048, 8192], sk.PAGE_K_BF16) == (16512, 9)
-    assert sk.pool_split(32, [4096, 4096, 14336], sk.PAGE_K_Q4)[1] == 4
+    assert sk.pool_split(1, [2048, 2048, 8192], sk.PAGE_K_BF16) == (16512, 19)
+    xs, pages = sk.pool_split(8, [4096, 4096, 14336], sk.PAGE_K_Q4)
+    assert pages == sk.MIN_PAGES and sk.x_block_k(xs, 8, 14336, sk.PAGE_K_Q4) == 5120
     for n in range(1, 33):
         for dims in ([2048, 2048, 8192], [4096, 4096, 14336], [8192, 8192, 28672], [576, 576, 1536],
                      [896, 896, 4864]):

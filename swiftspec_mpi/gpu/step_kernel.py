@@ -31,10 +31,10 @@ from swiftspec_mpi.gpu.launch import function, launch, sm_count
 _SOURCE = "step_kernel"
 THREADS = 288
 # cuda/step_kernel.cu's shared memory: a fixed head, then the pool of staged X and weight pages
-PAGE_BYTES, MAX_PAGES, MIN_PAGES = 20480, 10, 6
+PAGE_BYTES, MAX_PAGES, MIN_PAGES = 10240, 20, 12
 SMEM_BYTES, HEAD_BYTES = 227 * 1024, 17408
 POOL_BYTES = SMEM_BYTES - HEAD_BYTES
-PAGE_K_BF16, PAGE_K_Q4 = 512, 2048      # k's of one weight page (16 rows of a tile)
+PAGE_K_BF16, PAGE_K_Q4 = 256, 1024      # k's of one weight page (16 rows of a tile)
 
 
 def x_block_k(xs_bytes: int, n: int, k: int, page_k: int) -> int:
