@@ -6,9 +6,10 @@
 // its own list of instructions (built on the host once per model and N, in layer order):
 //   EMBED  x = embed[tokens]; h = RMSNorm(x, ln1 of layer 0)
 //   GEMV   `ntiles` 16-row tiles of one projection (QKV, O, gate|up, down or the LM head) over all
-//          K, with the op's epilogue; O and down add into the residual x, and the block that
-//          finishes the op's last instruction (the last arriver) runs the following RMSNorm of
-//          x into h (ln2, the next layer's ln1, or the final norm)
+//          K, in rounds of up to 8 tiles (128 rows: a warp a tile), with the op's epilogue; O and
+//          down add into the residual x, and the block that finishes the op's last instruction
+//          (the last arriver) runs the following RMSNorm of x into h (ln2, the next layer's ln1,
+//          or the final norm)
 //   ATTN   one query head x up to 8 rows: RoPE of this KV head's new K rows + their K/V append
 //          into the cache (every instruction of the KV head writes the same values), then the
 //          masked attention of the rows over the slots [0, n_valid) with an online softmax, the
@@ -18,16 +19,21 @@
 // zeroes every counter, so the next launch starts clean without another kernel.
 //
 // Weight streaming: warp 8 is the loader. It walks the same instruction list and copies each GEMV
-// tile's weights, page after page (16 rows x up to 512 k's of bf16, or 16 rows x up to 16 128-k
+// tile's weights, page after page (16 rows x up to 256 k's of bf16, or 16 rows x up to 8 128-k
 // chunks of 4-bit codes with their scales), into a ring of `npages` shared-memory pages with
-// cp.async.bulk (the TMA's 1-D copy, completion on an mbarrier). Weights do not depend on
-// activations, so the loader runs ahead of the counters the compute warps wait on: the next
-// tile's, op's and layer's weights stream while the current op finishes and while the block
-// waits. The 8 compute warps split each page's k's, multiply on tensor cores (mma m16n8k16: the
-// 16 W rows as A, up to 32 token rows as B in m-blocks of 8) and release the page. A GEMV
+// cp.async.bulk (the TMA's 1-D copy, completion on a `full` mbarrier per page). Weights do not
+// depend on activations, so the loader runs ahead of the counters the compute warps wait on: the
+// next tile's, op's and layer's weights stream while the current op finishes and while the block
+// waits. Each compute warp owns one tile of a round for the whole K (the 16 W rows as A of mma
+// m16n8k16, up to 32 token rows as B in m-blocks of 8): it multiplies its own pages whole (the
+// other warps only pass them), and writes its 16 rows' outputs from its accumulators, so no
+// cross-warp reduction and no block barrier per tile or page. A round of fewer than 5 tiles splits each tile's pages' k's over 8 / na warps (2, 4 or
+// 8), whose sums meet once in shared memory at the round's end. The loader fills a round's pages in
+// (page, tile) order, so the warps advance through K together and share the ring's depth. A GEMV
 // instruction first stages its input X [N, K] in shared memory (the SwiGLU applied for the down
-// projection) when it fits in the host's split of the pool (step_kernel.py, pool_split: the
-// largest input that leaves 4 pages); else X is read from L2 for each page.
+// projection), whole when it fits in the host's split of the pool (step_kernel.py, pool_split),
+// else in blocks of whole pages' k's (x_block_k; staged again for each round), the compute warps
+// passing a barrier around each staging.
 //
 // Weight formats: bf16 [rows, K] row-major (each page = 16 row segments, padded to a 64-byte
 // odd multiple so that the fragment loads are conflict-free); 4-bit = swiftspec_mpi.gpu.w4a16's
@@ -59,16 +65,19 @@ typedef __nv_bfloat16 bf16;
 constexpr int COMPUTE_WARPS = 8;
 constexpr int COMPUTE_THREADS = COMPUTE_WARPS * 32;
 constexpr int THREADS = COMPUTE_THREADS + 32;
-constexpr int MAX_PAGES = 10;
-constexpr int PAGE_BYTES = 20480;
-constexpr int BF16_PAGE_K = 512;                // k's of one bf16 page
-constexpr int BF16_ROW_BYTES = BF16_PAGE_K * 2 + 64;   // 1088 = 64 mod 128: conflict-free rows
-constexpr int Q4_PAGE_CHUNKS = 16;              // 128-k chunks of one 4-bit page
-constexpr int Q4_SCALES_OFF = 16384;            // byte offset of the page's scale words
+// Pages of 10 KB: a warp holds the page it multiplies (all 8 may hold one each), so the ring
+// needs many more pages than warps to keep loads in flight.
+constexpr int MAX_PAGES = 20;
+constexpr int PAGE_BYTES = 10240;
+constexpr int BF16_PAGE_K = 256;                // k's of one bf16 page
+constexpr int BF16_ROW_BYTES = BF16_PAGE_K * 2 + 64;   // 576 = 64 mod 128: conflict-free rows
+constexpr int Q4_PAGE_CHUNKS = 8;               // 128-k chunks of one 4-bit page
+constexpr int Q4_SCALES_OFF = 8192;             // byte offset of the page's scale words
 constexpr int RED_BYTES = COMPUTE_WARPS * 16 * 32 * 4;
-// Shared memory: red (the warps' partial tiles, attention's scratch), the pages' mbarriers, a flag,
-// then the pool: X staged [N rows of 2 K + 64 bytes] (`xs_bytes`, the host's choice: the largest
-// op input that leaves room for 4 pages) and the ring of `npages` pages after it.
+// Shared memory: red (the k-split's partial tiles, attention's scratch), the pages' mbarriers, a flag,
+// then the pool: X staged [N rows of 2 kx + 64 bytes] (`xs_bytes`, the host's choice: the largest
+// op input whole when that leaves MIN_PAGES pages, else blocks of kx k's) and the ring of
+// `npages` pages after it.
 constexpr int HEAD_BYTES = 17408;               // red + 2 MAX_PAGES mbarriers + flag, rounded up
 constexpr int SMEM_BYTES = 227 * 1024;
 constexpr int POOL_BYTES = SMEM_BYTES - HEAD_BYTES;
@@ -125,6 +134,9 @@ static_assert(sizeof(LayerDesc) == 4 * 8, "LayerDesc layout");
 static_assert(sizeof(Params) == 39 * 8, "Params layout");
 static_assert(RED_BYTES + 2 * MAX_PAGES * 8 + 16 <= HEAD_BYTES, "shared memory head");
 static_assert(MAX_PAGES * PAGE_BYTES <= POOL_BYTES, "pages");
+static_assert(16 * BF16_ROW_BYTES <= PAGE_BYTES && BF16_ROW_BYTES % 128 == 64, "bf16 page");
+static_assert(Q4_PAGE_CHUNKS * 1024 == Q4_SCALES_OFF && Q4_SCALES_OFF + Q4_PAGE_CHUNKS * 64 * 4 <= PAGE_BYTES,
+              "4-bit page: codes, then the scale words of group 32");
 
 // ------------------------------------------------------------------ small helpers
 __device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
@@ -309,22 +321,49 @@ __device__ void rmsnorm_rows(const Params& p, const bf16* w, float* part) {
 }
 
 // ------------------------------------------------------------------ pages of a GEMV instruction
+// A page = one 16-row tile's weights over `page_k` k's (bf16: 256 k's, 16 row segments of 512 B at
+// a BF16_ROW_BYTES pitch; 4-bit: 8 chunks of 128 k's, the tile-major codes then the scale words).
+// A GEMV instruction runs its `ntiles` tiles in rounds of up to 8 (one tile a warp, 128 rows): in
+// round r, `na` = min(8, ntiles - 8 r) tiles; the loader fills the ring in the order
+// (page j, tile i of the round), so the page (i, j) of the round is ring sequence number
+//   seq = base + j * na + i          (base: the pages of the block's earlier rounds)
+// and is computed by the ks = k_split(na) warps i + na * s (s < ks): ks = 1 from 5 tiles on, else
+// 8 / na rounded down to 2, 4 or 8; warp s of a tile takes the page's k-steps (bf16) or chunks
+// (4-bit) s, s + ks, ..., and the ks partial sums meet once, in `red`, at the end of the round.
+// Every compute warp still passes every page in seq order: it waits for the page's `full`
+// mbarrier, does its part if it has one, and arrives once on the page's `empty` mbarrier (count
+// 8). That keeps the parity waits exact: a warp waiting for fill f of a slot has seen fill f - 1
+// land (it passed the slot's previous page) and fill f + 1 cannot start before its own arrival;
+// were a page released by its owners alone, a warp skipping other warps' pages could see a
+// slot's parity two fills away and read a page not yet there. tests/test_step_schedule.py holds
+// the same index math on the host (the order checked against the loader's, the handshake run
+// step by step with that parity bound asserted).
 struct Page {
-  int tile, k0, kspan;    // bf16: k's; 4-bit: k0 in k's, kspan in k's (multiple of 128)
+  int tile, k0, kspan;    // k0, kspan in k's (4-bit: multiples of 128)
 };
 
+__device__ __forceinline__ int page_k(const OpDesc& op) { return op.fmt == 0 ? BF16_PAGE_K : Q4_PAGE_CHUNKS * 128; }
+
 __device__ __forceinline__ int pages_per_tile(const OpDesc& op) {
-  return op.fmt == 0 ? (int)((op.K + BF16_PAGE_K - 1) / BF16_PAGE_K)
-                     : (int)((op.K / 128 + Q4_PAGE_CHUNKS - 1) / Q4_PAGE_CHUNKS);
+  return (int)((op.K + page_k(op) - 1) / page_k(op));
 }
 
 __device__ __forceinline__ Page page_of(const OpDesc& op, int tile, int j) {
   Page pg;
   pg.tile = tile;
-  const int span = op.fmt == 0 ? BF16_PAGE_K : Q4_PAGE_CHUNKS * 128;
-  pg.k0 = j * span;
-  pg.kspan = min(span, (int)op.K - pg.k0);
+  pg.k0 = j * page_k(op);
+  pg.kspan = min(page_k(op), (int)op.K - pg.k0);
   return pg;
+}
+
+// Warps sharing each tile's pages in a round of `na` tiles.
+__device__ __forceinline__ int k_split(int na) { return na >= 5 ? 1 : COMPUTE_WARPS / (na == 3 ? 4 : na); }
+
+// k's of X staged at a time: all K when N rows of 2 K + 64 bytes fit in xs_bytes, else the
+// largest multiple of the page's k's that fits (the host makes xs_bytes hold at least one page's).
+__device__ __forceinline__ int x_block_k(int64_t xs_bytes, int N, int K, int pk) {
+  const int fit = (int)((xs_bytes / N - 64) / 2);
+  return K <= fit ? K : fit / pk * pk;
 }
 
 // Loader lane: issue the copies of one page into `dst` (shared address) on mbarrier `bar`.
@@ -380,45 +419,36 @@ __device__ __forceinline__ uint32_t dq_pair(uint32_t word, int i, uint32_t so) {
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 
-// One page's MMAs for this warp: acc[mb] (16 W rows x 8 tokens of m-block mb).
-template <int MB>
-__device__ __forceinline__ uint4 x_operand(uint32_t xs, int xstride, const bf16* X, int64_t ld, bool swiglu,
-                                           int64_t I, int row, int k) {
-  return xs ? lds16(xs + row * xstride + k * 2) : load_x(X, ld, row, k, swiglu, I);
-}
-
-// xs: the shared address of X staged [N rows of xstride bytes] (swiglu applied), or 0: X read from
-// global memory (L2) here.
+// One whole page's MMAs by one warp: acc[mb] += W[16 rows of the tile, the page's k's] x X[8 tokens
+// of m-block mb, the same k's]^T. xs: the staged X block (rows of xstride bytes) whose first
+// column is k = xk0.
+// This warp takes part `sub` of `ks` (the k-steps / chunks sub, sub + ks, ...).
 template <int MB>
 __device__ __forceinline__ void page_mma(const OpDesc& op, const Page& pg, uint32_t page, uint32_t xs, int xstride,
-                                         const bf16* X, int64_t ld, bool swiglu, int64_t I, int N,
-                                         float (&acc)[MB][4]) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  int rows[MB];
+                                         int xk0, int N, int sub, int ks, float (&acc)[MB][4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  uint32_t xr[MB];       // this lane's token row of each m-block (rows past N read row N-1, dropped)
 #pragma unroll
-  for (int mb = 0; mb < MB; ++mb) rows[mb] = min(8 * mb + g, N - 1);   // rows past N: read row N-1, dropped
+  for (int mb = 0; mb < MB; ++mb) xr[mb] = xs + min(8 * mb + g, N - 1) * xstride + (pg.k0 - xk0) * 2;
   if (op.fmt == 0) {
     const int steps = pg.kspan / 32;
+    const uint32_t ra = page + g * BF16_ROW_BYTES + q * 16, rb = ra + 8 * BF16_ROW_BYTES;
+#pragma unroll 4
+    for (int s = sub; s < steps; s += ks) {
+      const uint4 wa = lds16(ra + s * 64);
+      const uint4 wb = lds16(rb + s * 64);
 #pragma unroll
-    for (int it = 0; it < BF16_PAGE_K / 32 / COMPUTE_WARPS; ++it) {
-      const int s = warp + it * COMPUTE_WARPS;
-      if (s < steps) {
-        const int kk = s * 32 + 8 * q;
-        const uint4 wa = lds16(page + g * BF16_ROW_BYTES + kk * 2);
-        const uint4 wb = lds16(page + (g + 8) * BF16_ROW_BYTES + kk * 2);
-#pragma unroll
-        for (int mb = 0; mb < MB; ++mb) {
-          const uint4 xv = x_operand<MB>(xs, xstride, X, ld, swiglu, I, rows[mb], pg.k0 + kk);
-          mma_bf16(acc[mb], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
-          mma_bf16(acc[mb], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
-        }
+      for (int mb = 0; mb < MB; ++mb) {
+        const uint4 xv = lds16(xr[mb] + s * 64 + q * 16);
+        mma_bf16(acc[mb], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
+        mma_bf16(acc[mb], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
       }
     }
   } else {
     const int nch = pg.kspan / 128;
     const int SW = 128 / (int)op.group;
-#pragma unroll 1
-    for (int c = warp; c < nch; c += COMPUTE_WARPS) {
+#pragma unroll 2
+    for (int c = sub; c < nch; c += ks) {
       const uint32_t cb = page + c * 1024;
       const uint4 wa = lds16(cb + g * 64 + q * 16);
       const uint4 wb = lds16(cb + (g + 8) * 64 + q * 16);
@@ -432,10 +462,10 @@ __device__ __forceinline__ void page_mma(const OpDesc& op, const Page& pg, uint3
         const uint32_t a2 = dq_pair(wav[part], 2, sa), a3 = dq_pair(wav[part], 3, sa);
         const uint32_t b0 = dq_pair(wbv[part], 0, sbb), b1 = dq_pair(wbv[part], 1, sbb);
         const uint32_t b2 = dq_pair(wbv[part], 2, sbb), b3 = dq_pair(wbv[part], 3, sbb);
-        const int k = pg.k0 + c * 128 + 32 * part + 8 * q;
+        const uint32_t xo = (c * 128 + 32 * part + 8 * q) * 2;
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb) {
-          const uint4 xv = x_operand<MB>(xs, xstride, X, ld, swiglu, I, rows[mb], k);
+          const uint4 xv = lds16(xr[mb] + xo);
           mma_bf16(acc[mb], a0, b0, a1, b1, xv.x, xv.y);
           mma_bf16(acc[mb], a2, b2, a3, b3, xv.z, xv.w);
         }
@@ -458,12 +488,66 @@ __device__ void run_embed(const Params& p, float* part) {
   rmsnorm_rows(p, p.layers[0].ln1, part);
 }
 
+// The op's epilogue for output row n (of W) and token row m: value v (fp32 sum over K).
+__device__ __forceinline__ void gemv_out(const Params& p, const OpDesc& op, int64_t n, int m, float v) {
+  switch ((int)op.kind) {
+    case K_QKV: {
+      if (op.bias) v += __bfloat162float(op.bias[n]);
+      p.qkv[(int64_t)m * p.qkv_cols + n] = __float2bfloat16_rn(v);
+      break;
+    }
+    case K_O:
+    case K_DOWN: {
+      if (op.bias) v += __bfloat162float(op.bias[n]);
+      const float a = round_bf16(v);
+      bf16* xp = p.x + (int64_t)m * p.H + n;
+      *xp = __float2bfloat16_rn(ldcg_bf16(xp) + a);
+      break;
+    }
+    case K_GU: p.gu[(int64_t)m * 2 * p.I + n] = __float2bfloat16_rn(v); break;
+    default: p.logits[(int64_t)m * p.V + n] = round_bf16(v); break;
+  }
+}
+
+// X[:, xk0 : xk0 + kn] (N rows; swiglu: bf16(bf16(silu(g)) * u) of gu) into shared memory at xs,
+// rows of xstride bytes, by the compute threads: X_BATCH 16-byte L2 loads in flight a thread
+// before their stores (a load-store pair at a time would pay an L2 round trip per 16 bytes).
+constexpr int X_BATCH = 4;
+__device__ __forceinline__ void stage_x(const bf16* X, int64_t ld, bool swiglu, int64_t I, int N, int xk0, int kn,
+                                        uint32_t xs, int xstride) {
+  const int per_row = kn / 8, total = N * per_row;
+  for (int i0 = threadIdx.x; i0 < total; i0 += X_BATCH * COMPUTE_THREADS) {
+    uint4 v[X_BATCH];
+#pragma unroll
+    for (int u = 0; u < X_BATCH; ++u) {
+      const int i = i0 + u * COMPUTE_THREADS;
+      if (i < total) {
+        const int r = i / per_row, c = (i - r * per_row) * 8;
+        v[u] = load_x(X, ld, r, xk0 + c, swiglu, I);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < X_BATCH; ++u) {
+      const int i = i0 + u * COMPUTE_THREADS;
+      if (i < total) {
+        const int r = i / per_row, c = (i - r * per_row) * 8;
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" :: "r"(xs + r * xstride + c * 2), "r"(v[u].x),
+                     "r"(v[u].y), "r"(v[u].z), "r"(v[u].w) : "memory");
+      }
+    }
+  }
+}
+
+// Tiles [tile0, tile0 + ntiles) of one GEMV op, in rounds of up to 8 tiles (the ring order above).
+// X [N, K] is staged in shared memory (the SwiGLU applied for the down projection) once for the
+// instruction when it fits, else in blocks of x_block_k k's, again for each round; the compute
+// warps pass a barrier only around a staging and at a round's k-split reduction.
 template <int MB>
 __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int ntiles, uint32_t pages, uint32_t full,
-                         uint32_t empty, int& page_seq, float* red, uint32_t xs_area, int instr) {
-  const OpDesc op = op_g;       // in registers for the tile loop
+                         uint32_t empty, int& page_seq, float* red, uint32_t xs, int instr) {
+  const OpDesc op = op_g;       // in registers for the loops
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int N = (int)p.N;
+  const int N = (int)p.N, K = (int)op.K, np = (int)p.npages;
   const bf16* X;
   int64_t ld;
   bool swiglu = false;
@@ -472,73 +556,80 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
     case K_DOWN: X = p.gu; ld = 2 * p.I; swiglu = true; break;
     default: X = p.h; ld = p.H; break;
   }
-  // stage X [N, K] in shared memory once for the instruction's tiles (the SwiGLU applied) when it fits
-  const int K = (int)op.K;
-  const int xstride = K * 2 + 64;             // 64 mod 128 bytes: conflict-free fragment loads
-  uint32_t xs = 0;
-  if (N * xstride <= p.xs_bytes) {
-    xs = xs_area;
-    const int per_row = K / 8;
-#pragma unroll 4
-    for (int i = threadIdx.x; i < N * per_row; i += COMPUTE_THREADS) {
-      const int r = i / per_row, c = (i - r * per_row) * 8;
-      const uint4 v = load_x(X, ld, r, c, swiglu, p.I);
-      asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" :: "r"(xs + r * xstride + c * 2), "r"(v.x), "r"(v.y),
-                   "r"(v.z), "r"(v.w) : "memory");
-    }
-    compute_sync();
-  }
-  const int npt = pages_per_tile(op);
-  for (int t = tile0; t < tile0 + ntiles; ++t) {
+  const int pk = page_k(op), npt = pages_per_tile(op);
+  const int kx = x_block_k(p.xs_bytes, N, K, pk);
+  const int xstride = kx * 2 + 64;             // 64 mod 128 bytes: conflict-free fragment loads
+  const int nxb = (K + kx - 1) / kx, ppx = kx / pk;
+  for (int r0 = 0; r0 < ntiles; r0 += COMPUTE_WARPS) {
+    const int na = min(COMPUTE_WARPS, ntiles - r0), ks = k_split(na);
+    const int ti = warp % na, sub = warp / na;                // this warp's tile of the round, its k-split part
+    const bool active = sub < ks;
     float acc[MB][4];
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) acc[mb][0] = acc[mb][1] = acc[mb][2] = acc[mb][3] = 0.f;
-    for (int j = 0; j < npt; ++j) {
-      const Page pg = page_of(op, t, j);
-      const int np = (int)p.npages;
-      const int slot = page_seq % np;
-      const uint32_t parity = (page_seq / np) & 1;
-      mbar_wait(p, full + 8 * slot, parity, instr, (uint64_t)p.timeout_ns);
-      page_mma<MB>(op, pg, pages + slot * PAGE_BYTES, xs, xstride, X, ld, swiglu, p.I, N, acc);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty + 8 * slot);
-      ++page_seq;
-    }
-    // partial tiles of the 8 warps -> red[warp][row 16][token 32]
-#pragma unroll
-    for (int mb = 0; mb < MB; ++mb) {
-      float* r = red + warp * 512;
-      r[g * 32 + 8 * mb + 2 * q] = acc[mb][0];
-      r[g * 32 + 8 * mb + 2 * q + 1] = acc[mb][1];
-      r[(g + 8) * 32 + 8 * mb + 2 * q] = acc[mb][2];
-      r[(g + 8) * 32 + 8 * mb + 2 * q + 1] = acc[mb][3];
-    }
-    compute_sync();
-    for (int i = threadIdx.x; i < 16 * N; i += COMPUTE_THREADS) {
-      const int rr = i % 16, m = i / 16;
-      float v = 0.f;
-#pragma unroll
-      for (int w = 0; w < COMPUTE_WARPS; ++w) v += red[w * 512 + rr * 32 + m];
-      const int64_t n = (int64_t)t * 16 + rr;
-      switch ((int)op.kind) {
-        case K_QKV: {
-          if (op.bias) v += __bfloat162float(op.bias[n]);
-          p.qkv[(int64_t)m * p.qkv_cols + n] = __float2bfloat16_rn(v);
-          break;
+    for (int xb = 0; xb < nxb; ++xb) {
+      const int xk0 = xb * kx;
+      if (r0 == 0 || nxb > 1) {
+        if (r0 > 0 || xb > 0) compute_sync();                // every warp is done with the staged block
+        stage_x(X, ld, swiglu, p.I, N, xk0, min(kx, K - xk0), xs, xstride);
+        compute_sync();
+      }
+      {
+        const int j_end = xb == nxb - 1 ? npt : (xb + 1) * ppx;
+        for (int j = xb * ppx; j < j_end; ++j) {
+          for (int t = 0; t < na; ++t) {                       // every page passed, this warp's done
+            const int seq = page_seq + j * na + t;
+            const int slot = seq % np;
+            mbar_wait(p, full + 8 * slot, (seq / np) & 1, instr, (uint64_t)p.timeout_ns);
+            if (active && t == ti)
+              page_mma<MB>(op, page_of(op, tile0 + r0 + ti, j), pages + slot * PAGE_BYTES, xs, xstride, xk0, N, sub,
+                           ks, acc);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(empty + 8 * slot);
+          }
         }
-        case K_O:
-        case K_DOWN: {
-          if (op.bias) v += __bfloat162float(op.bias[n]);
-          const float a = round_bf16(v);
-          bf16* xp = p.x + (int64_t)m * p.H + n;
-          *xp = __float2bfloat16_rn(ldcg_bf16(xp) + a);
-          break;
-        }
-        case K_GU: p.gu[(int64_t)m * 2 * p.I + n] = __float2bfloat16_rn(v); break;
-        default: p.logits[(int64_t)m * p.V + n] = round_bf16(v); break;
       }
     }
-    compute_sync();             // red is rewritten by the next tile
+    page_seq += npt * na;
+    if (ks > 1) {
+      // the k-split parts meet: red[warp][row 16][token 32]; warp ti (sub 0) adds the others'
+      if (active && sub > 0) {
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) {
+          float* r = red + warp * 512;
+          r[g * 32 + 8 * mb + 2 * q] = acc[mb][0];
+          r[g * 32 + 8 * mb + 2 * q + 1] = acc[mb][1];
+          r[(g + 8) * 32 + 8 * mb + 2 * q] = acc[mb][2];
+          r[(g + 8) * 32 + 8 * mb + 2 * q + 1] = acc[mb][3];
+        }
+      }
+      compute_sync();
+      if (sub == 0) {
+        for (int s = 1; s < ks; ++s) {
+          const float* r = red + (warp + na * s) * 512;
+#pragma unroll
+          for (int mb = 0; mb < MB; ++mb) {
+            acc[mb][0] += r[g * 32 + 8 * mb + 2 * q];
+            acc[mb][1] += r[g * 32 + 8 * mb + 2 * q + 1];
+            acc[mb][2] += r[(g + 8) * 32 + 8 * mb + 2 * q];
+            acc[mb][3] += r[(g + 8) * 32 + 8 * mb + 2 * q + 1];
+          }
+        }
+      }
+    }
+    if (sub == 0) {
+      // acc[mb]: rows g, g + 8 of the tile x tokens 8 mb + 2 q, + 1 (the m16n8 C fragment)
+      const int64_t n0 = (int64_t)(tile0 + r0 + ti) * 16;
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int m = 8 * mb + 2 * q + (e & 1);
+          if (m < N) gemv_out(p, op, n0 + g + (e >= 2 ? 8 : 0), m, acc[mb][e]);
+        }
+      }
+    }
+    if (ks > 1) compute_sync();                               // red is free again
   }
   __threadfence();              // once per instruction: every writer fences before the barrier
   compute_sync();               // that precedes the signal
@@ -714,7 +805,7 @@ __device__ void step_body(const Params& p) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < np; ++i) {
       mbar_init(full + 8 * i, 1);
-      mbar_init(empty + 8 * i, COMPUTE_WARPS);
+      mbar_init(empty + 8 * i, COMPUTE_WARPS);     // every compute warp passes every page
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -728,13 +819,16 @@ __device__ void step_body(const Params& p) {
       const int* in = p.instr + (int64_t)i * INSTR_WORDS;
       if (in[0] != GEMV) continue;
       const OpDesc op = p.ops[in[1]];
-      const int npt = pages_per_tile(op);
-      for (int t = in[2]; t < in[2] + in[3]; ++t) {
-        for (int j = 0; j < npt; ++j, ++seq) {
-          const int slot = seq % np;
-          if (seq >= np) mbar_wait(p, empty + 8 * slot, ((seq / np) - 1) & 1, i, 4 * (uint64_t)p.timeout_ns);
-          load_page(op, page_of(op, t, j), pages + slot * PAGE_BYTES, full + 8 * slot, lane);
-          __syncwarp();
+      const int npt = pages_per_tile(op), tile0 = in[2], ntiles = in[3];
+      for (int r0 = 0; r0 < ntiles; r0 += COMPUTE_WARPS) {       // rounds: (page j, tile i) order
+        const int na = min(COMPUTE_WARPS, ntiles - r0);
+        for (int j = 0; j < npt; ++j) {
+          for (int ti = 0; ti < na; ++ti, ++seq) {
+            const int slot = seq % np;
+            if (seq >= np) mbar_wait(p, empty + 8 * slot, ((seq / np) - 1) & 1, i, 4 * (uint64_t)p.timeout_ns);
+            load_page(op, page_of(op, tile0 + r0 + ti, j), pages + slot * PAGE_BYTES, full + 8 * slot, lane);
+            __syncwarp();
+          }
         }
       }
     }

@@ -14,6 +14,7 @@ StepKernelError naming the instruction, the device is not hung and the next step
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -158,6 +159,10 @@ def _check_step(model, n, start, kind, seed=0):
 
 CASES = [(1, 1, "chain"), (2, 40, "chain"), (5, 333, "binary"), (8, 1024, "binary"), (16, 777, "star"),
          (32, 200, "random"), (8, 4088, "random"), (32, 4064, "binary")]
+# STEP_KERNEL_CASES=quick (benchmarks/gpu_step_kernel_quick.sh): N 1, 8, 32 at contexts near 1024
+# and 4096, the three m-block variants of the kernel
+if os.environ.get("STEP_KERNEL_CASES") == "quick":
+    CASES = [(1, 1023, "chain"), (8, 1024, "binary"), (32, 4064, "binary")]
 
 
 @pytest.mark.parametrize("spec,layers,quant,group", [

@@ -136,13 +136,185 @@ def test_step_kernel_flag_and_record():
 
 
 def test_shared_memory_pool_split():
-    """The staged input and the weight pages share the pool: at least 4 pages, never more than
-    the pool, the largest input that fits staged (Llama-3.2-1B at N = 1: the down projection's
-    8192 inputs, 9 pages)."""
+    """The staged input and the weight pages share the pool: at least MIN_PAGES pages while a
+    page's k's of X fit beside them, never more than the pool; the largest input whole when it
+    fits (Llama-3.2-1B at N = 1: the down projection's 8192 inputs, 19 pages), else blocks of whole
+    pages' k's (Llama-3-8B at N = 8: 5120 of 14336 for 4-bit); the rows 16-byte aligned, the pages
+    128."""
     from swiftspec_mpi.gpu import step_kernel as sk
-    assert sk.pool_split(1, [2048, 2048, 8192]) == (16512, 9)
-    for n in (1, 2, 5, 8, 16, 32):
-        for dims in ([2048, 2048, 8192], [4096, 4096, 14336], [8192, 8192, 28672], [576, 576, 1536]):
-            xs, pages = sk.pool_split(n, dims)
-            assert sk.MIN_PAGES <= pages <= sk.MAX_PAGES and xs % 128 == 0
-            assert xs + pages * sk.PAGE_BYTES <= sk.POOL_BYTES
+    assert sk.pool_split(1, [2048, 2048, 8192], sk.PAGE_K_BF16) == (16512, 19)
+    xs, pages = sk.pool_split(8, [4096, 4096, 14336], sk.PAGE_K_Q4)
+    assert pages == sk.MIN_PAGES and sk.x_block_k(xs, 8, 14336, sk.PAGE_K_Q4) == 5120
+    for n in range(1, 33):
+        for dims in ([2048, 2048, 8192], [4096, 4096, 14336], [8192, 8192, 28672], [576, 576, 1536],
+                     [896, 896, 4864]):
+            for pk in (sk.PAGE_K_BF16, sk.PAGE_K_Q4):
+                xs, pages = sk.pool_split(n, dims, pk)
+                assert xs % 128 == 0 and 1 <= pages <= sk.MAX_PAGES
+                assert pages >= sk.MIN_PAGES or n * (2 * pk + 64) > sk.POOL_BYTES - sk.MIN_PAGES * sk.PAGE_BYTES
+                assert sk.HEAD_BYTES + xs + pages * sk.PAGE_BYTES <= sk.SMEM_BYTES <= 227 * 1024
+                for k in dims:
+                    kx = sk.x_block_k(xs, n, k, pk)
+                    assert n * (2 * kx + 64) <= xs and (2 * kx + 64) % 16 == 0
+                    assert kx == k or (kx % pk == 0 and kx >= pk)            # pages never straddle X blocks
+                    if k <= max(dims) and n * (2 * max(dims) + 64) <= xs:
+                        assert kx == k
+
+
+# ---------------------------------------------------------------- the GEMV ring (cuda/step_kernel.cu)
+# A CPU reference of the kernel's index math: run_gemv's rounds of up to 8 tiles, the loader's
+# (page j, tile i) order, each warp's pages (seq = base + j * na + ti; in rounds of fewer than 5
+# tiles, ks warps share each page), the X blocks; then the ring's handshake (full / empty per slot,
+# every warp passing every page, the compute warps' barriers) run step by step.
+WARPS = 8
+
+
+def k_split(na: int) -> int:
+    return 1 if na >= 5 else WARPS // (4 if na == 3 else na)
+
+
+def loader_order(ntiles: int, npt: int) -> list[tuple[int, int]]:
+    """(tile of the instruction, page j) by ring sequence number (the loader warp's loops)."""
+    out = []
+    for r0 in range(0, ntiles, WARPS):
+        na = min(WARPS, ntiles - r0)
+        out += [(r0 + ti, j) for j in range(npt) for ti in range(na)]
+    return out
+
+
+def warp_program(warp: int, ntiles: int, npt: int, ppx: int, nxb: int, base: int) -> list:
+    """What one compute warp does in run_gemv, in order: ("bar",) a compute-warp barrier,
+    ("page", seq, tile, j, own) a page passed (own: this warp multiplies a part of it), ("out",
+    tile) the epilogue of a tile."""
+    prog = []
+    for r0 in range(0, ntiles, WARPS):
+        na = min(WARPS, ntiles - r0)
+        ks = k_split(na)
+        ti, sub = warp % na, warp // na
+        for xb in range(nxb):
+            if r0 == 0 or nxb > 1:
+                if r0 > 0 or xb > 0:
+                    prog.append(("bar",))
+                prog.append(("bar",))
+            j_end = npt if xb == nxb - 1 else (xb + 1) * ppx
+            prog += [("page", base + j * na + t, r0 + t, j, sub < ks and t == ti)
+                     for j in range(xb * ppx, j_end) for t in range(na)]
+        base += npt * na
+        if ks > 1:
+            prog.append(("bar",))
+        if sub == 0:
+            prog.append(("out", r0 + ti))
+        if ks > 1:
+            prog.append(("bar",))
+    prog.append(("bar",))
+    return prog
+
+
+@pytest.mark.parametrize("ntiles", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 17, 61])
+@pytest.mark.parametrize("npt", [1, 2, 3, 4, 7, 28])
+def test_ring_order_matches_the_loader(ntiles, npt):
+    """Every (tile, page) of the instruction multiplied by its tile's ks warps (ti + na s), at the
+    ring sequence number the loader filled it with; every warp passing every page once, in
+    increasing sequence numbers; each tile's epilogue run once, by one warp."""
+    loader = loader_order(ntiles, npt)
+    assert sorted(loader) == [(t, j) for t in range(ntiles) for j in range(npt)]
+    seen, arrivals, outs = {}, Counter(), Counter()
+    for w in range(WARPS):
+        prog = warp_program(w, ntiles, npt, ppx=npt, nxb=1, base=0)
+        seqs = [e[1] for e in prog if e[0] == "page"]
+        assert seqs == list(range(len(loader)))
+        for e in prog:
+            if e[0] == "page":
+                assert loader[e[1]] == (e[2], e[3])
+                arrivals[e[1]] += 1
+                if e[4]:
+                    seen.setdefault(e[1], set()).add(w)
+            elif e[0] == "out":
+                outs[e[1]] += 1
+        # the barriers are the same for every warp (uniform control flow)
+        assert prog.count(("bar",)) == warp_program(0, ntiles, npt, npt, 1, 0).count(("bar",))
+    assert sorted(seen) == list(range(len(loader)))
+    assert set(arrivals.values()) == {WARPS}
+    assert outs == Counter(range(ntiles))
+    for seq, ws in seen.items():
+        t, j = loader[seq]
+        r0 = t // WARPS * WARPS
+        na = min(WARPS, ntiles - r0)
+        assert ws == {(t - r0) + na * s for s in range(k_split(na))}
+
+
+def run_ring(instrs: list[tuple[int, int, int, int]], npages: int) -> int:
+    """The handshake of one block's GEMV instructions [(ntiles, pages a tile, pages an X block,
+    X blocks)] through a ring of `npages` slots: the loader fills seq once the slot's previous
+    page (seq - npages) has its 8 arrivals, a warp passes seq once filled and arrives, the
+    barriers wait for all 8 warps. Whenever a warp looks at the slot of seq (fill f = seq //
+    npages), the slot has had f or f + 1 fills: what makes the kernel's parity waits exact.
+    Returns the pages moved; raises AssertionError on a deadlock."""
+    progs, order, base = [[] for _ in range(WARPS)], [], 0
+    for ntiles, npt, ppx, nxb in instrs:
+        for w in range(WARPS):
+            progs[w] += warp_program(w, ntiles, npt, ppx, nxb, base)
+        order += loader_order(ntiles, npt)
+        base = len(order)
+    fills, arrived = [0] * npages, [0] * len(order)
+    nxt, pc = 0, [0] * WARPS
+    while True:
+        moved = False
+        while nxt < len(order) and (nxt < npages or arrived[nxt - npages] == WARPS):
+            assert fills[nxt % npages] == nxt // npages
+            fills[nxt % npages] += 1
+            nxt += 1
+            moved = True
+        for w in range(WARPS):
+            while pc[w] < len(progs[w]) and progs[w][pc[w]][0] != "bar":
+                e = progs[w][pc[w]]
+                if e[0] == "page":
+                    f = e[1] // npages
+                    assert fills[e[1] % npages] in (f, f + 1)
+                    if fills[e[1] % npages] == f:
+                        break
+                    arrived[e[1]] += 1
+                    assert arrived[e[1]] <= WARPS
+                pc[w] += 1
+                moved = True
+        if all(pc[w] < len(progs[w]) and progs[w][pc[w]][0] == "bar" for w in range(WARPS)):
+            for w in range(WARPS):
+                pc[w] += 1
+            moved = True
+        if not moved:
+            break
+    assert all(pc[w] == len(progs[w]) for w in range(WARPS)), f"ring deadlock at {pc}, loader at {nxt}"
+    assert all(a == WARPS for a in arrived)
+    return len(order)
+
+
+@pytest.mark.parametrize("npages", [1, 2, 4, 9, 10])
+def test_ring_handshake_cannot_deadlock(npages):
+    """A block's instructions of every kind of round (k-split, partial, several rounds), with X
+    whole or in blocks, through rings of 1..10 pages: everything is consumed, nothing waits."""
+    instrs = [(3, 4, 4, 1), (61, 1, 1, 1), (2, 28, 11, 3), (9, 7, 3, 3), (1, 5, 5, 1), (16, 3, 1, 3),
+              (4, 28, 12, 3), (7, 2, 2, 1)]
+    assert run_ring(instrs, npages) == sum(t * p for t, p, _, _ in instrs)
+
+
+def test_x_blocks_cover_each_page_once():
+    """X staged in blocks of kx k's: the pages the kernel runs under block xb ([xb * ppx, ...),
+    the last block to the end) lie inside it, and together are every page once."""
+    from swiftspec_mpi.gpu import step_kernel as sk
+    for n in (1, 8, 32):
+        for k in (576, 1536, 4096, 8192, 14336, 28672):
+            for pk in (sk.PAGE_K_BF16, sk.PAGE_K_Q4):
+                if pk == sk.PAGE_K_Q4 and k % 128:
+                    continue
+                xs, _ = sk.pool_split(n, [k], pk)
+                xs = min(xs, sk.pool_split(n, [28672], pk)[0])         # the 70B pool: X in blocks
+                kx = sk.x_block_k(xs, n, k, pk)
+                npt, nxb = -(-k // pk), -(-k // kx)
+                ppx = kx // pk
+                pages = []
+                for xb in range(nxb):
+                    j_end = npt if xb == nxb - 1 else (xb + 1) * ppx
+                    for j in range(xb * ppx, j_end):
+                        assert xb * kx <= j * pk and min(k, (j + 1) * pk) <= min(k, (xb + 1) * kx)
+                        pages.append(j)
+                assert pages == list(range(npt))

@@ -31,19 +31,35 @@ from swiftspec_mpi.gpu.launch import function, launch, sm_count
 _SOURCE = "step_kernel"
 THREADS = 288
 # cuda/step_kernel.cu's shared memory: a fixed head, then the pool of staged X and weight pages
-PAGE_BYTES, MAX_PAGES, MIN_PAGES = 20480, 10, 4
+PAGE_BYTES, MAX_PAGES, MIN_PAGES = 10240, 20, 12
 SMEM_BYTES, HEAD_BYTES = 227 * 1024, 17408
 POOL_BYTES = SMEM_BYTES - HEAD_BYTES
+PAGE_K_BF16, PAGE_K_Q4 = 256, 1024      # k's of one weight page (16 rows of a tile)
 
 
-def pool_split(n: int, input_dims: list[int]) -> tuple[int, int]:
-    """(bytes of staged X, weight pages) of the shared-memory pool for n tokens: the largest op
-    input [n, K] (2 K + 64 bytes a row) that leaves room for MIN_PAGES pages is staged (smaller
-    inputs fit in it too; larger ones are read from L2 per page), the rest of the pool is pages."""
+def x_block_k(xs_bytes: int, n: int, k: int, page_k: int) -> int:
+    """k's of the GEMV input X [n, k] the kernel stages at a time in xs_bytes (rows of 2 kx + 64
+    bytes): all k when they fit, else the largest multiple of page_k that does (x_block_k in
+    cuda/step_kernel.cu)."""
+    fit = (xs_bytes // n - 64) // 2
+    return k if k <= fit else fit // page_k * page_k
+
+
+def pool_split(n: int, input_dims: list[int], page_k: int) -> tuple[int, int]:
+    """(bytes of staged X, weight pages) of the shared-memory pool for n tokens: room for the
+    largest op input [n, K] whole when it leaves MIN_PAGES pages, else all the room those pages
+    leave (larger inputs are staged in blocks of whole pages' k's), and at least one page's k's
+    of X (`page_k`: the largest of the model's weight formats); the rest of the pool is pages."""
     room = POOL_BYTES - MIN_PAGES * PAGE_BYTES
-    fits = [n * (2 * k + 64) for k in input_dims if n * (2 * k + 64) <= room]
-    xs = -(-max(fits, default=0) // 128) * 128
-    return xs, min(MAX_PAGES, (POOL_BYTES - xs) // PAGE_BYTES)
+    want = n * (2 * max(input_dims) + 64)
+    xs = min(want, max(room, n * (2 * page_k + 64)))
+    xs = -(-xs // 128) * 128
+    pages = min(MAX_PAGES, (POOL_BYTES - xs) // PAGE_BYTES)
+    if pages < 1 or any(x_block_k(xs, n, k, page_k) < min(k, page_k) for k in input_dims):
+        raise ValueError(f"the step kernel's shared memory cannot hold {n} rows of X beside a weight page")
+    return xs, pages
+
+
 MAX_TOKENS = 32
 TIMEOUT_S = 2.0             # a counter wait longer than this is a stuck schedule (watchdog)
 _KIND_NAMES = {ss.K_QKV: "QKV", ss.K_O: "O", ss.K_GU: "gate|up", ss.K_DOWN: "down", ss.K_HEAD: "LM head"}
@@ -135,7 +151,9 @@ class _PerN:
         self.shape = ss.Shape(len(m.layers), n, sh.nh_l, sh.nkv_l, (sh.nh_l + 2 * sh.nkv_l) * hd,
                               cfg.hidden_size, 2 * sh.inter_l, int(m.head.shape[0]))
         self.schedule = ss.build(self.shape, sk.blocks)
-        self.xs_bytes, self.npages = pool_split(n, [cfg.hidden_size, sh.nh_l * hd, sh.inter_l])
+        w4 = _is_w4(m.head) or any(_is_w4(w) for l in m.layers for w in (l.wqkv, l.wo, l.wgu, l.wd))
+        self.xs_bytes, self.npages = pool_split(n, [cfg.hidden_size, sh.nh_l * hd, sh.inter_l],
+                                                PAGE_K_Q4 if w4 else PAGE_K_BF16)
         s = self.schedule
         self.instr = torch.from_numpy(s.instr.copy()).to(dev)
         self.block_start = torch.from_numpy(s.block_start.copy()).to(dev)
