@@ -124,6 +124,8 @@ struct Params {
   const bf16* embed;          // [V_embed, H]
   const bf16* rope_cos;       // [rope_len, hd]
   const bf16* rope_sin;
+  uint64_t* timeline;         // [n_instr, 3] or null: per instruction (wait from, run from, done at),
+                              // globaltimer ns, written by thread 0 (the profile of the schedule)
   int64_t N, H, nh, nkv, hd, I, V, n_layers, max_slots, rope_len, mask_stride, qkv_cols, vocab_embed;
   int64_t n_counters, timeout_ns, npages, xs_bytes;
   double eps, scale_log2;
@@ -131,7 +133,7 @@ struct Params {
 // swiftspec_mpi/gpu/step_kernel.py packs these with struct: keep the sizes in step.
 static_assert(sizeof(OpDesc) == 12 * 8, "OpDesc layout");
 static_assert(sizeof(LayerDesc) == 4 * 8, "LayerDesc layout");
-static_assert(sizeof(Params) == 39 * 8, "Params layout");
+static_assert(sizeof(Params) == 40 * 8, "Params layout");
 static_assert(RED_BYTES + 2 * MAX_PAGES * 8 + 16 <= HEAD_BYTES, "shared memory head");
 static_assert(MAX_PAGES * PAGE_BYTES <= POOL_BYTES, "pages");
 static_assert(16 * BF16_ROW_BYTES <= PAGE_BYTES && BF16_ROW_BYTES % 128 == 64, "bf16 page");
@@ -836,9 +838,12 @@ __device__ void step_body(const Params& p) {
   }
 
   int page_seq = 0;
+  uint64_t* tl = p.timeline;
   for (int i = i_begin; i < i_end; ++i) {
     const int* in = p.instr + (int64_t)i * INSTR_WORDS;
+    if (tl != nullptr && threadIdx.x == 0) tl[3 * i] = globaltimer();
     wait_counter(p, in[4], in[5], i);
+    if (tl != nullptr && threadIdx.x == 0) tl[3 * i + 1] = globaltimer();
     const int opc = in[0];
     if (opc == EMBED) {
       run_embed(p, red);
@@ -859,12 +864,14 @@ __device__ void step_body(const Params& p) {
           if (threadIdx.x == 0) signal(p, (int)op.norm_ctr);
         }
         compute_sync();
+        if (tl != nullptr && threadIdx.x == 0) tl[3 * i + 2] = globaltimer();
         continue;
       }
     }
     __threadfence();
     compute_sync();
     if (threadIdx.x == 0 && in[6] >= 0) signal(p, in[6]);
+    if (tl != nullptr && threadIdx.x == 0) tl[3 * i + 2] = globaltimer();
   }
   // the last block out zeroes the counters for the next launch (abort flag included)
   compute_sync();

@@ -216,6 +216,31 @@ def test_watchdog_names_the_instruction():
     _check_step(model, 2, 50, "chain")
 
 
+def test_timeline_records_every_instruction_without_changing_the_step():
+    """record_timeline: every instruction's (wait from, run from, done at) in order, each stage
+    running after the one it waits for; the logits with the timeline on equal those without."""
+    _available()
+    import numpy as np
+    from swiftspec_mpi.gpu import step_timeline
+    from swiftspec_mpi.gpu.step_kernel import StepKernel
+    model = _model("llama-3.2-1b", 2, "int4")
+    sk = StepKernel(model)
+    tokens, pos, slots, mask, n_valid = _step_inputs(model, 8, 300, "binary", 2)
+    plain = sk.forward(tokens, pos, slots, mask, n_valid).clone()
+    t = sk.record_timeline(8)
+    timed = sk.forward(tokens, pos, slots, mask, n_valid).clone()
+    sk.check()
+    assert torch.equal(plain, timed)
+    tl = t.cpu().numpy()
+    assert (tl > 0).all() and (tl[:, 0] <= tl[:, 1]).all() and (tl[:, 1] <= tl[:, 2]).all()
+    summ = step_timeline.summarize(sk.state(8).schedule, tl)
+    assert list(summ["stages"])[:3] == ["embed", "qkv", "attention"] and summ["total_us"] > 0
+    sk.record_timeline(8, on=False)
+    sk.forward(tokens, pos, slots, mask, n_valid)
+    sk.check()
+    assert np.array_equal(t.cpu().numpy(), tl)            # off: the old buffer is not written again
+
+
 BF16_TIE = 0.03      # as tests/test_gpu_engine.py: a bf16 near-tie relative to the largest |logit|
 
 

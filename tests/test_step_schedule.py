@@ -9,6 +9,7 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import skip_or_fail
@@ -318,3 +319,40 @@ def test_x_blocks_cover_each_page_once():
                         assert xb * kx <= j * pk and min(k, (j + 1) * pk) <= min(k, (xb + 1) * kx)
                         pages.append(j)
                 assert pages == list(range(npt))
+
+
+def test_timeline_summary_accounts_for_the_whole_step():
+    """gpu/step_timeline.py: stages are a chain, so their (gap + span) sum to the step; a stage
+    whose instructions ran on all blocks side by side is 'busy' by their run time over blocks x span."""
+    from swiftspec_mpi.gpu import step_timeline
+    shape = ss.Shape(n_layers=2, n=1, n_heads=4, n_kv_heads=2, qkv_rows=64 * 8, hidden=256, inter2=1024,
+                     vocab_rows=512)
+    s = ss.build(shape, blocks=4)
+    order = ss.simulate(s)
+    # every stage: its instructions run in parallel for 10 us, after a 2 us gap from the previous stage
+    stage_key = {}
+    for i in range(len(s.instr)):
+        name, layer, _ = step_timeline.stage_of(s, i)
+        stage_key[i] = (name, layer)
+    t = np.zeros((len(s.instr), 3), dtype=np.int64)
+    clock, seen = 1000, {}
+    for i in order:
+        k = stage_key[i]
+        if k not in seen:
+            clock += 2000
+            seen[k] = clock
+            clock += 10000
+        t[i] = (seen[k] - 500, seen[k], seen[k] + 10000)
+    summ = step_timeline.summarize(s, t, op_bytes=[1000] * len(s.op_kinds))
+    st = summ["stages"]
+    assert list(st) == ["embed", "qkv", "attention", "o + norm", "gate|up", "down + norm", "lm head"]
+    assert st["qkv"]["n"] == 2 and st["lm head"]["n"] == 1
+    assert abs(sum(r["share"] for r in st.values()) - 1) < 0.05      # + the first wait's 0.5 us
+    assert st["attention"]["span_us"] == 10 and st["attention"]["gap_us"] == 2
+    n_qkv = s.op_instr[0]
+    assert abs(st["qkv"]["busy"] - n_qkv / s.blocks) < 1e-9
+    assert st["qkv"]["gbs"] == 1000 / 10000 and st["attention"]["gbs"] is None
+    assert "| attention | 2 | 10.00 | 2.00 |" in step_timeline.format_table(summ)
+    t[3] = 0
+    with pytest.raises(ValueError, match="every instruction"):
+        step_timeline.summarize(s, t)

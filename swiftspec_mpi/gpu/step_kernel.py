@@ -61,6 +61,7 @@ def pool_split(n: int, input_dims: list[int], page_k: int) -> tuple[int, int]:
 
 
 MAX_TOKENS = 32
+_TIMELINE_OFFSET = 20 * 8     # Params.timeline: the 21st pointer
 TIMEOUT_S = 2.0             # a counter wait longer than this is a stuck schedule (watchdog)
 _KIND_NAMES = {ss.K_QKV: "QKV", ss.K_O: "O", ss.K_GU: "gate|up", ss.K_DOWN: "down", ss.K_HEAD: "LM head"}
 
@@ -180,6 +181,7 @@ class _PerN:
         self.gu = torch.empty(n, 2 * sh.inter_l, **kw)
         self.logits = torch.empty(n, self.shape.vocab_rows, dtype=torch.float32, device=dev)
         self.params: dict[tuple, torch.Tensor] = {}
+        self.timeline: torch.Tensor | None = None     # int64 [n_instr, 3] while profiling (record_timeline)
 
 
 class StepKernel:
@@ -220,7 +222,7 @@ class StepKernel:
         cfg, sh = m.cfg, m.shard
         ptrs = [tokens, positions, write_slots, mask, n_valid, st.x, st.h, st.qkv, st.o, st.gu, st.logits,
                 st.counters, self.err, st.instr, st.block_start, st.ops, self.layers, m.embed,
-                m.rope_cos, m.rope_sin]
+                m.rope_cos, m.rope_sin, st.timeline]
         ints = [st.n, cfg.hidden_size, sh.nh_l, sh.nkv_l, cfg.head_dim, sh.inter_l, st.shape.vocab_rows,
                 len(m.layers), m.max_slots, m.rope_cos.shape[0], mask.stride(0), st.shape.qkv_rows,
                 m.embed.shape[0], st.schedule.n_counters, self.timeout_ns, st.npages, st.xs_bytes]
@@ -228,6 +230,18 @@ class StepKernel:
         raw = struct.pack(f"<{len(ptrs)}Q{len(ints)}q{len(dbl)}d", *[_ptr(t) for t in ptrs], *ints, *dbl)
         p = st.params[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(m.device)
         return p
+
+    def record_timeline(self, n: int, on: bool = True) -> torch.Tensor | None:
+        """Profile the schedule of N = n: from the next launch (graph replays included) every
+        instruction writes (wait from, run from, done at), globaltimer ns, into the returned int64
+        [n_instr, 3] (instruction order of `state(n).schedule`; gpu/step_timeline.py reads it).
+        on=False stops it (the launches then write nothing)."""
+        st = self.state(n)
+        st.timeline = torch.zeros(len(st.schedule.instr), 3, dtype=torch.int64, device=self.model.device) if on else None
+        word = torch.frombuffer(bytearray(struct.pack("<Q", _ptr(st.timeline))), dtype=torch.uint8)
+        for p in st.params.values():      # the params blocks graphs hold: rewritten in place
+            p[_TIMELINE_OFFSET:_TIMELINE_OFFSET + 8].copy_(word)
+        return st.timeline
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
                 mask: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:

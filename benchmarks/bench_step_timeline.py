@@ -1,0 +1,105 @@
+"""Where the persistent step kernel's time goes (gpu/step_timeline.py): per stage of the schedule,
+the span, the signal-to-start gap before it, how much of the grid it keeps busy and the weight
+GB/s during it; beside it, the same step with every counter wait removed from the instruction
+table ("no waits": each block runs its list back to back, so the outputs are garbage but the time
+is what streaming and compute alone cost; eager launches, with the sync). Random weights at real shapes, batch 1.
+
+    python benchmarks/bench_step_timeline.py [--rows 1b-bf16,1b-int4,8b-int4] [--n 1,8]
+        [--context 1024] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gpu_step import copy_bandwidth, cuda_time, tree_mask  # noqa: E402
+from bench_step_kernel import ROWS  # noqa: E402
+
+
+def op_bytes(model) -> list[int]:
+    """Weight bytes per op of the step kernel's op table (4 a layer, then the head)."""
+    def nb(w):
+        return w.nbytes() if hasattr(w, "nbytes") and callable(w.nbytes) else w.numel() * w.element_size()
+    out = []
+    for lay in model.layers:
+        out += [nb(lay.wqkv), nb(lay.wo), nb(lay.wgu), nb(lay.wd)]
+    return out + [nb(model.head)]
+
+
+def bench_row(name: str, ns: list[int], context: int, bw: float) -> dict:
+    from swiftspec_mpi.core.comm import SingleComm
+    from swiftspec_mpi.checkpoints.load import dummy_model
+    from swiftspec_mpi.gpu import step_timeline
+    from swiftspec_mpi.gpu.step_kernel import StepKernel
+    from swiftspec_mpi.network.transformer import chain_mask
+    shape, quant, head4, _ = ROWS[name]
+    model, _ = dummy_model(shape, SingleComm(), context + 128, torch.bfloat16, "cuda", quant=quant)
+    if head4:
+        model.quantize_head()
+    pre = torch.randint(0, 4000, (context,), device="cuda")
+    model.forward(pre, torch.arange(context, device="cuda"), 0, chain_mask(0, context).cuda())
+    torch.cuda.synchronize()
+    sk = StepKernel(model)
+    ob = op_bytes(model)
+    floor_ms = model.step_read_bytes() / (bw * 1e12) * 1e3
+    r = {"row": name, "floor_ms": floor_ms, "n": {}}
+    for n in ns:
+        toks = torch.randint(0, 4000, (n,), device="cuda")
+        pos = torch.arange(context, context + n, device="cuda")
+        mask = torch.zeros(n, model.max_slots, dtype=torch.bool, device="cuda")
+        mask[:, :context + n] = tree_mask(context, n).cuda()
+        nv = torch.tensor([context + n], dtype=torch.int32, device="cuda")
+        slots = pos.clone()
+
+        def pers():
+            sk.forward(toks, pos, slots, mask, nv)
+        pers()
+        sk.check()
+        t_pers = cuda_time(pers, iters=40)
+        st = sk.state(n)
+        st.instr[:, 4] = -1                  # every wait gone
+        t_free = cuda_time(pers, iters=40)
+        sk.repair(n)
+        sk.check()
+        runs = []
+        for _ in range(7):
+            t = sk.record_timeline(n)
+            pers()
+            torch.cuda.synchronize()
+            runs.append(step_timeline.summarize(st.schedule, t.cpu().numpy(), ob))
+        sk.record_timeline(n, on=False)
+        sk.check()
+        runs.sort(key=lambda s: s["total_us"])
+        summ = runs[len(runs) // 2]
+        r["n"][n] = {"persistent_ms": t_pers, "no_waits_ms": t_free, "timeline": summ}
+        print(f"\n### {name}, N = {n}: persistent {t_pers:.3f} ms, with no waits {t_free:.3f} ms, "
+              f"floor {floor_ms:.3f} ms, blocks {sk.blocks}\n")
+        print(step_timeline.format_table(summ), flush=True)
+    del sk, model
+    torch.cuda.empty_cache()
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1b-bf16,1b-int4,8b-int4")
+    ap.add_argument("--n", default="1,8")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw:.2f} TB/s, context {args.context}")
+    res = {"copy_tbs": bw, "rows": [bench_row(name, [int(x) for x in args.n.split(",")], args.context, bw)
+                                    for name in args.rows.split(",")]}
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=lambda o: o.item() if isinstance(o, np.generic) else str(o)))
+
+
+if __name__ == "__main__":
+    main()
