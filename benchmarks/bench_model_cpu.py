@@ -37,7 +37,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from md_table import md_table   # noqa: E402  same folder
+from md_table import md_row, md_table   # noqa: E402  same folder
 
 PROMPT = "Write a Python function that merges two sorted lists into one sorted list."
 
@@ -250,7 +250,7 @@ def load_rss(args):
                     rows.append([os.path.basename(path), dt, how, f"{r['load_s']:.1f}",
                                  f"{w / 2**30:.2f}", f"{b / 2**30:.2f}", f"{p / 2**30:.2f}",
                                  f"{p / w:.2f}", f"{(p - b) / w:.2f}"])
-                    print(rows[-1], file=sys.stderr, flush=True)
+                    print(md_row(rows[-1]), file=sys.stderr, flush=True)
     print(md_table(head, rows, align="l l l" + " r" * 6))
 
 

@@ -5,8 +5,13 @@
 
 head: the column names; rows: one list of cells (already formatted strings) per row; align: one
 letter a column, "l" (---) or "r" (---:), space-separated; None leaves every column "l".
+md_row(cells) is one row alone (a progress line printed as rows arrive).
 """
 from __future__ import annotations
+
+
+def md_row(cells: list[str]) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def md_table(head: list[str], rows: list[list[str]], align: str | None = None) -> str:
@@ -17,5 +22,4 @@ def md_table(head: list[str], rows: list[list[str]], align: str | None = None) -
     if bad:
         raise ValueError(f"row {bad[0]!r} has {len(bad[0])} cells for {len(head)} columns")
     sep = "|" + "".join("---:|" if m == "r" else "---|" for m in marks)
-    return "\n".join(["| " + " | ".join(head) + " |", sep]
-                     + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+    return "\n".join([md_row(head), sep] + [md_row(r) for r in rows])
