@@ -37,6 +37,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from md_table import md_row, md_table   # noqa: E402  same folder
+
 PROMPT = "Write a Python function that merges two sorted lists into one sorted list."
 
 
@@ -152,7 +154,7 @@ def table(results) -> str:
     hf_keys = [k for k in results[0]["ms"] if k != "ours"]
     head = ["model", "dtype", "ours ms/tok", *[f"{k} ms/tok" for k in hf_keys], "ours tok/s",
             "best HF tok/s", "ours / best HF", "same, min step", "greedy agree"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
+    rows = []
     for r in results:
         ms, mn = r["ms"], r["min_ms"]
         best = min(ms[k] for k in hf_keys)
@@ -160,8 +162,8 @@ def table(results) -> str:
         row = [r["model"], r["dtype"], f"{ms['ours']:.1f}", *[f"{ms[k]:.1f}" for k in hf_keys],
                f"{1e3 / ms['ours']:.2f}", f"{1e3 / best:.2f}", f"{ms['ours'] / best:.2f}x",
                f"{mn['ours'] / best_min:.2f}x", f"{100 * r['agree']:.0f}%"]
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+        rows.append(row)
+    return md_table(head, rows, align="l l" + " r" * (len(head) - 2))
 
 
 def profile(name, folder, dtype_name, which, args):
@@ -232,8 +234,9 @@ def load_rss(args):
     """Table of peak RSS while loading: GGUF (as ranks load it now, and with the dtype hint) and
     the prepared folder; `before` = RSS after the imports, before any file is read."""
     from swiftspec_mpi.checkpoints import registry
-    rows = ["| checkpoint | dtype | how | load s | weights GiB | RSS before GiB | peak RSS GiB "
-            "| peak / weights | (peak - before) / weights |", "|---|---|---|" + "---:|" * 6]
+    head = ["checkpoint", "dtype", "how", "load s", "weights GiB", "RSS before GiB", "peak RSS GiB",
+            "peak / weights", "(peak - before) / weights"]
+    rows = []
     for name in args.models:
         for path, hows in ((registry.gguf_path(name), ("load_model", "hinted", "get_into")),
                            (registry.ensure_prepared(name), ("load_model",))):
@@ -244,11 +247,11 @@ def load_rss(args):
                                          check=True, capture_output=True, text=True).stdout
                     r = json.loads(out.strip().splitlines()[-1])
                     w, b, p = r["weight_bytes"], r["rss_before_load"], r["peak_rss"]
-                    rows.append(f"| {os.path.basename(path)} | {dt} | {how} | {r['load_s']:.1f} | "
-                                f"{w / 2**30:.2f} | {b / 2**30:.2f} | {p / 2**30:.2f} | "
-                                f"{p / w:.2f} | {(p - b) / w:.2f} |")
-                    print(rows[-1], file=sys.stderr, flush=True)
-    print("\n".join(rows))
+                    rows.append([os.path.basename(path), dt, how, f"{r['load_s']:.1f}",
+                                 f"{w / 2**30:.2f}", f"{b / 2**30:.2f}", f"{p / 2**30:.2f}",
+                                 f"{p / w:.2f}", f"{(p - b) / w:.2f}"])
+                    print(md_row(rows[-1]), file=sys.stderr, flush=True)
+    print(md_table(head, rows, align="l l l" + " r" * 6))
 
 
 def main() -> int:

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from md_table import md_table   # same folder
 from swiftspec_mpi.trace.analyze import summarize
 from swiftspec_mpi.trace.read import read_trace
 
@@ -51,12 +52,12 @@ def main() -> int:
             rows.append(row(path))
         except Exception as exc:  # noqa: BLE001 - a failed run's file: say so, go on
             print(f"{path}: unreadable ({exc})", file=sys.stderr)
-    print("| run | mode | acceptance from | tok/s | tokens a step | verify ms (p50) | expand ms (p50) | expansions a step |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['run']} | {r['mode']} | {r['accept_from'] or '-'} | {fmt(r['tok_s'], 1)} | {fmt(r['accepted'])} | "
-              f"{fmt(r['verify_ms'], 3)} ({fmt(r['verify_p50_ms'], 3)}) | {fmt(r['expand_ms'], 3)} "
-              f"({fmt(r['expand_p50_ms'], 3)}) | {fmt(r['expansions_a_step'], 1)} |")
+    head = ["run", "mode", "acceptance from", "tok/s", "tokens a step", "verify ms (p50)",
+            "expand ms (p50)", "expansions a step"]
+    print(md_table(head, [[r["run"], r["mode"], r["accept_from"] or "-", fmt(r["tok_s"], 1),
+                           fmt(r["accepted"]), f"{fmt(r['verify_ms'], 3)} ({fmt(r['verify_p50_ms'], 3)})",
+                           f"{fmt(r['expand_ms'], 3)} ({fmt(r['expand_p50_ms'], 3)})",
+                           fmt(r["expansions_a_step"], 1)] for r in rows]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
