@@ -1,7 +1,8 @@
 """The persistent step kernel's schedule (swiftspec_mpi/gpu/step_schedule.py) on the CPU: every
 dependency met in a run of the schedule (no deadlock), every weight tile of every projection
 covered exactly once, every (layer, head, row) attended exactly once, each block's list in stage
-order; and cuda/step_kernel.cu compiles for sm_90 (tools/compile_cuda.sh compiles every .cu)."""
+order; the weight shapes it takes are those its pages compute whole; and cuda/step_kernel.cu
+compiles for sm_90 (tools/compile_cuda.sh compiles every .cu)."""
 from __future__ import annotations
 
 import shutil
@@ -318,3 +319,20 @@ def test_x_blocks_cover_each_page_once():
                         assert xb * kx <= j * pk and min(k, (j + 1) * pk) <= min(k, (xb + 1) * kx)
                         pages.append(j)
                 assert pages == list(range(npt))
+
+
+def test_weight_shapes_refused_unless_every_k_is_computed():
+    """The step kernel floors each page's k's to whole steps (32 k's bf16, 128-k chunks 4-bit):
+    gpu.step_kernel.shape_reason takes exactly the shapes whose pages multiply every k, so none is
+    silently truncated. SmolLM2-135M's K = 576 (2 full bf16 pages + a partial one of 64 k's) and
+    1536 run as bf16; as 4-bit, 576 is refused (its pages would multiply 512 k's)."""
+    from swiftspec_mpi.gpu import step_kernel as sk
+    for k in range(8, 4104, 8):
+        for fmt, group in (("bf16", 0), ("4-bit", 32), ("4-bit", 64), ("4-bit", 128)):
+            whole = sk.page_k_computed(fmt, k) == k
+            assert (sk.shape_reason(fmt, 64, k, group) is None) == whole, (fmt, k)
+    assert sk.page_k_computed("bf16", 576) == 576 and sk.shape_reason("bf16", 960, 576) is None
+    assert sk.page_k_computed("4-bit", 576) == 512
+    assert "multiple of 128" in sk.shape_reason("4-bit", 960, 576, 32)
+    assert "group 256" in sk.shape_reason("4-bit", 960, 1024, 256)
+    assert "rows" in sk.shape_reason("bf16", 49160, 576)
