@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -105,7 +106,9 @@ def _run(path, tmp_path, name, mode, ranks, kernel, extra=()):
     args = ["--target", path, "--mode", mode, "--device", "cuda", "--dtype", "bfloat16", "--step-kernel", kernel,
             "--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
             "--out", str(out), "--quiet", *extra]
+    t0 = time.perf_counter()
     proc = run_swiftspec(ranks, args, timeout=300)
+    print(f"{name}: swiftspec run took {time.perf_counter() - t0:.1f} s")
     assert "running the chain of kernels" not in proc.stderr, proc.stderr[-2000:]
     root = read_root(out)
     assert root["config"]["quant"] == "none", root["config"]            # dequantized, not packed

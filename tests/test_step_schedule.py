@@ -326,7 +326,10 @@ def test_weight_shapes_refused_unless_every_k_is_computed():
     gpu.step_kernel.shape_reason takes exactly the shapes whose pages multiply every k, so none is
     silently truncated. SmolLM2-135M's K = 576 (2 full bf16 pages + a partial one of 64 k's) and
     1536 run as bf16; as 4-bit, 576 is refused (its pages would multiply 512 k's)."""
+    import torch
+
     from swiftspec_mpi.gpu import step_kernel as sk
+    from swiftspec_mpi.gpu.w4a16 import W4A16Weight
     for k in range(8, 4104, 8):
         for fmt, group in (("bf16", 0), ("4-bit", 32), ("4-bit", 64), ("4-bit", 128)):
             whole = sk.page_k_computed(fmt, k) == k
@@ -336,3 +339,8 @@ def test_weight_shapes_refused_unless_every_k_is_computed():
     assert "multiple of 128" in sk.shape_reason("4-bit", 960, 576, 32)
     assert "group 256" in sk.shape_reason("4-bit", 960, 1024, 256)
     assert "rows" in sk.shape_reason("bf16", 49160, 576)
+    w = W4A16Weight(torch.zeros(960, 288, dtype=torch.uint8), torch.zeros(960, 18, dtype=torch.int32), 32)
+    assert "o: in 576 (4-bit: the kernel needs a multiple of 128)" == sk.weight_reason("o", w, 576)
+    assert "on the GPU" in sk.weight_reason("o", W4A16Weight(w.qweight[:, :256], w.so[:, :16], 32), 512)
+    assert "on the GPU" in sk.weight_reason("o", torch.zeros(960, 576, dtype=torch.bfloat16), 576)
+    assert "input is 1536" in sk.weight_reason("down", torch.zeros(960, 576, dtype=torch.bfloat16), 1536)

@@ -106,20 +106,23 @@ def page_k_computed(fmt: str, k: int) -> int:
     return sum(min(page, k - k0) // step * step for k0 in range(0, k, page))
 
 
-def _weight_reason(name: str, w, k: int) -> str | None:
-    if _is_w4(w):
-        (rows, kw), fmt, group = w.shape, "4-bit", w.group
-        if not (w.qweight.is_cuda and w.qweight.is_contiguous() and w.so.is_contiguous()):
-            return f"{name}: 4-bit weight not contiguous on the GPU"
-    else:
-        if not (isinstance(w, torch.Tensor) and w.is_cuda and w.dtype == torch.bfloat16 and w.dim() == 2
-                and w.is_contiguous() and w.data_ptr() % 16 == 0):
-            return f"{name}: not a contiguous, 16-byte aligned bf16 CUDA matrix"
-        (rows, kw), fmt, group = w.shape, "bf16", 0
+def weight_reason(name: str, w, k: int) -> str | None:
+    """Why the kernel cannot take `w` (bf16 [rows, k] CUDA tensor or W4A16Weight) as the weight of
+    op `name` with k inputs, None when it can: its shape (shape_reason), then its memory."""
+    fmt, group = ("4-bit", w.group) if _is_w4(w) else ("bf16", 0)
+    if not (_is_w4(w) or isinstance(w, torch.Tensor) and w.dim() == 2):
+        return f"{name}: not a 2-d weight"
+    rows, kw = w.shape
     if kw != k:
         return f"{name}: [{rows}, {kw}], the layer's input is {k}"
     r = shape_reason(fmt, rows, k, group)
-    return None if r is None else f"{name}: {r}"
+    if r is not None:
+        return f"{name}: {r}"
+    if _is_w4(w):
+        ok = w.qweight.is_cuda and w.qweight.is_contiguous() and w.so.is_contiguous()
+    else:
+        ok = w.is_cuda and w.dtype == torch.bfloat16 and w.is_contiguous() and w.data_ptr() % 16 == 0
+    return None if ok else f"{name}: not a contiguous, 16-byte aligned {fmt} weight on the GPU"
 
 
 def unsupported_reason(model) -> str | None:
@@ -144,7 +147,7 @@ def unsupported_reason(model) -> str | None:
     lay = model.layers[0]
     for name, w, k in (("qkv", lay.wqkv, H), ("o", lay.wo, sh.nh_l * hd), ("gate|up", lay.wgu, H),
                        ("down", lay.wd, sh.inter_l), ("head", model.head, H)):
-        r = _weight_reason(name, w, k)
+        r = weight_reason(name, w, k)
         if r is not None:
             return r
     return None
