@@ -2,7 +2,8 @@
 # The persistent step kernel on a real checkpoint, SmolLM2-135M-Instruct (Q4_1 GGUF; `swiftspec
 # run` dequantizes it to bf16 on the GPU), within about 150 s on one H200: the in-place build,
 # tests/test_step_kernel_real_gpu.py (persistent ar against the chain's, sync and async by the
-# near-tie rule, strict: a missing file fails), then greedy ar timed for both step kernels (2
+# near-tie rule, strict: a missing file fails) and the kernel's logits at SmolLM2's shape with
+# random weights (tests/test_step_kernel_gpu.py, quick cases), then greedy ar timed for both step kernels (2
 # prompts x 256 tokens; tokens/s of `swiftspec analyze`). Expects the GGUF at
 # $SWIFTSPEC_SMOLLM2_GGUF (default /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf). Logs into $OUT.
 # From the checkout root:
@@ -19,10 +20,10 @@ grep -q "^b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 " "$O
   echo "WARNING: $GGUF is not SmolLM2-135M-Instruct.Q4_1.gguf (sha256 b179c952...)"
 timeout 40 python3 setup.py build_ext --inplace -q -j 8 > "$OUT/build.log" 2>&1 || { echo "build failed"; tail -5 "$OUT/build.log"; }
 echo "build done at $((SECONDS - T0)) s"
-SWIFTSPEC_TEST_STRICT=1 timeout 100 python3 -m pytest -q -x tests/test_step_kernel_real_gpu.py -p no:cacheprovider -s \
-  > "$OUT/tests.log" 2>&1
+SWIFTSPEC_TEST_STRICT=1 STEP_KERNEL_CASES=quick timeout 100 python3 -m pytest -q -x -k smollm2 -p no:cacheprovider -s \
+  tests/test_step_kernel_gpu.py tests/test_step_kernel_real_gpu.py > "$OUT/tests.log" 2>&1
 echo "tests rc $? at $((SECONDS - T0)) s"
-grep -E "passed|failed|skipped|Error|assert|took|gap|parts from" "$OUT/tests.log" | tail -24
+grep -E "passed|failed|skipped|Error|assert|took|gap|parts from|^smollm2" "$OUT/tests.log" | tail -24
 printf '%s\n' '{"prompt": "Write a quicksort in Python with comments explaining each step."}' \
   '{"prompt": "Explain how a transformer language model generates text, step by step."}' > "$OUT/prompts.jsonl"
 for k in chain persistent; do
