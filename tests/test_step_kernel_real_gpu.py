@@ -9,9 +9,10 @@ packed only for AWQ/GPTQ checkpoints (checkpoints.load.gpu_packed refuses --quan
 and SmolLM2's K = 576 is no multiple of the 4-bit kernels' 128-k chunks anyway (w4a16.supported,
 step_kernel.shape_reason). test_smollm2_gpu_runs_bf16 checks those decisions on any machine.
 
-The GPU test (`-m gpu`): greedy `ar` with --step-kernel persistent and with the chain (the
-default), 3 prompts x 48 tokens, --ignore-eos; then `sync` (one rank) and `async` (two ranks on
-the one GPU) with the persistent kernel and a 12-layer draft of the model itself. The trace and
+The GPU tests (`-m gpu`): greedy `ar` with the chain of kernels (the default step kernel), 3
+prompts x 48 tokens, --ignore-eos, is the reference of `ar`, `sync` (one rank) and `async` (two
+ranks on the one GPU) with --step-kernel persistent (sync / async: a 12-layer draft of the model
+itself). The trace and
 `swiftspec analyze` must say which step kernel ran. Both kernels round activations to bf16 at the
 same places but sum in different orders, so where the two best logits are within bf16 error either
 may win. The rule (tests/test_gpu_engine.py's), against the float32 model on the CPU teacher-forced
@@ -100,12 +101,15 @@ def reference(smollm2):
     return gaps
 
 
-def _run(path, tmp_path, name, mode, ranks, kernel, extra=()):
-    """One `swiftspec run` on the GPU, bf16 -> (outputs, prompt ids, the trace's step-kernel record)."""
-    out = tmp_path / f"{name}.h5"
+def _run(path, folder, name, mode, ranks, kernel, extra=()):
+    """One `swiftspec run` on the GPU, bf16, of PROMPTS -> (outputs, prompt ids). Checks that the
+    file ran dequantized, every step shape was captured in the warm-up, and the trace and analyze
+    record `kernel` as the step kernel of every model (rank 0's)."""
+    prompts = write_prompts(folder / "p.jsonl", PROMPTS)
+    out = folder / f"{name}.h5"
     args = ["--target", path, "--mode", mode, "--device", "cuda", "--dtype", "bfloat16", "--step-kernel", kernel,
-            "--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
-            "--out", str(out), "--quiet", *extra]
+            "--prompts", prompts, "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--out", str(out), "--quiet",
+            *extra]
     t0 = time.perf_counter()
     proc = run_swiftspec(ranks, args, timeout=300)
     print(f"{name}: swiftspec run took {time.perf_counter() - t0:.1f} s")
@@ -114,11 +118,13 @@ def _run(path, tmp_path, name, mode, ranks, kernel, extra=()):
     assert root["config"]["quant"] == "none", root["config"]            # dequantized, not packed
     assert root["ranks"]["late_graph_captures"].tolist() == [0] * ranks, (name, root["ranks"])
     ran = json.loads(root["env_json"])["graphs"]["step_kernel"]
+    roles = {"target"} if mode == "ar" else {"target", "draft"}
+    assert "target" in ran and set(ran) <= roles and set(ran.values()) == {kernel}, (name, ran)
     text = subprocess.run([sys.executable, "-m", "swiftspec_mpi", "analyze", str(out)], capture_output=True,
                           text=True, timeout=120, check=True).stdout
     line = ", ".join(f"{role} {how}" for role, how in ran.items())
     assert f"step kernel: {line}" in text, text
-    return read_outputs(out), [r["prompt_ids"] for r in read_requests(out)], ran
+    return read_outputs(out), [r["prompt_ids"] for r in read_requests(out)]
 
 
 def first_difference(a, b):
@@ -128,34 +134,48 @@ def first_difference(a, b):
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-@pytest.mark.gpu
-@pytest.mark.mpi
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_smollm2_persistent_equals_chain(smollm2, reference, tmp_path):
+def _need_step_kernel():
     from swiftspec_mpi.gpu import launch
     if not launch.available():
         pytest.skip("CuPy + nvcc + an sm_90 GPU are needed for the step kernel")
-    write_prompts(tmp_path / "p.jsonl", PROMPTS)
-    draft = ["--draft-layers", "12"]
-    runs = {"chain ar": ("ar", 1, "chain", ()), "persistent ar": ("ar", 1, "persistent", ()),
-            "persistent sync": ("sync", 1, "persistent", draft),
-            "persistent async": ("async", 2, "persistent", draft)}
-    outs, ids = {}, {}
-    for name, (mode, ranks, kernel, extra) in runs.items():
-        outs[name], ids[name], ran = _run(smollm2, tmp_path, name.replace(" ", "-"), mode, ranks, kernel, extra)
-        roles = {"target"} if mode == "ar" else {"target", "draft"}
-        assert set(ran) <= roles and "target" in ran and set(ran.values()) == {kernel}, (name, ran)
-    assert all(v == ids["chain ar"] for v in ids.values()), ids
-    ref = outs["chain ar"]
-    for r, prompt in enumerate(ids["chain ar"]):
-        ref_gaps = reference(prompt, ref[r])
-        for name, got in outs.items():
-            assert len(got[r]) == NEW_TOKENS, (name, r, len(got[r]))
-            gaps = ref_gaps if got[r] == ref[r] else reference(prompt, got[r])
-            print(f"{name} request {r}: largest gap to the float32 greedy {max(g for g, _ in gaps):.4f}")
-            far = [(i, round(g, 4)) for i, (g, _) in enumerate(gaps) if g > BF16_TIE]
-            assert not far, f"{name} request {r}: tokens not a greedy choice within {BF16_TIE}: {far}"
-            i = first_difference(got[r], ref[r])
-            if i is not None:
-                print(f"{name} request {r}: parts from chain ar at token {i} (top-2 margin {ref_gaps[i][1]:.4f})")
-                assert ref_gaps[i][1] < BF16_TIE, f"{name} request {r}: differs from chain ar at {i}, not a near-tie"
+
+
+@pytest.fixture(scope="module")
+def chain_ar(smollm2, reference, tmp_path_factory):
+    """(outputs, prompt ids, gaps per request) of greedy ar with the chain of kernels."""
+    _need_step_kernel()
+    outs, ids = _run(smollm2, tmp_path_factory.mktemp("chain"), "chain-ar", "ar", 1, "chain")
+    gaps = [reference(p, o) for p, o in zip(ids, outs)]
+    for r, g in enumerate(gaps):
+        print(f"chain ar request {r}: largest gap to the float32 greedy {max(x for x, _ in g):.4f}")
+        assert len(outs[r]) == NEW_TOKENS and max(x for x, _ in g) <= BF16_TIE, (r, len(outs[r]), g)
+    return outs, ids, gaps
+
+
+def _check_against_chain(name, outs, ids, chain_ar, reference):
+    """The module doc's rule for `outs` of a run with `ids` against chain ar."""
+    ref, ref_ids, ref_gaps = chain_ar
+    assert ids == ref_ids
+    for r, prompt in enumerate(ids):
+        got = outs[r]
+        assert len(got) == NEW_TOKENS, (name, r, len(got))
+        gaps = ref_gaps[r] if got == ref[r] else reference(prompt, got)
+        print(f"{name} request {r}: largest gap to the float32 greedy {max(g for g, _ in gaps):.4f}")
+        far = [(i, round(g, 4)) for i, (g, _) in enumerate(gaps) if g > BF16_TIE]
+        assert not far, f"{name} request {r}: tokens not a greedy choice within {BF16_TIE}: {far}"
+        i = first_difference(got, ref[r])
+        if i is not None:
+            print(f"{name} request {r}: parts from chain ar at token {i} (top-2 margin {ref_gaps[r][i][1]:.4f})")
+            assert ref_gaps[r][i][1] < BF16_TIE, f"{name} request {r}: differs from chain ar at {i}, not a near-tie"
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode,ranks", [("ar", 1), ("sync", 1), ("async", 2)])
+def test_smollm2_persistent_equals_chain_ar(mode, ranks, smollm2, reference, chain_ar, tmp_path):
+    """--step-kernel persistent in `mode` (sync / async: a 12-layer draft of the model itself)
+    against the chain's greedy ar, by the module doc's rule."""
+    extra = () if mode == "ar" else ("--draft-layers", "12")
+    outs, ids = _run(smollm2, tmp_path, f"persistent-{mode}", mode, ranks, "persistent", extra)
+    _check_against_chain(f"persistent {mode}", outs, ids, chain_ar, reference)
