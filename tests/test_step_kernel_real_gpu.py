@@ -40,6 +40,7 @@ NEW_TOKENS = 48
 # measured on this model (eager bf16 torch on the CPU against float32, these prompts x 48 tokens)
 BF16_TIE = 0.02
 
+
 @pytest.fixture(scope="module")
 def smollm2():
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf (module doc)."""
