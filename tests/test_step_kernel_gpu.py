@@ -4,7 +4,8 @@ Logits of one step against the chain's (`forward_graphable` with the fused kerne
 float32 reference of the same weights written here (the model's bf16 / dequantized 4-bit weights
 in float32, the committed KV in float32, plain torch ops), for N in {1, 2, 5, 8, 16, 32}, trees of
 several shapes, contexts 1..4096, bf16 and 4-bit (groups 32, 64, 128) weights, Llama and Qwen2
-(biases) shapes with few layers. Every output buffer and the KV slots the step writes are poisoned
+(biases) shapes with few layers, and SmolLM2-135M's (bf16 inputs of 576: two 256-k pages and a
+partial one of 64; 9 query heads on 3 KV heads). Every output buffer and the KV slots the step writes are poisoned
 (NaN) first, and so are the KV slots past the context: the result must be finite, so everything
 read was written. The rule: the kernel's max relative error to the float32 reference is at most
 1.5x the chain's plus 0.004 (both round activations to bf16 at the same places). The new K/V rows
@@ -167,7 +168,8 @@ if os.environ.get("STEP_KERNEL_CASES") == "quick":
 
 @pytest.mark.parametrize("spec,layers,quant,group", [
     ("llama-3.2-1b", 2, "none", 128), ("llama-3.2-1b", 2, "int4", 128), ("llama-3-8b", 2, "none", 128),
-    ("llama-3-8b", 2, "int4", 32), ("qwen2.5-0.5b", 3, "none", 128), ("qwen2.5-0.5b", 3, "int4", 64)])
+    ("llama-3-8b", 2, "int4", 32), ("qwen2.5-0.5b", 3, "none", 128), ("qwen2.5-0.5b", 3, "int4", 64),
+    ("smollm2-135m", 3, "none", 128)])
 def test_step_logits_match_chain_and_float32(spec, layers, quant, group):
     _available()
     model = _model(spec, layers, quant, group)

@@ -1,7 +1,8 @@
 """The persistent step kernel's schedule (swiftspec_mpi/gpu/step_schedule.py) on the CPU: every
 dependency met in a run of the schedule (no deadlock), every weight tile of every projection
 covered exactly once, every (layer, head, row) attended exactly once, each block's list in stage
-order; and cuda/step_kernel.cu compiles for sm_90 (tools/compile_cuda.sh compiles every .cu)."""
+order; the weight shapes it takes are those its pages compute whole; and cuda/step_kernel.cu
+compiles for sm_90 (tools/compile_cuda.sh compiles every .cu)."""
 from __future__ import annotations
 
 import shutil
@@ -356,3 +357,27 @@ def test_timeline_summary_accounts_for_the_whole_step():
     t[3] = 0
     with pytest.raises(ValueError, match="every instruction"):
         step_timeline.summarize(s, t)
+
+def test_weight_shapes_refused_unless_every_k_is_computed():
+    """The step kernel floors each page's k's to whole steps (32 k's bf16, 128-k chunks 4-bit):
+    gpu.step_kernel.shape_reason takes exactly the shapes whose pages multiply every k, so none is
+    silently truncated. SmolLM2-135M's K = 576 (2 full bf16 pages + a partial one of 64 k's) and
+    1536 run as bf16; as 4-bit, 576 is refused (its pages would multiply 512 k's)."""
+    import torch
+
+    from swiftspec_mpi.gpu import step_kernel as sk
+    from swiftspec_mpi.gpu.w4a16 import W4A16Weight
+    for k in range(8, 4104, 8):
+        for fmt, group in (("bf16", 0), ("4-bit", 32), ("4-bit", 64), ("4-bit", 128)):
+            whole = sk.page_k_computed(fmt, k) == k
+            assert (sk.shape_reason(fmt, 64, k, group) is None) == whole, (fmt, k)
+    assert sk.page_k_computed("bf16", 576) == 576 and sk.shape_reason("bf16", 960, 576) is None
+    assert sk.page_k_computed("4-bit", 576) == 512
+    assert "multiple of 128" in sk.shape_reason("4-bit", 960, 576, 32)
+    assert "group 256" in sk.shape_reason("4-bit", 960, 1024, 256)
+    assert "rows" in sk.shape_reason("bf16", 49160, 576)
+    w = W4A16Weight(torch.zeros(960, 288, dtype=torch.uint8), torch.zeros(960, 18, dtype=torch.int32), 32)
+    assert "o: in 576 (4-bit: the kernel needs a multiple of 128)" == sk.weight_reason("o", w, 576)
+    assert "on the GPU" in sk.weight_reason("o", W4A16Weight(w.qweight[:, :256], w.so[:, :16], 32), 512)
+    assert "on the GPU" in sk.weight_reason("o", torch.zeros(960, 576, dtype=torch.bfloat16), 576)
+    assert "input is 1536" in sk.weight_reason("down", torch.zeros(960, 576, dtype=torch.bfloat16), 1536)

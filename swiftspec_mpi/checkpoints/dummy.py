@@ -38,6 +38,7 @@ SHAPES = {
     "llama-3-70b": _llama(128256, 8192, 28672, 80, 64, 8),
     "llama-3.2-1b": _llama(128256, 2048, 8192, 16, 32, 8, tie=True, scaling={**_LLAMA3_ROPE, "factor": 32.0}),
     "llama-3.2-3b": _llama(128256, 3072, 8192, 28, 24, 8, tie=True, scaling={**_LLAMA3_ROPE, "factor": 32.0}),
+    "smollm2-135m": _llama(49152, 576, 1536, 30, 9, 3, rope_theta=100000.0, tie=True),
     "qwen2.5-0.5b": _qwen(151936, 896, 4864, 24, 14, 2, True),
     "qwen2.5-1.5b": _qwen(151936, 1536, 8960, 28, 12, 2, True),
     "qwen2.5-7b": _qwen(152064, 3584, 18944, 28, 28, 4, False),

@@ -84,15 +84,46 @@ def _is_w4(w) -> bool:
     return isinstance(w, W4A16Weight)
 
 
-def _weight_reason(name: str, w, k: int) -> str | None:
+def shape_reason(fmt: str, rows: int, k: int, group: int = 0) -> str | None:
+    """Why the kernel's pages cannot compute a [rows, k] weight of format `fmt` ("bf16", or "4-bit"
+    in groups of `group`), None when they take it whole. cuda/step_kernel.cu multiplies each page's
+    k's in whole steps, flooring: 32 k's (bf16, pages of PAGE_K_BF16, the last one partial) or 128-k
+    chunks (4-bit, pages of PAGE_K_Q4) with 128 / group scale words each; `page_k_computed` is that
+    arithmetic. Tiles are 16 rows."""
+    if rows <= 0 or rows % 16:
+        return f"{rows} rows (the kernel needs a multiple of 16)"
+    if fmt == "bf16":
+        return None if k > 0 and k % 32 == 0 else f"in {k} (bf16: the kernel needs a multiple of 32)"
+    if group not in (32, 64, 128):
+        return f"4-bit group {group} (the kernel takes 32, 64 or 128)"
+    return None if k > 0 and k % 128 == 0 else f"in {k} (4-bit: the kernel needs a multiple of 128)"
+
+
+def page_k_computed(fmt: str, k: int) -> int:
+    """k's of a [*, k] weight the kernel's pages multiply (page_of, page_mma of step_kernel.cu):
+    per page kspan = min(page k's, k - k0), of which steps of 32 (bf16) or chunks of 128 (4-bit),
+    floored. Equal to k exactly when shape_reason takes k."""
+    page, step = (PAGE_K_BF16, 32) if fmt == "bf16" else (PAGE_K_Q4, 128)
+    return sum(min(page, k - k0) // step * step for k0 in range(0, k, page))
+
+
+def weight_reason(name: str, w, k: int) -> str | None:
+    """Why the kernel cannot take `w` (bf16 [rows, k] CUDA tensor or W4A16Weight) as the weight of
+    op `name` with k inputs, None when it can: its shape (shape_reason), then its memory."""
+    fmt, group = ("4-bit", w.group) if _is_w4(w) else ("bf16", 0)
+    if not (_is_w4(w) or isinstance(w, torch.Tensor) and w.dim() == 2):
+        return f"{name}: not a 2-d weight"
+    rows, kw = w.shape
+    if kw != k:
+        return f"{name}: [{rows}, {kw}], the layer's input is {k}"
+    r = shape_reason(fmt, rows, k, group)
+    if r is not None:
+        return f"{name}: {r}"
     if _is_w4(w):
-        return None if w.shape[1] == k and w.shape[0] % 16 == 0 else f"{name}: 4-bit shape {w.shape}"
-    if not (isinstance(w, torch.Tensor) and w.is_cuda and w.dtype == torch.bfloat16 and w.dim() == 2
-            and w.is_contiguous() and w.shape[1] == k):
-        return f"{name}: not a contiguous bf16 CUDA [out, {k}] matrix"
-    if w.shape[0] % 16 or k % 32 or w.data_ptr() % 16:
-        return f"{name}: [{w.shape[0]}, {k}] (the kernel needs out % 16 == 0 and in % 32 == 0)"
-    return None
+        ok = w.qweight.is_cuda and w.qweight.is_contiguous() and w.so.is_contiguous()
+    else:
+        ok = w.is_cuda and w.dtype == torch.bfloat16 and w.is_contiguous() and w.data_ptr() % 16 == 0
+    return None if ok else f"{name}: not a contiguous, 16-byte aligned {fmt} weight on the GPU"
 
 
 def unsupported_reason(model) -> str | None:
@@ -117,7 +148,7 @@ def unsupported_reason(model) -> str | None:
     lay = model.layers[0]
     for name, w, k in (("qkv", lay.wqkv, H), ("o", lay.wo, sh.nh_l * hd), ("gate|up", lay.wgu, H),
                        ("down", lay.wd, sh.inter_l), ("head", model.head, H)):
-        r = _weight_reason(name, w, k)
+        r = weight_reason(name, w, k)
         if r is not None:
             return r
     return None
