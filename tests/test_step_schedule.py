@@ -358,6 +358,7 @@ def test_timeline_summary_accounts_for_the_whole_step():
     with pytest.raises(ValueError, match="every instruction"):
         step_timeline.summarize(s, t)
 
+
 def test_weight_shapes_refused_unless_every_k_is_computed():
     """The step kernel floors each page's k's to whole steps (32 k's bf16, 128-k chunks 4-bit):
     gpu.step_kernel.shape_reason takes exactly the shapes whose pages multiply every k, so none is
