@@ -4,7 +4,7 @@ GB/s during it; beside it, the same step with every counter wait removed from th
 table ("no waits": each block runs its list back to back, so the outputs are garbage but the time
 is what streaming and compute alone cost; eager launches, with the sync). Random weights at real shapes, batch 1.
 
-    python benchmarks/bench_step_timeline.py [--rows 1b-bf16,1b-int4,8b-int4] [--n 1,8]
+    python benchmarks/bench_step_timeline.py [--rows 1b-bf16,1b-int4,8b-int4] [--n 1,8] [--warps 8,16]
         [--context 1024] [--json out.json]
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ def op_bytes(model) -> list[int]:
     return out + [nb(model.head)]
 
 
-def bench_row(name: str, ns: list[int], context: int, bw: float) -> dict:
+def bench_row(name: str, ns: list[int], context: int, bw: float, warps: list[int]) -> dict:
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.checkpoints.load import dummy_model
     from swiftspec_mpi.gpu import step_timeline
@@ -45,7 +45,7 @@ def bench_row(name: str, ns: list[int], context: int, bw: float) -> dict:
     pre = torch.randint(0, 4000, (context,), device="cuda")
     model.forward(pre, torch.arange(context, device="cuda"), 0, chain_mask(0, context).cuda())
     torch.cuda.synchronize()
-    sk = StepKernel(model)
+    kernels = {w: StepKernel(model, warps=w) for w in warps}
     ob = op_bytes(model)
     floor_ms = model.step_read_bytes() / (bw * 1e12) * 1e3
     r = {"row": name, "floor_ms": floor_ms, "n": {}}
@@ -57,31 +57,38 @@ def bench_row(name: str, ns: list[int], context: int, bw: float) -> dict:
         nv = torch.tensor([context + n], dtype=torch.int32, device="cuda")
         slots = pos.clone()
 
-        def pers():
-            sk.forward(toks, pos, slots, mask, nv)
-        pers()
-        sk.check()
-        t_pers = cuda_time(pers, iters=40)
-        st = sk.state(n)
-        st.instr[:, 4] = -1                  # every wait gone
-        t_free = cuda_time(pers, iters=40)
-        sk.repair(n)
-        sk.check()
-        runs = []
-        for _ in range(7):
-            t = sk.record_timeline(n)
-            pers()
-            torch.cuda.synchronize()
-            runs.append(step_timeline.summarize(st.schedule, t.cpu().numpy(), ob))
-        sk.record_timeline(n, on=False)
-        sk.check()
-        runs.sort(key=lambda s: s["total_us"])
-        summ = runs[len(runs) // 2]
-        r["n"][n] = {"persistent_ms": t_pers, "no_waits_ms": t_free, "timeline": summ}
-        print(f"\n### {name}, N = {n}: persistent {t_pers:.3f} ms, with no waits {t_free:.3f} ms, "
-              f"floor {floor_ms:.3f} ms, blocks {sk.blocks}\n")
-        print(step_timeline.format_table(summ), flush=True)
-    del sk, model
+        ref = None
+        for w, sk in kernels.items():
+            def pers(sk=sk):
+                return sk.forward(toks, pos, slots, mask, nv)
+
+            out = pers().clone()
+            sk.check()
+            ref = out if ref is None else ref
+            diff = ((out - ref).abs().max() / ref.abs().max()).item()
+            t_pers = cuda_time(pers, iters=40)
+            st = sk.state(n)
+            st.instr[:, 4] = -1                  # every wait gone
+            t_free = cuda_time(pers, iters=40)
+            sk.repair(n)
+            sk.check()
+            runs = []
+            for _ in range(7):
+                t = sk.record_timeline(n)
+                pers()
+                torch.cuda.synchronize()
+                runs.append(step_timeline.summarize(st.schedule, t.cpu().numpy(), ob))
+            sk.record_timeline(n, on=False)
+            sk.check()
+            runs.sort(key=lambda s: s["total_us"])
+            summ = runs[len(runs) // 2]
+            r["n"][f"{n}/{w}"] = {"warps": w, "persistent_ms": t_pers, "no_waits_ms": t_free, "timeline": summ,
+                                  "rel_diff_to_first": diff}
+            print(f"\n### {name}, N = {n}, {w} compute warps: persistent {t_pers:.3f} ms, with no waits "
+                  f"{t_free:.3f} ms, floor {floor_ms:.3f} ms, blocks {sk.blocks}, logits rel diff to "
+                  f"{next(iter(kernels))} warps {diff:.2e}\n")
+            print(step_timeline.format_table(summ), flush=True)
+    del kernels, model
     torch.cuda.empty_cache()
     return r
 
@@ -91,11 +98,13 @@ def main():
     ap.add_argument("--rows", default="1b-bf16,1b-int4,8b-int4")
     ap.add_argument("--n", default="1,8")
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--warps", default="8", help="compute warps a block, each timed (8, 16)")
     ap.add_argument("--json")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw:.2f} TB/s, context {args.context}")
-    res = {"copy_tbs": bw, "rows": [bench_row(name, [int(x) for x in args.n.split(",")], args.context, bw)
+    res = {"copy_tbs": bw, "rows": [bench_row(name, [int(x) for x in args.n.split(",")], args.context, bw,
+                                              [int(w) for w in args.warps.split(",")])
                                     for name in args.rows.split(",")]}
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=lambda o: o.item() if isinstance(o, np.generic) else str(o)))

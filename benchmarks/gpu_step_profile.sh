@@ -11,9 +11,9 @@ export PYTHONPATH=$PWD CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-$PWD/.cache/cupy}
 T0=$SECONDS
 timeout 40 python3 setup.py build_ext --inplace -q -j 8 > "$OUT/build.log" 2>&1 || { echo "build failed"; tail -5 "$OUT/build.log"; }
 STEP_KERNEL_CASES=quick timeout 80 python3 -m pytest -q -x -m gpu tests/test_step_kernel_gpu.py -p no:cacheprovider \
-  -k "timeline or 1b-2-int4-128" > "$OUT/tests.log" 2>&1
+  -k "timeline or 1b-2-int4-128 or 16_warps" > "$OUT/tests.log" 2>&1
 echo "tests rc $? at $((SECONDS - T0)) s"; tail -3 "$OUT/tests.log"
-timeout 120 python3 benchmarks/bench_step_timeline.py --rows 1b-bf16,1b-int4,8b-int4 --n 1,8 \
+timeout 120 python3 benchmarks/bench_step_timeline.py --rows 1b-bf16,1b-int4,8b-int4 --n 1,8 --warps 8,16 \
   --json "$OUT/timeline.json" > "$OUT/timeline.md" 2>&1
 echo "timeline rc $? at $((SECONDS - T0)) s"
 if command -v ncu >/dev/null; then

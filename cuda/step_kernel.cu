@@ -62,7 +62,12 @@ namespace step {
 
 typedef __nv_bfloat16 bf16;
 
-constexpr int COMPUTE_WARPS = 8;
+// Compute warps a block (8 by default; gpu/step_kernel.py builds -DSTEP_COMPUTE_WARPS=16 too).
+#ifndef STEP_COMPUTE_WARPS
+#define STEP_COMPUTE_WARPS 8
+#endif
+constexpr int COMPUTE_WARPS = STEP_COMPUTE_WARPS;
+static_assert(COMPUTE_WARPS == 8 || COMPUTE_WARPS == 16, "8 or 16 compute warps");
 constexpr int COMPUTE_THREADS = COMPUTE_WARPS * 32;
 constexpr int THREADS = COMPUTE_THREADS + 32;
 // Pages of 10 KB: a warp holds the page it multiplies (all 8 may hold one each), so the ring
@@ -78,7 +83,7 @@ constexpr int RED_BYTES = COMPUTE_WARPS * 16 * 32 * 4;
 // then the pool: X staged [N rows of 2 kx + 64 bytes] (`xs_bytes`, the host's choice: the largest
 // op input whole when that leaves MIN_PAGES pages, else blocks of kx k's) and the ring of
 // `npages` pages after it.
-constexpr int HEAD_BYTES = 17408;               // red + 2 MAX_PAGES mbarriers + flag, rounded up
+constexpr int HEAD_BYTES = (RED_BYTES + 2 * MAX_PAGES * 8 + 16 + 1023) / 1024 * 1024;   // red + mbarriers + flag
 constexpr int SMEM_BYTES = 227 * 1024;
 constexpr int POOL_BYTES = SMEM_BYTES - HEAD_BYTES;
 constexpr int INSTR_WORDS = 8;
@@ -135,7 +140,7 @@ static_assert(sizeof(OpDesc) == 12 * 8, "OpDesc layout");
 static_assert(sizeof(LayerDesc) == 4 * 8, "LayerDesc layout");
 static_assert(sizeof(Params) == 40 * 8, "Params layout");
 static_assert(RED_BYTES + 2 * MAX_PAGES * 8 + 16 <= HEAD_BYTES, "shared memory head");
-static_assert(MAX_PAGES * PAGE_BYTES <= POOL_BYTES, "pages");
+static_assert(MAX_PAGES * PAGE_BYTES <= POOL_BYTES + 4 * PAGE_BYTES, "pages (the host gives fewer when the head is larger)");
 static_assert(16 * BF16_ROW_BYTES <= PAGE_BYTES && BF16_ROW_BYTES % 128 == 64, "bf16 page");
 static_assert(Q4_PAGE_CHUNKS * 1024 == Q4_SCALES_OFF && Q4_SCALES_OFF + Q4_PAGE_CHUNKS * 64 * 4 <= PAGE_BYTES,
               "4-bit page: codes, then the scale words of group 32");
@@ -183,7 +188,7 @@ __device__ __forceinline__ uint64_t globaltimer() {
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
   return t;
 }
-__device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+__device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, %0;\n" :: "n"(COMPUTE_THREADS) : "memory"); }
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
@@ -277,7 +282,8 @@ __device__ __forceinline__ int signal(const Params& p, int ctr) {
 __device__ void rmsnorm_rows(const Params& p, const bf16* w, float* part) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int H = (int)p.H, N = (int)p.N;
-  const int wpr = N >= 8 ? 1 : N >= 4 ? 2 : N >= 2 ? 4 : 8;      // warps per row
+  int wpr = 1;                                                   // warps per row: a power of 2
+  while (2 * wpr * N <= COMPUTE_WARPS) wpr *= 2;
   for (int r0 = 0; r0 < N; r0 += COMPUTE_WARPS / wpr) {
     const int r = r0 + warp / wpr, sub = warp % wpr;
     const bf16* xr = p.x + (int64_t)r * H;
@@ -359,7 +365,12 @@ __device__ __forceinline__ Page page_of(const OpDesc& op, int tile, int j) {
 }
 
 // Warps sharing each tile's pages in a round of `na` tiles.
-__device__ __forceinline__ int k_split(int na) { return na >= 5 ? 1 : COMPUTE_WARPS / (na == 3 ? 4 : na); }
+// (the largest power of 2 with na * ks <= COMPUTE_WARPS)
+__device__ __forceinline__ int k_split(int na) {
+  int ks = 1;
+  while (2 * ks * na <= COMPUTE_WARPS) ks *= 2;
+  return ks;
+}
 
 // k's of X staged at a time: all K when N rows of 2 K + 64 bytes fit in xs_bytes, else the
 // largest multiple of the page's k's that fits (the host makes xs_bytes hold at least one page's).
@@ -741,10 +752,10 @@ __device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows
     }
   }
   // 2. q rows (RoPE'd, rounded to bf16 as the chain stores them) into shared memory
-  float* qs = scratch;                              // [8][hd]
-  float* pm = scratch + 8 * hd;                     // [8] partial max (log2 units)
-  float* pl = pm + 8;                               // [8] partial sum
-  float* po = pl + 8;                               // [8][hd] partial O
+  float* qs = scratch;                              // [ATTN_ROWS = 8][hd]
+  float* pm = scratch + 8 * hd;                     // [COMPUTE_WARPS] partial max (log2 units)
+  float* pl = pm + COMPUTE_WARPS;                   // [COMPUTE_WARPS] partial sum
+  float* po = pl + COMPUTE_WARPS;                   // [COMPUTE_WARPS][hd] partial O
   for (int i = threadIdx.x; i < nrows * half; i += COMPUTE_THREADS) {
     const int r = i / half, j = i % half, t = row0 + r;
     int64_t pos = p.positions[t];
@@ -885,14 +896,21 @@ __device__ void step_body(const Params& p) {
 
 }  // namespace step
 
+// 8 compute warps: launch bounds (288 threads, 1 block an SM); 16: at most 120 registers (the
+// bounds of 544 threads would cap them at 96, with spills)
+#if STEP_COMPUTE_WARPS == 8
+#define STEP_BOUNDS __launch_bounds__(step::THREADS, 1)
+#else
+#define STEP_BOUNDS __maxnreg__(120)
+#endif
 // step_kernel_mb<MB>: grid = the schedule's blocks (<= one per SM), step::THREADS threads,
 // step::SMEM_BYTES of dynamic shared memory; MB = m-blocks of 8 token rows (N <= 8 MB).
-extern "C" __global__ void __launch_bounds__(step::THREADS, 1) step_kernel_mb1(const step::Params* p) {
+extern "C" __global__ void STEP_BOUNDS step_kernel_mb1(const step::Params* p) {
   step::step_body<1>(*p);
 }
-extern "C" __global__ void __launch_bounds__(step::THREADS, 1) step_kernel_mb2(const step::Params* p) {
+extern "C" __global__ void STEP_BOUNDS step_kernel_mb2(const step::Params* p) {
   step::step_body<2>(*p);
 }
-extern "C" __global__ void __launch_bounds__(step::THREADS, 1) step_kernel_mb4(const step::Params* p) {
+extern "C" __global__ void STEP_BOUNDS step_kernel_mb4(const step::Params* p) {
   step::step_body<4>(*p);
 }

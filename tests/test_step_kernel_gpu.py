@@ -132,11 +132,11 @@ def _rel(a, ref):
     return ((a.float() - ref).abs().max() / ref.abs().max()).item()
 
 
-def _check_step(model, n, start, kind, seed=0):
+def _check_step(model, n, start, kind, seed=0, warps=8):
     from swiftspec_mpi.gpu.step_kernel import StepKernel
-    sk = model.__dict__.get("_sk_test")
+    sk = model.__dict__.get(f"_sk_test{warps}")
     if sk is None:
-        sk = model.__dict__["_sk_test"] = StepKernel(model)
+        sk = model.__dict__[f"_sk_test{warps}"] = StepKernel(model, warps=warps)
     tokens, pos, slots, mask, n_valid = _step_inputs(model, n, start, kind, seed)
     L = start + n
     ref = reference(model, tokens, pos, slots, mask, L)
@@ -177,6 +177,15 @@ def test_step_logits_match_chain_and_float32(spec, layers, quant, group):
         assert model.layers[0].bqkv is not None                           # biases exercised
     errs = [(_check_step(model, n, start, kind)) for n, start, kind in CASES]
     print(spec, quant, group, [(round(a, 4), round(b, 4)) for a, b in errs])
+
+
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_step_logits_16_warps(quant):
+    """The kernel built for 16 compute warps a block (k-split, norm and attention splits wider)."""
+    _available()
+    model = _model("llama-3.2-1b", 2, quant, 128)
+    errs = [(_check_step(model, n, start, kind, warps=16)) for n, start, kind in CASES]
+    print("16 warps", quant, [(round(a, 4), round(b, 4)) for a, b in errs])
 
 
 def test_step_in_graph_and_reads():

@@ -153,8 +153,8 @@ def test_shared_memory_pool_split():
             for pk in (sk.PAGE_K_BF16, sk.PAGE_K_Q4):
                 xs, pages = sk.pool_split(n, dims, pk)
                 assert xs % 128 == 0 and 1 <= pages <= sk.MAX_PAGES
-                assert pages >= sk.MIN_PAGES or n * (2 * pk + 64) > sk.POOL_BYTES - sk.MIN_PAGES * sk.PAGE_BYTES
-                assert sk.HEAD_BYTES + xs + pages * sk.PAGE_BYTES <= sk.SMEM_BYTES <= 227 * 1024
+                assert pages >= sk.MIN_PAGES or n * (2 * pk + 64) > sk.SMEM_BYTES - sk.head_bytes(8) - sk.MIN_PAGES * sk.PAGE_BYTES
+                assert sk.head_bytes(8) + xs + pages * sk.PAGE_BYTES <= sk.SMEM_BYTES <= 227 * 1024
                 for k in dims:
                     kx = sk.x_block_k(xs, n, k, pk)
                     assert n * (2 * kx + 64) <= xs and (2 * kx + 64) % 16 == 0

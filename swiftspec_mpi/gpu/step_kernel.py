@@ -29,11 +29,19 @@ from swiftspec_mpi.gpu import step_schedule as ss
 from swiftspec_mpi.gpu.launch import function, launch, sm_count
 
 _SOURCE = "step_kernel"
-THREADS = 288
+WARPS = (8, 16)             # compute warps a block the kernel is built for (STEP_COMPUTE_WARPS)
 # cuda/step_kernel.cu's shared memory: a fixed head, then the pool of staged X and weight pages
 PAGE_BYTES, MAX_PAGES, MIN_PAGES = 10240, 20, 12
-SMEM_BYTES, HEAD_BYTES = 227 * 1024, 17408
-POOL_BYTES = SMEM_BYTES - HEAD_BYTES
+SMEM_BYTES = 227 * 1024
+
+
+def head_bytes(warps: int) -> int:
+    """cuda/step_kernel.cu's HEAD_BYTES: the k-split's partial tiles, 2 mbarriers a page, a flag."""
+    return -(-(warps * 16 * 32 * 4 + 2 * MAX_PAGES * 8 + 16) // 1024) * 1024
+
+
+def threads(warps: int) -> int:
+    return 32 * warps + 32          # the compute warps and the loader
 PAGE_K_BF16, PAGE_K_Q4 = 256, 1024      # k's of one weight page (16 rows of a tile)
 
 
@@ -45,16 +53,17 @@ def x_block_k(xs_bytes: int, n: int, k: int, page_k: int) -> int:
     return k if k <= fit else fit // page_k * page_k
 
 
-def pool_split(n: int, input_dims: list[int], page_k: int) -> tuple[int, int]:
+def pool_split(n: int, input_dims: list[int], page_k: int, warps: int = 8) -> tuple[int, int]:
     """(bytes of staged X, weight pages) of the shared-memory pool for n tokens: room for the
     largest op input [n, K] whole when it leaves MIN_PAGES pages, else all the room those pages
     leave (larger inputs are staged in blocks of whole pages' k's), and at least one page's k's
     of X (`page_k`: the largest of the model's weight formats); the rest of the pool is pages."""
-    room = POOL_BYTES - MIN_PAGES * PAGE_BYTES
+    pool = SMEM_BYTES - head_bytes(warps)
+    room = pool - MIN_PAGES * PAGE_BYTES
     want = n * (2 * max(input_dims) + 64)
     xs = min(want, max(room, n * (2 * page_k + 64)))
     xs = -(-xs // 128) * 128
-    pages = min(MAX_PAGES, (POOL_BYTES - xs) // PAGE_BYTES)
+    pages = min(MAX_PAGES, (pool - xs) // PAGE_BYTES)
     if pages < 1 or any(x_block_k(xs, n, k, page_k) < min(k, page_k) for k in input_dims):
         raise ValueError(f"the step kernel's shared memory cannot hold {n} rows of X beside a weight page")
     return xs, pages
@@ -185,7 +194,7 @@ class _PerN:
         self.schedule = ss.build(self.shape, sk.blocks)
         w4 = _is_w4(m.head) or any(_is_w4(w) for l in m.layers for w in (l.wqkv, l.wo, l.wgu, l.wd))
         self.xs_bytes, self.npages = pool_split(n, [cfg.hidden_size, sh.nh_l * hd, sh.inter_l],
-                                                PAGE_K_Q4 if w4 else PAGE_K_BF16)
+                                                PAGE_K_Q4 if w4 else PAGE_K_BF16, sk.warps)
         s = self.schedule
         self.instr = torch.from_numpy(s.instr.copy()).to(dev)
         self.block_start = torch.from_numpy(s.block_start.copy()).to(dev)
@@ -218,11 +227,14 @@ class _PerN:
 class StepKernel:
     """The persistent step kernel bound to one GPU Transformer (module docstring)."""
 
-    def __init__(self, model, blocks: int | None = None, timeout_s: float = TIMEOUT_S):
+    def __init__(self, model, blocks: int | None = None, timeout_s: float = TIMEOUT_S, warps: int = 8):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(reason)
+        if warps not in WARPS:
+            raise ValueError(f"the step kernel is built for {WARPS} compute warps, not {warps}")
         self.model = model
+        self.warps = warps
         self.blocks = int(blocks or sm_count())
         self.timeout_ns = int(timeout_s * 1e9)
         dev = model.device
@@ -286,9 +298,10 @@ class StepKernel:
         params = self._params(st, tokens, positions, write_slots, mask, n_valid)
         mb = 1 if n <= 8 else 2 if n <= 16 else 4
         dev = self.model.device
-        f = function(_SOURCE, "", f"step_kernel_mb{mb}", dev.index if dev.index is not None else
+        variant = "" if self.warps == 8 else f"-DSTEP_COMPUTE_WARPS={self.warps}"
+        f = function(_SOURCE, variant, f"step_kernel_mb{mb}", dev.index if dev.index is not None else
                      torch.cuda.current_device(), dyn_smem=SMEM_BYTES)
-        launch(f, (self.blocks, 1, 1), THREADS, SMEM_BYTES, torch.cuda.current_stream().cuda_stream,
+        launch(f, (self.blocks, 1, 1), threads(self.warps), SMEM_BYTES, torch.cuda.current_stream().cuda_stream,
                [ctypes.c_uint64(params.data_ptr())])
         vocab = self.model.cfg.vocab_size
         return st.logits if st.logits.shape[1] == vocab else st.logits[:, :vocab]
