@@ -108,7 +108,7 @@ def main(args) -> int:
         return EXIT_USER_ERROR
     cfg, tcfg, dcfg, model, sizes = payload
     from swiftspec_mpi.cli.plan_profile import profile_groups
-    prof = profile_groups(world, cfg, sizes, args.threads, (tcfg.num_heads, dcfg.num_heads))
+    prof = profile_groups(world, cfg, sizes, args.threads, (tcfg.num_heads, dcfg.num_heads), model)
     if rank != 0:
         return 0
     result = choose(prof, model, sizes, (tcfg.num_heads, dcfg.num_heads), args, world.Get_size(),
@@ -140,10 +140,12 @@ def choose(prof: dict, model: dict, sizes: list[int], heads: tuple[int, int], ar
         raise UserError(f"no split of {world} ranks divides the models' heads ({heads[0]} target, "
                         f"{heads[1]} draft); use a rank count that does")
     sims: dict = {}
+    host = {int(n): h for n, h in (prof.get("host_s") or {}).items()}
     table = T.evaluate(cands, model, t_target, t_draft, prof["t_x_s"], args.tree_topk, args.max_depth,
-                       args.steps, sims)
+                       args.steps, sims, host)
     out = {"world": world, "devices": prof["devices"], "shared_device": prof["shared"],
            "t_target_s": prof["t_target_s"], "t_draft_s": prof["t_draft_s"], "t_x_s": prof["t_x_s"],
+           "host_s": host,
            "ar_tok_s": 1.0 / t_target[sync_top][1], "ar_ranks": sync_top,
            "model_mean_accepted": model.get("mean_accepted"),
            "table": [row(c, t_target, t_draft) for c in table], "chosen": row(table[0], t_target, t_draft)}
@@ -161,7 +163,8 @@ def choose(prof: dict, model: dict, sizes: list[int], heads: tuple[int, int], ar
                 cs += [c for c in T.candidates(1, sizes, heads, args.max_expansions, False)]
             if not cs:
                 continue
-            best = T.evaluate(cs, model, tt, td, prof["t_x_s"], args.tree_topk, args.max_depth, args.steps, sims)
+            best = T.evaluate(cs, model, tt, td, prof["t_x_s"], args.tree_topk, args.max_depth, args.steps, sims,
+                              host)
             ar = 1.0 / tt[n_dev][1] if 1 in tt[n_dev] else None
             pred[n_dev] = {"chosen": row(best[0], tt, td), "ar_tok_s": ar,
                            "best_sync": next((row(c, tt, td) for c in best if c.mode == "sync"), None),
@@ -176,7 +179,7 @@ def row(c, t_target, t_draft) -> dict:
     return {"mode": c.mode, "draft_ranks": c.draft_ranks, "verify_ranks": c.verify_ranks,
             "shared_device": c.shared, "verify_size": c.n, "tree_width": c.w, "expansions": c.d,
             "t_target_ms": round(1e3 * t_target[c.verify_ranks][c.n], 4),
-            "t_draft_ms": round(1e3 * t_draft[g_draft][c.w], 4), "step_ms": round(1e3 * c.step_s, 4),
+            "t_draft_ms": round(1e3 * t_draft[g_draft][c.w], 4), "host_ms": round(1e3 * c.host_total, 4), "step_ms": round(1e3 * c.step_s, 4),
             "tokens_per_step": round(c.tokens, 3), "stall": round(c.stall, 3), "tok_s": round(c.tok_s, 2)}
 
 
@@ -197,12 +200,12 @@ def render(result: dict, args, top: int = 16) -> list[str]:
                f"in its trace); leaders' round trip {1e3 * result['t_x_s']:.3f} ms"]
     if result.get("ar_tok_s"):
         lines.append(f"ar (the target alone on {result['ar_ranks']} rank(s)) would run {result['ar_tok_s']:.1f} tok/s")
-    head = ("mode", "draft", "verify", "n", "w", "d", "t_tgt ms", "t_dft ms", "step ms", "tok/step", "tok/s")
+    head = ("mode", "draft", "verify", "n", "w", "d", "t_tgt ms", "t_dft ms", "host ms", "step ms", "tok/step", "tok/s")
     rows = [head]
     for r in result["table"][:top]:
         rows.append((r["mode"] + ("*" if r["shared_device"] else ""), str(r["draft_ranks"]), str(r["verify_ranks"]),
                      str(r["verify_size"]), str(r["tree_width"]), str(r["expansions"]), f"{r['t_target_ms']:.3f}",
-                     f"{r['t_draft_ms']:.3f}", f"{r['step_ms']:.3f}", f"{r['tokens_per_step']:.2f}", f"{r['tok_s']:.1f}"))
+                     f"{r['t_draft_ms']:.3f}", f"{r['host_ms']:.3f}", f"{r['step_ms']:.3f}", f"{r['tokens_per_step']:.2f}", f"{r['tok_s']:.1f}"))
     widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
     for i, x in enumerate(rows):
         lines.append("  ".join(v.rjust(widths[j]) for j, v in enumerate(x)))
@@ -245,10 +248,10 @@ def auto_split(world, cfg) -> None:
         heads = (tcfg.num_heads, dcfg.num_heads, tcfg.num_layers, dcfg.num_layers)
     heads = world.bcast(heads, root=0)
     sizes = [cfg.verify_size] if cfg.verify_size else list(C.TREE_SIZES)
-    prof = profile_groups(world, cfg, sizes, cfg.threads, heads[:2])
+    model = cfg.accept_model or acceptance.chain_model(C.expected_tokens(8), 8)
+    prof = profile_groups(world, cfg, sizes, cfg.threads, heads[:2], model)
     choice = None
     if world.Get_rank() == 0:
-        model = cfg.accept_model or acceptance.chain_model(C.expected_tokens(8), 8)
         args = SimpleNamespace(max_expansions=8, tree_topk=cfg.tree_topk, max_depth=cfg.max_depth,
                                steps=200, gpus=None)
         result = choose(prof, model, sizes, heads[:2], args, world.Get_size(), heads[2], heads[3])

@@ -1,7 +1,8 @@
 """The step times `swiftspec plan` weighs: for each tensor-parallel group size g the job can
 form, its first g ranks load the target and the draft at size g and time their forwards the way
 the decode loops run them (cli/loading.py's profile: the target's verify forward with the greedy
-argmax read-back, the draft's forward with its top-k), and the leaders' message round trip."""
+argmax read-back, the draft's forward with its top-k), the leaders' message round trip, and the
+host time a step adds to its forwards (engine/host_time.py: the sync loop run for a few steps)."""
 from __future__ import annotations
 
 import gc
@@ -53,8 +54,7 @@ def _time(fn, device: str, reps: int = 6) -> float:
     return float(min(times[1:]))
 
 
-def _forward_times(cfg, path, comm, device, num_layers, sizes, target: bool) -> dict[int, float]:
-    model, _tok = load_one(cfg, path, comm, torch_dtype(cfg.dtype), device, num_layers)
+def _forward_times(model, cfg, device, sizes, target: bool) -> dict[int, float]:
     out = {}
     for n in sizes:
         tokens, pos, mask = torch.zeros(n, dtype=torch.long), torch.arange(n, dtype=torch.long), chain_mask(0, n)
@@ -62,11 +62,13 @@ def _forward_times(cfg, path, comm, device, num_layers, sizes, target: bool) -> 
             out[n] = _time(lambda: verify_forward(model, tokens, pos, 0, mask, True), device)
         else:
             out[n] = _time(lambda: draft_topk(model, cfg.tree_topk, tokens, pos, 0, mask), device)
-    del model
+    return out
+
+
+def _free(device: str) -> None:
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return out
 
 
 def round_trip(world, reps: int = 30) -> float:
@@ -91,10 +93,13 @@ def round_trip(world, reps: int = 30) -> float:
     return float(world.bcast(np.median(times) if rank == n - 1 else None, root=n - 1))
 
 
-def profile_groups(world, cfg, sizes: list[int], threads: int | None, heads: tuple[int, int]) -> dict:
+def profile_groups(world, cfg, sizes: list[int], threads: int | None, heads: tuple[int, int],
+                   model: dict | None = None, host_steps: int = 24) -> dict:
     """Every rank: -> (on rank 0, None elsewhere) {"t_target_s": {g: {n: s}}, "t_draft_s": {g:
-    {w: s}}, "t_x_s", "devices" (per rank), "shared" (a draft and a verify rank would share a
-    device), "sync_ranks" (the most leading ranks on distinct devices)}; n includes 1 (`ar`).
+    {w: s}}, "t_x_s", "host_s" ({n: {"step_s", "expansion_s", "measured"}}: engine/host_time.py,
+    on rank 0 alone with both models loaded, when an acceptance `model` is given; else {}),
+    "devices" (per rank), "shared" (a draft and a verify rank would share a device),
+    "sync_ranks" (the most leading ranks on distinct devices)}; n includes 1 (`ar`).
     A model is timed only at the group sizes that divide its heads (target, draft)."""
     rank, size = world.Get_rank(), world.Get_size()
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // size))
@@ -107,25 +112,38 @@ def profile_groups(world, cfg, sizes: list[int], threads: int | None, heads: tup
     # group sizes: async verify / draft groups of size 1..size-1; sync on `distinct` ranks; on
     # shared devices NCCL cannot join two ranks of one GPU: only groups of distinct devices
     groups = sorted({g for g in range(1, size + 1) if g <= distinct})
-    t_target, t_draft = {}, {}
+    t_target, t_draft, host = {}, {}, {}
     target_sizes = sorted(set(sizes) | {1})
+    dtype = torch_dtype(cfg.dtype)
     for g in groups:
         sub = world.Split(0 if rank < g else MPI.UNDEFINED, rank)
         if sub != MPI.COMM_NULL:
             comm = make_comm(sub, device, "a rank of the plan's group")
+            keep = g == 1 and model is not None      # rank 0: both models for the host terms
+            tm = dm = tok = None
             if heads[0] % g == 0:
-                tt = _forward_times(cfg, cfg.target, comm, device, None, target_sizes, True)
+                tm, tok = load_one(cfg, cfg.target, comm, dtype, device, None)
+                tt = _forward_times(tm, cfg, device, target_sizes, True)
                 if rank == 0:
                     t_target[g] = tt
+                if not keep:
+                    tm = None
+                    _free(device)
             if heads[1] % g == 0:
-                td = _forward_times(cfg, cfg.draft, comm, device, cfg.draft_layers, sizes, False)
+                dm, _tok = load_one(cfg, cfg.draft, comm, dtype, device, cfg.draft_layers)
+                td = _forward_times(dm, cfg, device, sizes, False)
                 if rank == 0:
                     t_draft[g] = td
+            if keep and tm is not None and dm is not None:
+                from swiftspec_mpi.engine.host_time import host_terms
+                host = host_terms(cfg, tm, dm, tok, model, sizes, t_target[1], t_draft[1], host_steps)
+            tm = dm = None
+            _free(device)
             sub.Free()
         world.Barrier()
     t_x = round_trip(world)
     if rank != 0:
         return None
-    return {"t_target_s": t_target, "t_draft_s": t_draft, "t_x_s": t_x,
+    return {"t_target_s": t_target, "t_draft_s": t_draft, "t_x_s": t_x, "host_s": host,
             "devices": [i.split(":")[0] if i.startswith("cpu") else i for i in ids],
             "shared": shared, "sync_ranks": distinct}

@@ -1,0 +1,113 @@
+"""The host time of a decode step: what a step costs beyond its forwards (the scheduler's tree
+work, the acceptor, the verdicts, the KV moves, the read-back copies, Python), measured by
+running the engine's own `sync` loop (single_group.run_request_single, acceptance replayed) on
+loaded models for a few steps and subtracting the forwards' profiled times.
+
+  H(n, d) = wall a step - (draft forwards a step) * t_draft(n) - t_target(n)
+
+measured at two expansion counts d1 < d2 (w = n) gives the per-step and per-expansion terms
+  h_step(n) = H(n, d1) - d1 * h_expand(n),   h_expand(n) = (H(n, d2) - H(n, d1)) / (d2 - d1),
+which engine/throughput.py adds to its step times (negative noise clamped to 0).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from swiftspec_mpi.engine.context import EngineContext
+from swiftspec_mpi.engine.decoding import OutputTracker, draft_topk, verify_forward
+from swiftspec_mpi.engine.protocol import StopFlag
+from swiftspec_mpi.engine.replay import Replay, ReplayAcceptor
+from swiftspec_mpi.engine.single_group import run_request_single
+from swiftspec_mpi.network.transformer import chain_mask
+from swiftspec_mpi.trace.record import Clock, EventRecorder, RequestResult
+
+EXPANSIONS = (1, 3)     # d1, d2
+WARM_STEPS = 4          # steps of each run not timed (graph captures, caches)
+
+
+class _CountingModel:
+    """A model whose decode forwards (not the prompt's) are counted; everything else passes."""
+
+    def __init__(self, model):
+        self._model, self.calls = model, 0
+        if getattr(model, "forward_topk_logprobs", None) is not None:
+            self.forward_topk_logprobs = self._counted(model.forward_topk_logprobs)
+        self.forward = self._counted(model.forward)
+
+    def _counted(self, fn):
+        def call(*args, **kwargs):
+            self.calls += 1
+            return fn(*args, **kwargs)
+        return call
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+class _OneRank:
+    """The topology of a one-rank group (EngineContext.topo as the loops read it)."""
+    is_leader = True
+
+    class group:  # noqa: N801 - stands for an MPI communicator of size 1
+        @staticmethod
+        def Get_size() -> int:  # noqa: N802 - mpi4py's name
+            return 1
+
+
+def loop_step(cfg, target, draft, tokenizer, model: dict, n: int, d: int, steps: int,
+              prompt: list[int]) -> tuple[float, float, float]:
+    """-> (seconds a step, draft forwards a step, tokens a step) of `steps` timed steps of the
+    sync loop with verify size n, width n, d expansions, acceptance replayed from `model`, after
+    WARM_STEPS untimed ones (one request of prompt ids `prompt`)."""
+    cfg = dataclasses.replace(cfg, mode="sync", verify_size=n, tree_width=n, expansions=d)
+    vocab = min(target.cfg.vocab_size, draft.cfg.vocab_size)
+    replay = Replay.of(model, cfg.tree_topk, 0, vocab)
+    counted = _CountingModel(draft)
+    clock = Clock()
+    ctx = EngineContext(cfg, _OneRank(), clock, EventRecorder(0, 0, clock), StopFlag(), None, target,
+                        counted, tokenizer, expansions=d, replay=replay)
+    acceptor = ReplayAcceptor(replay.table, 0, cfg.tree_topk, vocab)
+    total = WARM_STEPS + steps + 1
+    result = RequestResult(0, "", "", list(prompt))
+    tracker = OutputTracker(result, tokenizer, (), 10 ** 9, [], stream=False)
+    calls_at = []            # draft forwards so far, after each step (on_progress)
+    ctx.on_progress = lambda: calls_at.append(counted.calls)
+    tracker_add = tracker.add
+
+    def add(tokens, logprobs=None):          # the request ends after `total` steps
+        taken, done = tracker_add(tokens, logprobs)
+        return taken, done or len(result.steps) + 1 >= total
+    tracker.add = add
+    acceptor.start_request(0, 1 << 20, n)
+    run_request_single(ctx, list(prompt), 0, result, tracker, acceptor)
+    rows = result.steps[WARM_STEPS:]
+    t = np.array([r[3] for r in rows])
+    tokens = np.array([r[2] for r in rows[:-1]])
+    forwards = np.diff(np.array(calls_at[WARM_STEPS - 1:WARM_STEPS + len(rows) - 1]))
+    return float(np.mean(np.diff(t))), float(forwards.mean()), float(tokens.mean())
+
+
+def host_terms(cfg, target, draft, tokenizer, model: dict, sizes: list[int], t_target: dict,
+               t_draft: dict, steps: int = 24, prompt: list[int] | None = None) -> dict[int, dict]:
+    """{n: {"step_s", "expansion_s", "measured": {d: [seconds a step, forwards a step, tokens a
+    step]}}} for each verify size n (w = n): the module doc's terms from loop_step at EXPANSIONS,
+    t_target[n] / t_draft[n] the profiled forwards (one device, seconds)."""
+    prompt = prompt or list(range(1, 17))
+    for m in range(1, max(sizes) + 1):        # every forward shape the loop can ask for (graphs)
+        tokens, pos, mask = torch.zeros(m, dtype=torch.long), torch.arange(m, dtype=torch.long), chain_mask(0, m)
+        verify_forward(target, tokens, pos, 0, mask, True)
+        draft_topk(draft, cfg.tree_topk, tokens, pos, 0, mask)
+    out = {}
+    for n in sizes:
+        meas, excess = {}, []
+        for d in EXPANSIONS:
+            wall, fwd, tok = loop_step(cfg, target, draft, tokenizer, model, n, d, steps, prompt)
+            meas[d] = [wall, fwd, tok]
+            excess.append(wall - fwd * t_draft[n] - t_target[n])
+        (d1, d2), (h1, h2) = EXPANSIONS, excess
+        per_x = max(0.0, (h2 - h1) / (d2 - d1))
+        out[n] = {"step_s": max(0.0, h1 - d1 * per_x), "expansion_s": per_x, "measured": meas}
+    return out
