@@ -141,12 +141,13 @@ def choose(prof: dict, model: dict, sizes: list[int], heads: tuple[int, int], ar
                         f"{heads[1]} draft); use a rank count that does")
     sims: dict = {}
     host = {int(n): h for n, h in (prof.get("host_s") or {}).items()}
+    host_ar = prof.get("host_ar_s", 0.0)
     table = T.evaluate(cands, model, t_target, t_draft, prof["t_x_s"], args.tree_topk, args.max_depth,
                        args.steps, sims, host)
     out = {"world": world, "devices": prof["devices"], "shared_device": prof["shared"],
            "t_target_s": prof["t_target_s"], "t_draft_s": prof["t_draft_s"], "t_x_s": prof["t_x_s"],
            "host_s": host,
-           "ar_tok_s": 1.0 / t_target[sync_top][1], "ar_ranks": sync_top,
+           "ar_tok_s": 1.0 / (t_target[sync_top][1] + host_ar), "ar_ranks": sync_top, "host_ar_s": host_ar,
            "model_mean_accepted": model.get("mean_accepted"),
            "table": [row(c, t_target, t_draft) for c in table], "chosen": row(table[0], t_target, t_draft)}
     if args.gpus:
@@ -165,7 +166,7 @@ def choose(prof: dict, model: dict, sizes: list[int], heads: tuple[int, int], ar
                 continue
             best = T.evaluate(cs, model, tt, td, prof["t_x_s"], args.tree_topk, args.max_depth, args.steps, sims,
                               host)
-            ar = 1.0 / tt[n_dev][1] if 1 in tt[n_dev] else None
+            ar = 1.0 / (tt[n_dev][1] + host_ar) if 1 in tt[n_dev] else None
             pred[n_dev] = {"chosen": row(best[0], tt, td), "ar_tok_s": ar,
                            "best_sync": next((row(c, tt, td) for c in best if c.mode == "sync"), None),
                            "best_async": next((row(c, tt, td) for c in best if c.mode == "async"), None)}

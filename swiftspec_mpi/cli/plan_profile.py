@@ -96,8 +96,9 @@ def round_trip(world, reps: int = 30) -> float:
 def profile_groups(world, cfg, sizes: list[int], threads: int | None, heads: tuple[int, int],
                    model: dict | None = None, host_steps: int = 24) -> dict:
     """Every rank: -> (on rank 0, None elsewhere) {"t_target_s": {g: {n: s}}, "t_draft_s": {g:
-    {w: s}}, "t_x_s", "host_s" ({n: {"step_s", "expansion_s", "measured"}}: engine/host_time.py,
-    on rank 0 alone with both models loaded, when an acceptance `model` is given; else {}),
+    {w: s}}, "t_x_s", "host_s" ({n: {"step_s", "expansion_s", "measured"}}) and "host_ar_s"
+    (engine/host_time.py, on rank 0 alone with both models loaded, when an acceptance `model` is
+    given; else {} and 0),
     "devices" (per rank), "shared" (a draft and a verify rank would share a device),
     "sync_ranks" (the most leading ranks on distinct devices)}; n includes 1 (`ar`).
     A model is timed only at the group sizes that divide its heads (target, draft)."""
@@ -112,7 +113,7 @@ def profile_groups(world, cfg, sizes: list[int], threads: int | None, heads: tup
     # group sizes: async verify / draft groups of size 1..size-1; sync on `distinct` ranks; on
     # shared devices NCCL cannot join two ranks of one GPU: only groups of distinct devices
     groups = sorted({g for g in range(1, size + 1) if g <= distinct})
-    t_target, t_draft, host = {}, {}, {}
+    t_target, t_draft, host, host_ar = {}, {}, {}, 0.0
     target_sizes = sorted(set(sizes) | {1})
     dtype = torch_dtype(cfg.dtype)
     for g in groups:
@@ -136,7 +137,7 @@ def profile_groups(world, cfg, sizes: list[int], threads: int | None, heads: tup
                     t_draft[g] = td
             if keep and tm is not None and dm is not None:
                 from swiftspec_mpi.engine.host_time import host_terms
-                host = host_terms(cfg, tm, dm, tok, model, sizes, t_target[1], t_draft[1], host_steps)
+                host, host_ar = host_terms(cfg, tm, dm, tok, model, sizes, t_target[1], t_draft[1], host_steps)
             tm = dm = None
             _free(device)
             sub.Free()
@@ -144,6 +145,6 @@ def profile_groups(world, cfg, sizes: list[int], threads: int | None, heads: tup
     t_x = round_trip(world)
     if rank != 0:
         return None
-    return {"t_target_s": t_target, "t_draft_s": t_draft, "t_x_s": t_x, "host_s": host,
+    return {"t_target_s": t_target, "t_draft_s": t_draft, "t_x_s": t_x, "host_s": host, "host_ar_s": host_ar,
             "devices": [i.split(":")[0] if i.startswith("cpu") else i for i in ids],
             "shared": shared, "sync_ranks": distinct}

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from swiftspec_mpi.engine.context import EngineContext
-from swiftspec_mpi.engine.decoding import OutputTracker, draft_topk, verify_forward
+from swiftspec_mpi.engine.decoding import Acceptor, OutputTracker, draft_topk, verify_forward
 from swiftspec_mpi.engine.protocol import StopFlag
 from swiftspec_mpi.engine.replay import Replay, ReplayAcceptor
 from swiftspec_mpi.engine.single_group import run_request_single
@@ -60,16 +60,17 @@ class _OneRank:
 def loop_step(cfg, target, draft, tokenizer, model: dict, n: int, d: int, steps: int,
               prompt: list[int]) -> tuple[float, float, float]:
     """-> (seconds a step, draft forwards a step, tokens a step) of `steps` timed steps of the
-    sync loop with verify size n, width n, d expansions, acceptance replayed from `model`, after
-    WARM_STEPS untimed ones (one request of prompt ids `prompt`)."""
-    cfg = dataclasses.replace(cfg, mode="sync", verify_size=n, tree_width=n, expansions=d)
+    sync loop with verify size n, width n, d expansions, acceptance replayed from `model` (d = 0:
+    the `ar` loop, the target alone, greedy), after WARM_STEPS untimed ones (one request of
+    prompt ids `prompt`)."""
+    cfg = dataclasses.replace(cfg, mode="sync" if d else "ar", verify_size=n, tree_width=n, expansions=d)
     vocab = min(target.cfg.vocab_size, draft.cfg.vocab_size)
-    replay = Replay.of(model, cfg.tree_topk, 0, vocab)
+    replay = Replay.of(model, cfg.tree_topk, 0, vocab) if d else None
     counted = _CountingModel(draft)
     clock = Clock()
     ctx = EngineContext(cfg, _OneRank(), clock, EventRecorder(0, 0, clock), StopFlag(), None, target,
-                        counted, tokenizer, expansions=d, replay=replay)
-    acceptor = ReplayAcceptor(replay.table, 0, cfg.tree_topk, vocab)
+                        counted if d else None, tokenizer, expansions=d, replay=replay)
+    acceptor = ReplayAcceptor(replay.table, 0, cfg.tree_topk, vocab) if d else Acceptor(0.0, "coupled", 0)
     total = WARM_STEPS + steps + 1
     result = RequestResult(0, "", "", list(prompt))
     tracker = OutputTracker(result, tokenizer, (), 10 ** 9, [], stream=False)
@@ -91,10 +92,11 @@ def loop_step(cfg, target, draft, tokenizer, model: dict, n: int, d: int, steps:
 
 
 def host_terms(cfg, target, draft, tokenizer, model: dict, sizes: list[int], t_target: dict,
-               t_draft: dict, steps: int = 24, prompt: list[int] | None = None) -> dict[int, dict]:
-    """{n: {"step_s", "expansion_s", "measured": {d: [seconds a step, forwards a step, tokens a
-    step]}}} for each verify size n (w = n): the module doc's terms from loop_step at EXPANSIONS,
-    t_target[n] / t_draft[n] the profiled forwards (one device, seconds)."""
+               t_draft: dict, steps: int = 24, prompt: list[int] | None = None) -> tuple[dict[int, dict], float]:
+    """-> ({n: {"step_s", "expansion_s", "measured": {d: [seconds a step, forwards a step, tokens
+    a step]}}} for each verify size n (w = n): the module doc's terms from loop_step at
+    EXPANSIONS, and the `ar` loop's host seconds a step (its step - t_target[1]); t_target[n] /
+    t_draft[n] the profiled forwards (one device, seconds)."""
     prompt = prompt or list(range(1, 17))
     for m in range(1, max(sizes) + 1):        # every forward shape the loop can ask for (graphs)
         tokens, pos, mask = torch.zeros(m, dtype=torch.long), torch.arange(m, dtype=torch.long), chain_mask(0, m)
@@ -110,4 +112,5 @@ def host_terms(cfg, target, draft, tokenizer, model: dict, sizes: list[int], t_t
         (d1, d2), (h1, h2) = EXPANSIONS, excess
         per_x = max(0.0, (h2 - h1) / (d2 - d1))
         out[n] = {"step_s": max(0.0, h1 - d1 * per_x), "expansion_s": per_x, "measured": meas}
-    return out
+    ar = loop_step(cfg, target, draft, tokenizer, model, 1, 0, steps, prompt)[0]
+    return out, max(0.0, ar - t_target[1])
