@@ -129,7 +129,8 @@ def choose(prof: dict, model: dict, sizes: list[int], heads: tuple[int, int], ar
     t_target = {int(g): {int(n): t for n, t in v.items()} for g, v in prof["t_target_s"].items()}
     t_draft = {int(g): {int(n): t for n, t in v.items()} for g, v in prof["t_draft_s"].items()}
     groups = sorted(t_target)
-    sync_top = max((g for g in groups if g <= prof["sync_ranks"]), default=1)
+    # ar on the group size where the target's one-token step is fastest
+    sync_top = min((g for g in groups if g <= prof["sync_ranks"]), key=lambda g: t_target[g][1], default=1)
     sync_g = prof["sync_ranks"]
     cands = [c for c in T.candidates(world, sizes, heads, args.max_expansions, prof["shared"])
              if c.mode == "async" and c.draft_ranks in t_draft and c.verify_ranks in t_target]
@@ -142,11 +143,12 @@ def choose(prof: dict, model: dict, sizes: list[int], heads: tuple[int, int], ar
     sims: dict = {}
     host = {int(n): h for n, h in (prof.get("host_s") or {}).items()}
     host_ar = prof.get("host_ar_s", 0.0)
+    host_async = {int(D): {int(n): h for n, h in v.items()} for D, v in (prof.get("host_async_s") or {}).items()}
     table = T.evaluate(cands, model, t_target, t_draft, prof["t_x_s"], args.tree_topk, args.max_depth,
-                       args.steps, sims, host)
+                       args.steps, sims, host, host_async)
     out = {"world": world, "devices": prof["devices"], "shared_device": prof["shared"],
            "t_target_s": prof["t_target_s"], "t_draft_s": prof["t_draft_s"], "t_x_s": prof["t_x_s"],
-           "host_s": host,
+           "host_s": host, "host_async_s": host_async,
            "ar_tok_s": 1.0 / (t_target[sync_top][1] + host_ar), "ar_ranks": sync_top, "host_ar_s": host_ar,
            "model_mean_accepted": model.get("mean_accepted"),
            "table": [row(c, t_target, t_draft) for c in table], "chosen": row(table[0], t_target, t_draft)}
@@ -165,7 +167,7 @@ def choose(prof: dict, model: dict, sizes: list[int], heads: tuple[int, int], ar
             if not cs:
                 continue
             best = T.evaluate(cs, model, tt, td, prof["t_x_s"], args.tree_topk, args.max_depth, args.steps, sims,
-                              host)
+                              host, host_async if n_dev == 1 and prof["shared"] else None)
             ar = 1.0 / (tt[n_dev][1] + host_ar) if 1 in tt[n_dev] else None
             pred[n_dev] = {"chosen": row(best[0], tt, td), "ar_tok_s": ar,
                            "best_sync": next((row(c, tt, td) for c in best if c.mode == "sync"), None),
@@ -181,7 +183,8 @@ def row(c, t_target, t_draft) -> dict:
             "shared_device": c.shared, "verify_size": c.n, "tree_width": c.w, "expansions": c.d,
             "t_target_ms": round(1e3 * t_target[c.verify_ranks][c.n], 4),
             "t_draft_ms": round(1e3 * t_draft[g_draft][c.w], 4), "host_ms": round(1e3 * c.host_total, 4), "step_ms": round(1e3 * c.step_s, 4),
-            "tokens_per_step": round(c.tokens, 3), "stall": round(c.stall, 3), "tok_s": round(c.tok_s, 2)}
+            "tokens_per_step": round(c.tokens, 3), "stall": round(c.stall, 3),
+            "token_scale": round(c.token_scale, 3), "tok_s": round(c.tok_s, 2)}
 
 
 def run_flags(r: dict, world: int) -> str:

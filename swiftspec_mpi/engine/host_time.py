@@ -5,7 +5,7 @@ loaded models for a few steps and subtracting the forwards' profiled times.
 
   H(n, d) = wall a step - (draft forwards a step) * t_draft(n) - t_target(n)
 
-measured at two expansion counts d1 < d2 (w = n) gives the per-step and per-expansion terms
+measured at two expansion counts d1 < d2 (w = n; each the mean of ROUNDS runs) gives the per-step and per-expansion terms
   h_step(n) = H(n, d1) - d1 * h_expand(n),   h_expand(n) = (H(n, d2) - H(n, d1)) / (d2 - d1),
 which engine/throughput.py adds to its step times (negative noise clamped to 0).
 """
@@ -26,6 +26,7 @@ from swiftspec_mpi.trace.record import Clock, EventRecorder, RequestResult
 
 EXPANSIONS = (1, 3)     # d1, d2
 WARM_STEPS = 4          # steps of each run not timed (graph captures, caches)
+ROUNDS = 2              # runs of each loop, averaged (apart in time: a shared CPU's load varies)
 
 
 class _CountingModel:
@@ -91,26 +92,74 @@ def loop_step(cfg, target, draft, tokenizer, model: dict, n: int, d: int, steps:
     return float(np.mean(np.diff(t))), float(forwards.mean()), float(tokens.mean())
 
 
+def warm_shapes(target, draft, topk: int, n: int) -> None:
+    """One forward of every shape up to n tokens the loops can ask for (CUDA graphs captured
+    before the timed steps) of `target` (verify) and `draft` (top-k); None: skipped."""
+    for m in range(1, n + 1):
+        tokens, pos, mask = torch.zeros(m, dtype=torch.long), torch.arange(m, dtype=torch.long), chain_mask(0, m)
+        if target is not None:
+            verify_forward(target, tokens, pos, 0, mask, True)
+        if draft is not None:
+            draft_topk(draft, topk, tokens, pos, 0, mask)
+
+
 def host_terms(cfg, target, draft, tokenizer, model: dict, sizes: list[int], t_target: dict,
-               t_draft: dict, steps: int = 24, prompt: list[int] | None = None) -> tuple[dict[int, dict], float]:
+               t_draft: dict, steps: int = 40, prompt: list[int] | None = None) -> tuple[dict[int, dict], float]:
     """-> ({n: {"step_s", "expansion_s", "measured": {d: [seconds a step, forwards a step, tokens
     a step]}}} for each verify size n (w = n): the module doc's terms from loop_step at
     EXPANSIONS, and the `ar` loop's host seconds a step (its step - t_target[1]); t_target[n] /
     t_draft[n] the profiled forwards (one device, seconds)."""
     prompt = prompt or list(range(1, 17))
-    for m in range(1, max(sizes) + 1):        # every forward shape the loop can ask for (graphs)
-        tokens, pos, mask = torch.zeros(m, dtype=torch.long), torch.arange(m, dtype=torch.long), chain_mask(0, m)
-        verify_forward(target, tokens, pos, 0, mask, True)
-        draft_topk(draft, cfg.tree_topk, tokens, pos, 0, mask)
+    warm_shapes(target, draft, cfg.tree_topk, max(sizes))
     out = {}
     for n in sizes:
         meas, excess = {}, []
         for d in EXPANSIONS:
-            wall, fwd, tok = loop_step(cfg, target, draft, tokenizer, model, n, d, steps, prompt)
+            wall, fwd, tok = np.mean([loop_step(cfg, target, draft, tokenizer, model, n, d, steps, prompt)
+                                      for _ in range(ROUNDS)], axis=0).tolist()
             meas[d] = [wall, fwd, tok]
             excess.append(wall - fwd * t_draft[n] - t_target[n])
         (d1, d2), (h1, h2) = EXPANSIONS, excess
         per_x = max(0.0, (h2 - h1) / (d2 - d1))
         out[n] = {"step_s": max(0.0, h1 - d1 * per_x), "expansion_s": per_x, "measured": meas}
-    ar = loop_step(cfg, target, draft, tokenizer, model, 1, 0, steps, prompt)[0]
+    ar = float(np.mean([loop_step(cfg, target, draft, tokenizer, model, 1, 0, steps, prompt)[0]
+                        for _ in range(ROUNDS)]))
     return out, max(0.0, ar - t_target[1])
+
+
+def async_loop_step(ctx: EngineContext, model: dict, n: int, pace: int, steps: int, prompt: list[int],
+                    vocab: int) -> tuple[float, float] | None:
+    """Every rank of an `async` topology (ctx.topo; ctx.target on the verify group, ctx.draft on
+    the draft group, ctx.cfg with mode async and its policy): one request of the async loops with
+    verify size n, width n, the draft paced at `pace` expansions a step (0: unpaced), acceptance
+    replayed from `model`, for WARM_STEPS + `steps` + 1 steps. -> on the verify leader (seconds
+    a step, tokens a step) of the timed steps, None elsewhere."""
+    from swiftspec_mpi.core.roles import ROLE_VERIFY
+    from swiftspec_mpi.engine.async_loop import draft_loop, verify_loop
+    cfg = dataclasses.replace(ctx.cfg, verify_size=n, tree_width=n, expansions=pace or None)
+    ctx = dataclasses.replace(ctx, cfg=cfg, draft_pace=pace, scratch={},
+                              replay=Replay.of(model, cfg.tree_topk, 0, vocab))
+    ctx.clock = Clock()
+    ctx.recorder = EventRecorder(ctx.topo.rank, ctx.topo.role, ctx.clock)
+    if ctx.topo.role != ROLE_VERIFY:
+        draft_loop(ctx, list(prompt), 0)
+        return None
+    total = WARM_STEPS + steps + 1
+    result = tracker = None
+    acceptor = ReplayAcceptor(ctx.replay.table, 0, cfg.tree_topk, vocab)
+    if ctx.topo.is_leader:
+        result = RequestResult(0, "", "", list(prompt))
+        tracker = OutputTracker(result, ctx.tokenizer, (), 10 ** 9, [], stream=False)
+        tracker_add = tracker.add
+
+        def add(tokens, logprobs=None):      # the request ends after `total` steps
+            taken, done = tracker_add(tokens, logprobs)
+            return taken, done or len(result.steps) + 1 >= total
+        tracker.add = add
+        acceptor.start_request(0, 1 << 20, n)
+    verify_loop(ctx, list(prompt), 0, result, tracker, acceptor)
+    if not ctx.topo.is_leader:
+        return None
+    rows = result.steps[WARM_STEPS:]
+    t = np.array([r[3] for r in rows])
+    return float(np.mean(np.diff(t))), float(np.mean([r[2] for r in rows[:-1]]))

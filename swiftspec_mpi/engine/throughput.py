@@ -23,8 +23,13 @@ where s counts the extra draft forwards a step on the critical path: in sync the
 hole fills (the target took a leaf the draft had not expanded: its KV and the new root's
 children take one more forward, of 2 tokens, counted as one of w), in async the steps whose
 re-rooted tree is the bare root (the target's token was none of the draft's children), so that
-the verify group waits for one expansion. The host terms are the sync loop's: async's verify
-step is taken to pay the same per-step host work (its messages beyond t_x are not measured).
+the verify group waits for one expansion. The host terms of async are those of its own loops
+where the profile ran them for this split and n (plan_profile.async_host: h_s is then all the
+step waits for beyond t_target + t_x, the stalls included, so s * (t_draft + h_x) is dropped on
+own devices and s * t_draft on a shared one); elsewhere (--gpus predictions) the sync loop's.
+Where the async loops ran, their tokens a step also scale the simulation's (`token_scale`, the
+mean of measured / simulated at the paces they ran): the simulation models the `fresh` policy's
+trees, the engine's default `rate` sends others.
 
   tokens/s = E[tokens a step] / t_step
 
@@ -123,11 +128,15 @@ class Candidate:
     shared: bool = False          # async with both groups on one device
     host_s: float = 0.0           # h_s: host seconds a step (engine/host_time.py)
     host_x: float = 0.0           # h_x: host seconds an expansion
+    host_measured: bool = False   # async: h_s timed on the async loops themselves (stalls in it)
+    token_scale: float = 1.0      # async: measured / simulated tokens a step where the loops ran
 
     @property
     def host_total(self) -> float:
         """Host seconds a step (step_seconds' host part)."""
-        return self.host_s + self.host_x * (self.d if self.mode == "sync" or self.shared else self.stall)
+        if self.mode == "sync" or self.shared:
+            return self.host_s + self.host_x * self.d
+        return self.host_s + (0.0 if self.host_measured else self.host_x * self.stall)
 
     @property
     def tok_s(self) -> float:
@@ -145,9 +154,10 @@ def step_seconds(c: Candidate, t_target: float, t_draft: float, t_x: float) -> f
     size, t_draft = t_draft(w) at the draft group's), c.stall and the host terms known."""
     if c.mode == "sync":
         return (c.d + c.stall) * t_draft + t_target + c.host_s + c.d * c.host_x
+    stall = 0.0 if c.host_measured else c.stall
     if c.shared:
-        return t_target + (c.d + c.stall) * t_draft + t_x + c.host_s + c.d * c.host_x
-    return t_target + t_x + c.host_s + c.stall * (t_draft + c.host_x)
+        return t_target + (c.d + stall) * t_draft + t_x + c.host_s + c.d * c.host_x
+    return t_target + t_x + c.host_s + stall * (t_draft + c.host_x)
 
 
 def candidates(world: int, sizes: list[int], heads: tuple[int, int], max_d: int, shared: bool) -> list[Candidate]:
@@ -170,22 +180,33 @@ def candidates(world: int, sizes: list[int], heads: tuple[int, int], max_d: int,
 
 def evaluate(cands: list[Candidate], model: dict, t_target: dict, t_draft: dict, t_x: float,
              topk: int = 8, max_depth: int = 16, steps: int = 300, cache: dict | None = None,
-             host: dict | None = None) -> list[Candidate]:
+             host: dict | None = None, host_async: dict | None = None) -> list[Candidate]:
     """Fill tokens / step_s of each candidate; t_target[g][n], t_draft[g][w] seconds measured at
-    group size g; host {n: {"step_s", "expansion_s"}} the host terms (engine/host_time.py; none:
-    0). -> the candidates, best tok/s first. Simulations are shared between candidates with the
+    group size g; host {n: {"step_s", "expansion_s"}} the sync loop's host terms
+    (engine/host_time.py; none: 0), host_async {draft ranks: {n: {...}}} the async loops' where
+    they were timed (plan_profile.async_host). -> the candidates, best tok/s first. Simulations are shared between candidates with the
     same (mode, n, w, d), and between calls given the same `cache`."""
     cache = {} if cache is None else cache
     for c in cands:
         tt, td = t_target[c.verify_ranks][c.n], t_draft[c.draft_ranks or c.verify_ranks][c.w]
         h = (host or {}).get(c.n) or {}
         c.host_s, c.host_x = h.get("step_s", 0.0), h.get("expansion_s", 0.0)
+        ha = ((host_async or {}).get(c.draft_ranks) or {}).get(c.n) if c.mode == "async" else None
+        if ha is not None:
+            c.host_s, c.host_measured = ha["step_s"], True
+            c.host_x = ha["expansion_s"] if c.shared else c.host_x
         if c.mode == "async" and not c.shared:
             c.d = async_expansions(tt, td, t_x, c.host_s, c.host_x)
-        key = (c.mode, c.n, c.w, c.d)
-        if key not in cache:
-            cache[key] = simulate(model, c.mode, c.n, c.w, c.d, steps, topk, max_depth)
-        c.tokens, c.stall = cache[key]
+        def sim(d: int, c=c) -> tuple[float, float]:
+            key = (c.mode, c.n, c.w, d)
+            if key not in cache:
+                cache[key] = simulate(model, c.mode, c.n, c.w, d, steps, topk, max_depth)
+            return cache[key]
+        c.tokens, c.stall = sim(c.d)
+        if ha is not None and ha.get("measured"):
+            c.token_scale = float(np.mean([v[1] / sim(int(p) if c.shared else c.d)[0]
+                                           for p, v in ha["measured"].items()]))
+            c.tokens *= c.token_scale
         c.step_s = step_seconds(c, tt, td, t_x)
     return sorted(cands, key=lambda c: (-c.tok_s, c.mode, c.draft_ranks, c.n, c.d))
 
