@@ -1,11 +1,13 @@
 """The host time of a decode step: what a step costs beyond its forwards (the scheduler's tree
 work, the acceptor, the verdicts, the KV moves, the read-back copies, Python), measured by
-running the engine's own `sync` loop (single_group.run_request_single, acceptance replayed) on
-loaded models for a few steps and subtracting the forwards' profiled times.
+running the engine's own loops (single_group.run_request_single; async_loop's, async_loop_step)
+on loaded models for a few steps, acceptance replayed, and subtracting the forwards' profiled
+times. For `sync`:
 
   H(n, d) = wall a step - (draft forwards a step) * t_draft(n) - t_target(n)
 
-measured at two expansion counts d1 < d2 (w = n; each the mean of ROUNDS runs) gives the per-step and per-expansion terms
+measured at two expansion counts d1 < d2 (w = n; each the mean of ROUNDS runs) gives the
+per-step and per-expansion terms
   h_step(n) = H(n, d1) - d1 * h_expand(n),   h_expand(n) = (H(n, d2) - H(n, d1)) / (d2 - d1),
 which engine/throughput.py adds to its step times (negative noise clamped to 0).
 """
