@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What speculation earns on one H200 at real acceptance: random weights at real shapes, the
 # target's choices replayed from an acceptance model (run --accept-from, engine/replay.py).
-#   run via the device tool:  bash benchmarks/gpu_replay.sh      (results under $OUT, ~7 min)
+#   run via the device tool:  bash benchmarks/gpu_replay.sh      (results under $OUT, 6-8 min)
 # PARTS picks what runs, in this order, each run in its own `timeout`, a failure going on to the
 # next (default "plan70 paper70 int8b bf8b"):
 #   plan70  swiftspec plan for this GPU (2 ranks, MPS; Llama-3-70B int4 target + Llama-3.2-1B
@@ -15,16 +15,16 @@
 #   bf8b    Llama-3-8B bf16 + 1B bf16: async, then ar, at the real pair's acceptance;
 #   real70  70B int4 + 1B int4 ar, sync, async at the real pair's acceptance (plan_check'd too).
 # Summaries: $OUT/replay.md (benchmarks/replay_summary.py), $OUT/plan-70b.{txt,json},
-# $OUT/plan-check.md; traces $OUT/*.h5, logs $OUT/*.log. BUDGET (s, default 360) skips what
-# would start after it; RUN_TIMEOUT (s, default 100) bounds each run, PLAN_TIMEOUT (default 180),
-# so the script ends within BUDGET + 100 s + the summary (under the device call's 600 s).
+# $OUT/plan-check.md; traces $OUT/*.h5, logs $OUT/*.log. BUDGET (s, default 330) skips what
+# would start after it; RUN_TIMEOUT (s, default 90) bounds each run, PLAN_TIMEOUT (default 240),
+# so the script ends within BUDGET + 90 s + the summary (under the device call's 600 s).
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/../jobs/mps.sh"
 T0=$SECONDS
-BUDGET=${BUDGET:-360}
-RUN_TIMEOUT=${RUN_TIMEOUT:-100}
-PLAN_TIMEOUT=${PLAN_TIMEOUT:-180}
+BUDGET=${BUDGET:-330}
+RUN_TIMEOUT=${RUN_TIMEOUT:-90}
+PLAN_TIMEOUT=${PLAN_TIMEOUT:-240}
 PARTS=${PARTS:-"plan70 paper70 int8b bf8b"}
 REAL=benchmarks/acceptance/qwen25coder-0.5b-1.5b.json
 PAPER=benchmarks/acceptance/swiftspec-paper.json
@@ -72,9 +72,14 @@ print(f"1 GPU: chosen {c['mode']} draft {c['draft_ranks']} / verify {c['verify_r
       f"w={c['tree_width']} d={c['expansions']}: predicted {c['tok_s']:.1f} tok/s ({c['tokens_per_step']:.2f} "
       f"tokens a step, {c['step_ms']:.2f} ms of which host {c['host_ms']:.2f}); t_target {r['t_target_s']}, "
       f"t_draft {r['t_draft_s']}")
+print(f"host, ar: {1e3 * r.get('host_ar_s', 0):.3f} ms a token")
 for n, h in sorted(r.get("host_s", {}).items(), key=lambda kv: int(kv[0])):
-    print(f"host n={n}: {1e3 * h['step_s']:.3f} ms a step + {1e3 * h['expansion_s']:.3f} ms an expansion; "
-          f"sync loop measured (d: [s a step, draft forwards a step, tokens a step]) {h['measured']}")
+    print(f"host, sync n={n}: {1e3 * h['step_s']:.3f} ms a step + {1e3 * h['expansion_s']:.3f} ms an expansion; "
+          f"loop measured (d: [s a step, draft forwards a step, tokens a step]) {h['measured']}")
+for D, rows in r.get("host_async_s", {}).items():
+    for n, h in sorted(rows.items(), key=lambda kv: int(kv[0])):
+        print(f"host, async {D} draft rank(s) n={n}: {1e3 * h['step_s']:.3f} ms a step + {1e3 * h['expansion_s']:.3f} "
+              f"ms an expansion; loop measured (pace: [s a step, tokens a step]) {h['measured']}")
 for n, p in sorted(r.get("predicted", {}).items(), key=lambda kv: int(kv[0])):
     b, s, a = p["chosen"], p.get("best_sync"), p.get("best_async")
     print(f"{n} GPU(s): ar {p['ar_tok_s']:.1f}; best {b['mode']} draft {b['draft_ranks']} / verify "
