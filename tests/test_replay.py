@@ -48,7 +48,8 @@ def record_and_replay(tmp_path, tiny_pair, n: int, mode: str, extra: list[str]) 
     return mean_accepted(real)[0], total_acc / total_steps, total_steps
 
 
-@pytest.mark.parametrize("mode,n,extra", [("sync", 1, ["--expansions", "2"]), ("async", 2, [])])
+@pytest.mark.parametrize("mode,n,extra", [("sync", 1, ["--expansions", "2"]), ("sync", 1, ["--expansions", "3"]),
+                                         ("async", 2, [])])
 def test_replay_reproduces_the_recorded_mean_accepted_length(tmp_path, tiny_pair, mode, n, extra):
     recorded, replayed, steps = record_and_replay(tmp_path, tiny_pair, n, mode, extra)
     assert steps >= 300
