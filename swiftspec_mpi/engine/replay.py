@@ -15,7 +15,7 @@ Two halves:
   on timing, the draws on the seed.
 - the draft (`calibrate` and `child_tokens`, in DraftSide.expand): random weights have
   near-uniform top-k, so the tree a draft grows from them has no shape. The log-probabilities of
-  a leaf's top-k children become those of a node of the real draft at that depth whose own
+  a leaf's top-k children become those of a node of the real draft (any depth) whose own
   log-probability fell in the leaf's bucket, drawn from the model's samples, so the replayed
   draft grows trees of the real draft's shapes; a model without samples (one built from a
   reported mean accepted length) gives log p[d][r]: a draft calibrated to acceptance, which
@@ -36,20 +36,26 @@ FLOOR_LOGPROB = -30.0      # log-probability of a rank the model never accepts (
 
 class Replay(NamedTuple):
     """What a replaying job's ranks hold (EngineContext.replay): `table` float64[D, B + 1, K + 1]
-    (acceptance.probs by confidence bucket, [:, B] the depth's own row), `draft_lp` per depth B + 1
-    tables float64[S, topk] or None (acceptance.draft_logprobs), `rng` the draft's draws of them
-    (seeded alike on every rank of a group, so that their trees agree), `vocab` the modulus of
-    child_tokens (the smaller vocabulary of the pair)."""
+    (acceptance.probs by confidence bucket, [:, B] the depth's own row), `draft_lp` the real
+    draft's log-probabilities to draw from or None (acceptance.draft_logprobs' B + 1 tables
+    stacked: (rows float32[S, topk], first row int64[B + 1], rows int64[B + 1]) of bucket b, B
+    for an unknown confidence), `rng` the draft's draws of them (seeded alike on every rank of a
+    group, so that their trees agree), `vocab` the modulus of child_tokens (the smaller
+    vocabulary of the pair)."""
     table: np.ndarray
-    draft_lp: list | None
+    draft_lp: tuple | None
     rng: np.random.Generator
     vocab: int
 
     @classmethod
     def of(cls, model: dict, topk: int, seed: int, vocab: int) -> "Replay":
         from swiftspec_mpi.trace.acceptance import draft_logprobs, probs
-        return cls(probs(model, by_confidence=True), draft_logprobs(model, topk),
-                   np.random.default_rng([seed, 3]), vocab)
+        tables = draft_logprobs(model, topk)
+        lp = None
+        if tables is not None:
+            sizes = np.array([len(t) for t in tables], dtype=np.int64)
+            lp = (np.concatenate(tables).astype(np.float32), np.cumsum(sizes) - sizes, sizes)
+        return cls(probs(model, by_confidence=True), lp, np.random.default_rng([seed, 3]), vocab)
 
 
 def child_tokens(parents: np.ndarray, k: int, vocab: int) -> np.ndarray:
@@ -122,18 +128,22 @@ class ReplayAcceptor:
 def calibrate(replay: Replay, depths: np.ndarray, k: int, own: np.ndarray | None = None) -> np.ndarray:
     """float32[n, k]: the log-probabilities the replayed draft gives the top-k children of leaves
     at `depths` int[n] whose own log-probabilities (their parents' for them; NaN: unknown, the
-    root) are `own` float[n]: each leaf draws one of the real draft's nodes at its depth whose own
-    log-probability fell in the same confidence bucket (draft_lp), so that a sure path goes on
-    sure as the real draft's do; a model without them gives log p[d][r] (a draft calibrated to
-    acceptance; FLOOR_LOGPROB where the model gives 0)."""
-    table = replay.table[:, -1]
+    root) are `own` float[n]: each leaf draws one of the real draft's nodes whose own
+    log-probability fell in the same confidence bucket (draft_lp, pooled over depths), so that a
+    sure path goes on sure as the real draft's do; a model without them gives log p[d][r] (a
+    draft calibrated to acceptance; FLOOR_LOGPROB where the model gives 0). One vectorized draw
+    (the replay's own host time stays small beside a real draft's forward)."""
+    n = len(depths)
     if replay.draft_lp is not None:
-        buckets = confidence_bucket(np.full(len(depths), np.nan) if own is None else own)
-        out = np.empty((len(depths), k), dtype=np.float32)
-        for i, (dep, b) in enumerate(zip(np.asarray(depths).tolist(), buckets.tolist())):
-            rows = replay.draft_lp[min(int(dep), len(replay.draft_lp) - 1)][b]
-            out[i] = rows[replay.rng.integers(len(rows)), :k]
-        return out
+        rows, first, size = replay.draft_lp
+        b = np.full(n, len(first) - 1, dtype=np.int64)
+        if own is not None:
+            own = np.asarray(own, dtype=np.float64)
+            known = np.isfinite(own)
+            b[known] = confidence_bucket(own[known])
+        pick = first[b] + (replay.rng.random(n) * size[b]).astype(np.int64)
+        return rows[pick, :k]
+    table = replay.table[:, -1]
     d = np.minimum(np.asarray(depths, dtype=np.int64), len(table) - 1)
     K = table.shape[1] - 1
     p = np.zeros((len(d), k))

@@ -303,8 +303,8 @@ def _lp_table(samples, k: int) -> np.ndarray:
     return table
 
 
-def draft_logprobs(model: dict, k: int) -> list[list[np.ndarray]] | None:
-    """B + 1 tables float64[S, k] (in a list of one: every depth draws from them): the real
+def draft_logprobs(model: dict, k: int) -> list[np.ndarray] | None:
+    """B + 1 tables float64[S, k] (every depth draws from them): the real
     draft's log-probabilities of its top-k children at S nodes (`draft_lp_samples`: ranks 1-3,
     then on geometrically within the mass left: _lp_table), [b] those of nodes whose own
     log-probability (their parent's for them) fell in confidence bucket b (the whole's where no
@@ -327,7 +327,7 @@ def draft_logprobs(model: dict, k: int) -> list[list[np.ndarray]] | None:
         parts = [((r.get("draft_lp_samples_by_own") or [[]] * B)[b], r["nodes"]) for r in rows]
         pooled = _pooled([(x, n) for x, n in parts if x])
         own.append(_lp_table(pooled, k) if pooled else whole)
-    return [own + [whole]]
+    return own + [whole]
 
 
 def _pooled(parts: list[tuple[list, int]], n: int = 4 * LP_SAMPLES) -> list:
