@@ -2,7 +2,8 @@
 # How far `swiftspec plan`'s predicted tok/s is from the measured run on CPU ranks: the tiny pair
 # of `swiftspec tiny-checkpoint` on dummy weights, acceptance replayed from MODEL (default the
 # real Qwen pair's); plan on RANKS (default 2) ranks, then its chosen configuration and the best
-# row of the other mode, each run REPS (default 3) times (400 new tokens of one prompt), and
+# row of the other mode, each run REPS (default 3) times (400 new tokens of one prompt; plan
+# --context 200, their middle), and
 # benchmarks/plan_check.py: predicted against measured, run by run.
 #   bash benchmarks/cpu_plan_check.sh [OUT]          (about a minute on 2 idle cores)
 # Summary: OUT/plan-check.md; plan OUT/plan.{json,txt}.
@@ -14,7 +15,8 @@ export OMP_NUM_THREADS=1 SWIFTSPEC_NO_PIN=1
 SW="python3 -m swiftspec_mpi"
 [[ -d "$OUT/tiny/target" ]] || $SW tiny-checkpoint "$OUT/tiny" > /dev/null
 PAIR=(--target "$OUT/tiny/target" --draft "$OUT/tiny/draft" --threads 1)
-mpiexec -n "$RANKS" $SW plan "${PAIR[@]}" --accept-from "$MODEL" --max-expansions 4 --json > "$OUT/plan.json"
+mpiexec -n "$RANKS" $SW plan "${PAIR[@]}" --accept-from "$MODEL" --max-expansions 4 --context 200 --json \
+  > "$OUT/plan.json"
 python3 - "$OUT/plan.json" > "$OUT/configs.txt" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))

@@ -60,7 +60,7 @@ git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
 if part plan70 && left plan; then
   MPS=1 mps_start 2 1
   timeout "$PLAN_TIMEOUT" $MPI -n 2 $SW plan --load-format dummy --device cuda --dtype bfloat16 $M70 \
-    --accept-from $REAL --gpus 8 --json > "$OUT/plan-70b.json" 2> "$OUT/plan-70b.log" \
+    --accept-from $REAL --gpus 8 --context 80 --json > "$OUT/plan-70b.json" 2> "$OUT/plan-70b.log" \
     || { echo "-- plan failed or timed out:"; tail -3 "$OUT/plan-70b.log"; }
   mps_stop
   echo "-- plan done at $((SECONDS - T0)) s"

@@ -160,7 +160,7 @@ def test_plan_predicts_the_measured_tok_s_of_its_choice(tmp_path, tiny_pair):
     (benchmarks/cpu_plan_check.sh shows the error run by run)."""
     target, draft = tiny_pair
     real = "benchmarks/acceptance/qwen25coder-0.5b-1.5b.json"
-    proc = plan(1, tiny_pair, real, "--gpus", "2", "--json")
+    proc = plan(1, tiny_pair, real, "--gpus", "2", "--context", "150", "--json")     # 300 new tokens
     assert proc.returncode == 0, proc.stderr
     c = json.loads(proc.stdout)["chosen"]
     assert c["mode"] == "sync" and c["host_ms"] > 0

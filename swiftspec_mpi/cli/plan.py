@@ -44,6 +44,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-depth", type=int, default=16, help="deepest tree level (default 16)")
     p.add_argument("--max-expansions", type=int, default=8,
                    help="the most draft expansions a step weighed for sync (and async on one device)")
+    p.add_argument("--context", type=int, default=128,
+                   help="KV position the profile times the steps at: a job's prompt and half its new "
+                        "tokens (default 128)")
     p.add_argument("--max-context", type=int, default=4096,
                    help="KV slots per model (default 4096); every tree must fit in it")
     p.add_argument("--gpus", type=int, metavar="N", help="also predict for 1, 2, 4 ... N devices like rank 0's "
@@ -78,6 +81,9 @@ def check_inputs(args, world: int):
         raise UserError(f"a tree of {max(sizes)} nodes grown by {args.max_expansions} expansions does not fit "
                         f"the KV room of --max-context {args.max_context} slots; raise --max-context to at "
                         f"least {1 + (args.max_expansions + 1) * max(sizes)} or lower --verify-size")
+    if not 0 <= args.context <= args.max_context // 2:
+        raise UserError(f"--context {args.context}: give 0 to {args.max_context // 2} (half of --max-context: "
+                        "the loops' timed steps run past it)")
     if args.steps < 50:
         raise UserError(f"--steps {args.steps} is too few to average acceptance; give 50 or more")
     model, _sha = acceptance.load(args.accept_from)
@@ -108,7 +114,7 @@ def main(args) -> int:
         return EXIT_USER_ERROR
     cfg, tcfg, dcfg, model, sizes = payload
     from swiftspec_mpi.cli.plan_profile import profile_groups
-    prof = profile_groups(world, cfg, sizes, args.threads, (tcfg.num_heads, dcfg.num_heads), model)
+    prof = profile_groups(world, cfg, sizes, args.threads, (tcfg.num_heads, dcfg.num_heads), model, args.context)
     if rank != 0:
         return 0
     result = choose(prof, model, sizes, (tcfg.num_heads, dcfg.num_heads), args, world.Get_size(),
@@ -253,7 +259,7 @@ def auto_split(world, cfg) -> None:
     heads = world.bcast(heads, root=0)
     sizes = [cfg.verify_size] if cfg.verify_size else list(C.TREE_SIZES)
     model = cfg.accept_model or acceptance.chain_model(C.expected_tokens(8), 8)
-    prof = profile_groups(world, cfg, sizes, cfg.threads, heads[:2], model)
+    prof = profile_groups(world, cfg, sizes, cfg.threads, heads[:2], model, min(128, cfg.max_context // 2))
     choice = None
     if world.Get_rank() == 0:
         args = SimpleNamespace(max_expansions=8, tree_topk=cfg.tree_topk, max_depth=cfg.max_depth,

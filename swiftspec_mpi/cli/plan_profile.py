@@ -55,14 +55,16 @@ def _time(fn, device: str, reps: int = 6) -> float:
     return float(min(times[1:]))
 
 
-def _forward_times(model, cfg, device, sizes, target: bool) -> dict[int, float]:
+def _forward_times(model, cfg, device, sizes, target: bool, start: int) -> dict[int, float]:
+    """{n: seconds} of a forward of n tokens at KV positions [start, start + n)."""
     out = {}
     for n in sizes:
-        tokens, pos, mask = torch.zeros(n, dtype=torch.long), torch.arange(n, dtype=torch.long), chain_mask(0, n)
+        tokens, mask = torch.zeros(n, dtype=torch.long), chain_mask(start, n)
+        pos = torch.arange(start, start + n, dtype=torch.long)
         if target:
-            out[n] = _time(lambda: verify_forward(model, tokens, pos, 0, mask, True), device)
+            out[n] = _time(lambda: verify_forward(model, tokens, pos, start, mask, True), device)
         else:
-            out[n] = _time(lambda: draft_topk(model, cfg.tree_topk, tokens, pos, 0, mask), device)
+            out[n] = _time(lambda: draft_topk(model, cfg.tree_topk, tokens, pos, start, mask), device)
     return out
 
 
@@ -70,6 +72,11 @@ def _free(device: str) -> None:
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
+
+
+def prompt(context: int) -> list[int]:
+    """Token ids of a prompt that leaves the loops' first step at KV position `context`."""
+    return [1 + i % 97 for i in range(max(2, context + 1))]
 
 
 def quiet_barrier(world, poll_s: float = 0.002) -> None:
@@ -103,14 +110,16 @@ def round_trip(world, reps: int = 30) -> float:
 
 
 def profile_groups(world, cfg, sizes: list[int], threads: int | None, heads: tuple[int, int],
-                   model: dict | None = None, host_steps: int = 40) -> dict:
+                   model: dict | None = None, context: int = 128, host_steps: int = 40) -> dict:
     """Every rank: -> (on rank 0, None elsewhere) {"t_target_s": {g: {n: s}}, "t_draft_s": {g:
     {w: s}}, "t_x_s", "host_s" ({n: {"step_s", "expansion_s", "measured"}}) and "host_ar_s"
     (engine/host_time.py, on rank 0 alone with both models loaded, when an acceptance `model` is
     given; else {} and 0),
     "devices" (per rank), "shared" (a draft and a verify rank would share a device),
     "sync_ranks" (the most leading ranks on distinct devices)}; n includes 1 (`ar`).
-    A model is timed only at the group sizes that divide its heads (target, draft)."""
+    A model is timed only at the group sizes that divide its heads (target, draft); forwards at
+    KV position `context` (a job's prompt and half its new tokens), the loops after a prompt of
+    `context` tokens."""
     rank, size = world.Get_rank(), world.Get_size()
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // size))
     device = rank_device(cfg, world)
@@ -133,7 +142,7 @@ def profile_groups(world, cfg, sizes: list[int], threads: int | None, heads: tup
             tm = dm = tok = None
             if heads[0] % g == 0:
                 tm, tok = load_one(cfg, cfg.target, comm, dtype, device, None)
-                tt = _forward_times(tm, cfg, device, target_sizes, True)
+                tt = _forward_times(tm, cfg, device, target_sizes, True, context)
                 if rank == 0:
                     t_target[g] = tt
                 if not keep:
@@ -141,12 +150,13 @@ def profile_groups(world, cfg, sizes: list[int], threads: int | None, heads: tup
                     _free(device)
             if heads[1] % g == 0:
                 dm, _tok = load_one(cfg, cfg.draft, comm, dtype, device, cfg.draft_layers)
-                td = _forward_times(dm, cfg, device, sizes, False)
+                td = _forward_times(dm, cfg, device, sizes, False, context)
                 if rank == 0:
                     t_draft[g] = td
             if keep and tm is not None and dm is not None:
                 from swiftspec_mpi.engine.host_time import host_terms
-                host, host_ar = host_terms(cfg, tm, dm, tok, model, sizes, t_target[1], t_draft[1], host_steps)
+                host, host_ar = host_terms(cfg, tm, dm, tok, model, sizes, t_target[1], t_draft[1], host_steps,
+                                           prompt(context))
             tm = dm = None
             _free(device)
             sub.Free()
@@ -155,7 +165,7 @@ def profile_groups(world, cfg, sizes: list[int], threads: int | None, heads: tup
     host_async = {}
     if model is not None:
         host_async = async_host(world, cfg, device, model, sizes, shared, heads, t_target, t_draft, t_x,
-                                host_steps)
+                                host_steps, prompt(context))
     if rank != 0:
         return None
     return {"t_target_s": t_target, "t_draft_s": t_draft, "t_x_s": t_x, "host_s": host, "host_ar_s": host_ar,
@@ -165,7 +175,7 @@ def profile_groups(world, cfg, sizes: list[int], threads: int | None, heads: tup
 
 
 def async_host(world, cfg, device: str, model: dict, sizes: list[int], shared: bool, heads: tuple[int, int],
-               t_target: dict, t_draft: dict, t_x: float, steps: int) -> dict | None:
+               t_target: dict, t_draft: dict, t_x: float, steps: int, prompt_ids: list[int]) -> dict | None:
     """Every rank: the async loops run for a few steps on each split of the job's ranks (D draft,
     R - D verify ranks; the models loaded as `swiftspec run` would) at each verify size n, unpaced
     on devices of their own, at host_time.EXPANSIONS paces on a shared device (the mean of
@@ -208,7 +218,7 @@ def async_host(world, cfg, device: str, model: dict, sizes: list[int], shared: b
             for pace in (EXPANSIONS if shared else (0,)):
                 runs = []
                 for _ in range(ROUNDS):
-                    runs.append(async_loop_step(ctx, model, n, pace, steps, list(range(1, 17)), vocab))
+                    runs.append(async_loop_step(ctx, model, n, pace, steps, prompt_ids, vocab))
                     world.Barrier()
                 meas[pace] = np.mean(runs, axis=0).tolist() if rank == 0 else None
             if rank == 0:
