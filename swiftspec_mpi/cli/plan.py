@@ -16,6 +16,7 @@ run it. The model: docs/internals.md, "Choosing the split".
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -259,7 +260,10 @@ def auto_split(world, cfg) -> None:
     heads = world.bcast(heads, root=0)
     sizes = [cfg.verify_size] if cfg.verify_size else list(C.TREE_SIZES)
     model = cfg.accept_model or acceptance.chain_model(C.expected_tokens(8), 8)
-    prof = profile_groups(world, cfg, sizes, cfg.threads, heads[:2], model, min(128, cfg.max_context // 2))
+    # the profile's own models: room for its timed loops past a context of 128 (the job's KV may be
+    # sized to its prompts alone)
+    prof = profile_groups(world, dataclasses.replace(cfg, max_context=max(cfg.max_context or 0, 2048)), sizes,
+                          cfg.threads, heads[:2], model, 128)
     choice = None
     if world.Get_rank() == 0:
         args = SimpleNamespace(max_expansions=8, tree_topk=cfg.tree_topk, max_depth=cfg.max_depth,

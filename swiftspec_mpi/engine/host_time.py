@@ -79,19 +79,35 @@ def loop_step(cfg, target, draft, tokenizer, model: dict, n: int, d: int, steps:
     tracker = OutputTracker(result, tokenizer, (), 10 ** 9, [], stream=False)
     calls_at = []            # draft forwards so far, after each step (on_progress)
     ctx.on_progress = lambda: calls_at.append(counted.calls)
-    tracker_add = tracker.add
-
-    def add(tokens, logprobs=None):          # the request ends after `total` steps
-        taken, done = tracker_add(tokens, logprobs)
-        return taken, done or len(result.steps) + 1 >= total
-    tracker.add = add
+    _end_request(tracker, result, total, target.max_slots, n)
     acceptor.start_request(0, 1 << 20, n)
     run_request_single(ctx, list(prompt), 0, result, tracker, acceptor)
-    rows = result.steps[WARM_STEPS:]
+    warm = _warm_steps(result)
+    rows = result.steps[warm:]
     t = np.array([r[3] for r in rows])
     tokens = np.array([r[2] for r in rows[:-1]])
-    forwards = np.diff(np.array(calls_at[WARM_STEPS - 1:WARM_STEPS + len(rows) - 1]))
+    forwards = np.diff(np.array(calls_at[warm - 1:warm + len(rows) - 1]))
     return float(np.mean(np.diff(t))), float(forwards.mean()), float(tokens.mean())
+
+
+def _end_request(tracker, result, total: int, slots: int, n: int) -> None:
+    """Make `tracker` (OutputTracker) end its request after `total` steps, or once the next
+    tree of n nodes might not fit the model's `slots` KV slots."""
+    add = tracker.add
+
+    def counted(tokens, logprobs=None):
+        taken, done = add(tokens, logprobs)
+        full = len(result.prompt_ids) + len(result.output_ids) + 2 * n + 2 > slots
+        return taken, done or full or len(result.steps) + 1 >= total
+    tracker.add = counted
+
+
+def _warm_steps(result) -> int:
+    """The steps not timed: WARM_STEPS, fewer when the request ended early (KV full), so that 3
+    remain (a step's time is the start of the next one minus its own)."""
+    if len(result.steps) < 3:
+        raise RuntimeError("the host-time loop ended before 3 steps: the KV room is too small")
+    return max(1, min(WARM_STEPS, len(result.steps) - 3))
 
 
 def warm_shapes(target, draft, topk: int, n: int) -> None:
@@ -152,16 +168,11 @@ def async_loop_step(ctx: EngineContext, model: dict, n: int, pace: int, steps: i
     if ctx.topo.is_leader:
         result = RequestResult(0, "", "", list(prompt))
         tracker = OutputTracker(result, ctx.tokenizer, (), 10 ** 9, [], stream=False)
-        tracker_add = tracker.add
-
-        def add(tokens, logprobs=None):      # the request ends after `total` steps
-            taken, done = tracker_add(tokens, logprobs)
-            return taken, done or len(result.steps) + 1 >= total
-        tracker.add = add
+        _end_request(tracker, result, total, ctx.target.max_slots, n)
         acceptor.start_request(0, 1 << 20, n)
     verify_loop(ctx, list(prompt), 0, result, tracker, acceptor)
     if not ctx.topo.is_leader:
         return None
-    rows = result.steps[WARM_STEPS:]
+    rows = result.steps[_warm_steps(result):]
     t = np.array([r[3] for r in rows])
     return float(np.mean(np.diff(t))), float(np.mean([r[2] for r in rows[:-1]]))
