@@ -189,7 +189,8 @@ def row(c, t_target, t_draft) -> dict:
     return {"mode": c.mode, "draft_ranks": c.draft_ranks, "verify_ranks": c.verify_ranks,
             "shared_device": c.shared, "verify_size": c.n, "tree_width": c.w, "expansions": c.d,
             "t_target_ms": round(1e3 * t_target[c.verify_ranks][c.n], 4),
-            "t_draft_ms": round(1e3 * t_draft[g_draft][c.w], 4), "host_ms": round(1e3 * c.host_total, 4), "step_ms": round(1e3 * c.step_s, 4),
+            "t_draft_ms": round(1e3 * t_draft[g_draft][c.w], 4), "host_ms": round(1e3 * c.host_total, 4),
+            "step_ms": round(1e3 * c.step_s, 4),
             "tokens_per_step": round(c.tokens, 3), "stall": round(c.stall, 3),
             "token_scale": round(c.token_scale, 3), "tok_s": round(c.tok_s, 2)}
 
@@ -216,7 +217,8 @@ def render(result: dict, args, top: int = 16) -> list[str]:
     for r in result["table"][:top]:
         rows.append((r["mode"] + ("*" if r["shared_device"] else ""), str(r["draft_ranks"]), str(r["verify_ranks"]),
                      str(r["verify_size"]), str(r["tree_width"]), str(r["expansions"]), f"{r['t_target_ms']:.3f}",
-                     f"{r['t_draft_ms']:.3f}", f"{r['host_ms']:.3f}", f"{r['step_ms']:.3f}", f"{r['tokens_per_step']:.2f}", f"{r['tok_s']:.1f}"))
+                     f"{r['t_draft_ms']:.3f}", f"{r['host_ms']:.3f}", f"{r['step_ms']:.3f}",
+                     f"{r['tokens_per_step']:.2f}", f"{r['tok_s']:.1f}"))
     widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
     for i, x in enumerate(rows):
         lines.append("  ".join(v.rjust(widths[j]) for j, v in enumerate(x)))

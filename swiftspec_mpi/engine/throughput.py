@@ -184,8 +184,9 @@ def evaluate(cands: list[Candidate], model: dict, t_target: dict, t_draft: dict,
     """Fill tokens / step_s of each candidate; t_target[g][n], t_draft[g][w] seconds measured at
     group size g; host {n: {"step_s", "expansion_s"}} the sync loop's host terms
     (engine/host_time.py; none: 0), host_async {draft ranks: {n: {...}}} the async loops' where
-    they were timed (plan_profile.async_host). -> the candidates, best tok/s first. Simulations are shared between candidates with the
-    same (mode, n, w, d), and between calls given the same `cache`."""
+    they were timed (plan_profile.async_host). -> the candidates, best tok/s first. Simulations
+    are shared between candidates with the same (mode, n, w, d), and between calls given the
+    same `cache`."""
     cache = {} if cache is None else cache
     for c in cands:
         tt, td = t_target[c.verify_ranks][c.n], t_draft[c.draft_ranks or c.verify_ranks][c.w]
