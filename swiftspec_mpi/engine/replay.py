@@ -25,11 +25,13 @@ and the rank): the text means nothing, and every request runs to --max-new-token
 """
 from __future__ import annotations
 
+import bisect
+import math
 from typing import NamedTuple
 
 import numpy as np
 
-from swiftspec_mpi.trace.acceptance import confidence_bucket
+from swiftspec_mpi.trace.acceptance import CONF_EDGES
 
 FLOOR_LOGPROB = -30.0      # log-probability of a rank the model never accepts (keeps scores finite)
 
@@ -68,6 +70,13 @@ def child_tokens(parents: np.ndarray, k: int, vocab: int) -> np.ndarray:
     return (p * k + np.arange(k, dtype=np.int64)[None, :]) % vocab
 
 
+def _bucket(lp: float) -> int:
+    """acceptance.confidence_bucket of one log-probability (-1 for NaN), without numpy."""
+    if not math.isfinite(lp):
+        return -1
+    return sum(lp >= e for e in CONF_EDGES)
+
+
 class ReplayAcceptor:
     """decoding.Acceptor's interface (greedy: the verify forward returns the target's argmax);
     `table` float64[D, B + 1, K + 1] from acceptance.probs(by_confidence=True)."""
@@ -80,6 +89,7 @@ class ReplayAcceptor:
         self.topk, self.vocab = topk, vocab
         self.cdf = np.cumsum(self.table, axis=2)
         self.cdf[:, :, -1] = 1.0
+        self.cdf_rows = self.cdf.tolist()     # [depth][bucket] lists: bisect, no numpy call a draw
         self.seed = seed
         self.top_logprobs = None
         self.rng = np.random.default_rng([seed, 0, 2])
@@ -93,8 +103,8 @@ class ReplayAcceptor:
     def draw(self, depth: int, bucket: int = -1) -> int:
         """A rank 1..K from row `depth` (the last row past it) of confidence `bucket` (-1:
         unknown, the depth's own row), or 0 for none."""
-        row = self.cdf[min(depth, len(self.cdf) - 1), bucket]
-        r = int(np.searchsorted(row, self.rng.random(), side="right"))
+        row = self.cdf_rows[min(depth, len(self.cdf_rows) - 1)][bucket]
+        r = bisect.bisect_right(row, self.rng.random())
         return r + 1 if r < len(row) - 1 else 0
 
     def accept(self, tokens: np.ndarray, parents: np.ndarray, logits, out_len: int, scores=None
@@ -103,14 +113,17 @@ class ReplayAcceptor:
         decoding.Acceptor.accept (`logits`, the target's, are not read). `scores` float64[n], the
         draft's path log-probabilities, give the draft's confidence at each node (the
         log-probability of its first child): the row of its bucket is drawn from."""
-        parents = np.asarray(parents)
+        children = [[] for _ in range(len(parents))]   # best-first: the draft's rank order
+        for i, p in enumerate(np.asarray(parents).tolist()[1:], start=1):
+            children[p].append(i)
+        score = None if scores is None else np.asarray(scores, dtype=np.float64).tolist()
         path, accepted = [0], []
         node, depth = 0, 0
         while True:
-            kids = np.flatnonzero(parents == node)          # best-first: the draft's rank order
+            kids = children[node]
             bucket = -1
-            if scores is not None and len(kids):
-                bucket = int(confidence_bucket(scores[kids[0]] - scores[node]))
+            if score is not None and kids:
+                bucket = _bucket(score[kids[0]] - score[node])
             r = self.draw(depth, bucket)
             if 1 <= r <= len(kids):
                 node = int(kids[r - 1])
@@ -136,11 +149,9 @@ def calibrate(replay: Replay, depths: np.ndarray, k: int, own: np.ndarray | None
     n = len(depths)
     if replay.draft_lp is not None:
         rows, first, size = replay.draft_lp
-        b = np.full(n, len(first) - 1, dtype=np.int64)
-        if own is not None:
-            own = np.asarray(own, dtype=np.float64)
-            known = np.isfinite(own)
-            b[known] = confidence_bucket(own[known])
+        unknown = len(first) - 1
+        buckets = [-1] * n if own is None else [_bucket(x) for x in np.asarray(own, dtype=np.float64).tolist()]
+        b = np.array([unknown if x < 0 else x for x in buckets], dtype=np.int64)
         pick = first[b] + (replay.rng.random(n) * size[b]).astype(np.int64)
         return rows[pick, :k]
     table = replay.table[:, -1]
