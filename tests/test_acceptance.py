@@ -116,3 +116,10 @@ def test_throughput_rules_and_candidates():
     cands = T.candidates(3, [4], (4, 3), 2, False)   # sync on 3 and a draft group of 2 do not divide
     assert {(x.mode, x.draft_ranks, x.verify_ranks) for x in cands} == {("async", 1, 2)}
     assert T.scaled_times({8: 0.02}, 4, 80, 1e-5)[8] == pytest.approx(0.005 + 160e-5)
+    c.host_s, c.host_x = 0.002, 0.0005                  # host a step, an expansion
+    assert T.step_seconds(c, 0.010, 0.001, 0.0) == pytest.approx(0.013 + 0.002 + 3 * 0.0005)
+    a.host_s, a.host_x = 0.001, 0.0002
+    assert T.step_seconds(a, 0.010, 0.002, 0.0005) == pytest.approx(0.0105 + 0.001 + 0.5 * 0.0022)
+    a.host_measured = True                              # the async loop's own wall: stalls in it
+    assert T.step_seconds(a, 0.010, 0.002, 0.0005) == pytest.approx(0.0115)
+    assert T.async_expansions(0.010, 0.003, 0.0005, 0.0025, 0.001) == 3

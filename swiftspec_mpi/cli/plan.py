@@ -16,6 +16,7 @@ run it. The model: docs/internals.md, "Choosing the split".
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -44,6 +45,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-depth", type=int, default=16, help="deepest tree level (default 16)")
     p.add_argument("--max-expansions", type=int, default=8,
                    help="the most draft expansions a step weighed for sync (and async on one device)")
+    p.add_argument("--context", type=int, default=128,
+                   help="KV position the profile times the steps at: a job's prompt and half its new "
+                        "tokens (default 128)")
     p.add_argument("--max-context", type=int, default=4096,
                    help="KV slots per model (default 4096); every tree must fit in it")
     p.add_argument("--gpus", type=int, metavar="N", help="also predict for 1, 2, 4 ... N devices like rank 0's "
@@ -78,6 +82,9 @@ def check_inputs(args, world: int):
         raise UserError(f"a tree of {max(sizes)} nodes grown by {args.max_expansions} expansions does not fit "
                         f"the KV room of --max-context {args.max_context} slots; raise --max-context to at "
                         f"least {1 + (args.max_expansions + 1) * max(sizes)} or lower --verify-size")
+    if not 0 <= args.context <= args.max_context // 2:
+        raise UserError(f"--context {args.context}: give 0 to {args.max_context // 2} (half of --max-context: "
+                        "the loops' timed steps run past it)")
     if args.steps < 50:
         raise UserError(f"--steps {args.steps} is too few to average acceptance; give 50 or more")
     model, _sha = acceptance.load(args.accept_from)
@@ -108,7 +115,7 @@ def main(args) -> int:
         return EXIT_USER_ERROR
     cfg, tcfg, dcfg, model, sizes = payload
     from swiftspec_mpi.cli.plan_profile import profile_groups
-    prof = profile_groups(world, cfg, sizes, args.threads, (tcfg.num_heads, dcfg.num_heads))
+    prof = profile_groups(world, cfg, sizes, args.threads, (tcfg.num_heads, dcfg.num_heads), model, args.context)
     if rank != 0:
         return 0
     result = choose(prof, model, sizes, (tcfg.num_heads, dcfg.num_heads), args, world.Get_size(),
@@ -129,7 +136,8 @@ def choose(prof: dict, model: dict, sizes: list[int], heads: tuple[int, int], ar
     t_target = {int(g): {int(n): t for n, t in v.items()} for g, v in prof["t_target_s"].items()}
     t_draft = {int(g): {int(n): t for n, t in v.items()} for g, v in prof["t_draft_s"].items()}
     groups = sorted(t_target)
-    sync_top = max((g for g in groups if g <= prof["sync_ranks"]), default=1)
+    # ar on the group size where the target's one-token step is fastest
+    sync_top = min((g for g in groups if g <= prof["sync_ranks"]), key=lambda g: t_target[g][1], default=1)
     sync_g = prof["sync_ranks"]
     cands = [c for c in T.candidates(world, sizes, heads, args.max_expansions, prof["shared"])
              if c.mode == "async" and c.draft_ranks in t_draft and c.verify_ranks in t_target]
@@ -140,11 +148,15 @@ def choose(prof: dict, model: dict, sizes: list[int], heads: tuple[int, int], ar
         raise UserError(f"no split of {world} ranks divides the models' heads ({heads[0]} target, "
                         f"{heads[1]} draft); use a rank count that does")
     sims: dict = {}
+    host = {int(n): h for n, h in (prof.get("host_s") or {}).items()}
+    host_ar = prof.get("host_ar_s", 0.0)
+    host_async = {int(D): {int(n): h for n, h in v.items()} for D, v in (prof.get("host_async_s") or {}).items()}
     table = T.evaluate(cands, model, t_target, t_draft, prof["t_x_s"], args.tree_topk, args.max_depth,
-                       args.steps, sims)
+                       args.steps, sims, host, host_async)
     out = {"world": world, "devices": prof["devices"], "shared_device": prof["shared"],
            "t_target_s": prof["t_target_s"], "t_draft_s": prof["t_draft_s"], "t_x_s": prof["t_x_s"],
-           "ar_tok_s": 1.0 / t_target[sync_top][1], "ar_ranks": sync_top,
+           "host_s": host, "host_async_s": host_async,
+           "ar_tok_s": 1.0 / (t_target[sync_top][1] + host_ar), "ar_ranks": sync_top, "host_ar_s": host_ar,
            "model_mean_accepted": model.get("mean_accepted"),
            "table": [row(c, t_target, t_draft) for c in table], "chosen": row(table[0], t_target, t_draft)}
     if args.gpus:
@@ -161,8 +173,9 @@ def choose(prof: dict, model: dict, sizes: list[int], heads: tuple[int, int], ar
                 cs += [c for c in T.candidates(1, sizes, heads, args.max_expansions, False)]
             if not cs:
                 continue
-            best = T.evaluate(cs, model, tt, td, prof["t_x_s"], args.tree_topk, args.max_depth, args.steps, sims)
-            ar = 1.0 / tt[n_dev][1] if 1 in tt[n_dev] else None
+            best = T.evaluate(cs, model, tt, td, prof["t_x_s"], args.tree_topk, args.max_depth, args.steps, sims,
+                              host, host_async if n_dev == 1 and prof["shared"] else None)
+            ar = 1.0 / (tt[n_dev][1] + host_ar) if 1 in tt[n_dev] else None
             pred[n_dev] = {"chosen": row(best[0], tt, td), "ar_tok_s": ar,
                            "best_sync": next((row(c, tt, td) for c in best if c.mode == "sync"), None),
                            "best_async": next((row(c, tt, td) for c in best if c.mode == "async"), None)}
@@ -176,8 +189,10 @@ def row(c, t_target, t_draft) -> dict:
     return {"mode": c.mode, "draft_ranks": c.draft_ranks, "verify_ranks": c.verify_ranks,
             "shared_device": c.shared, "verify_size": c.n, "tree_width": c.w, "expansions": c.d,
             "t_target_ms": round(1e3 * t_target[c.verify_ranks][c.n], 4),
-            "t_draft_ms": round(1e3 * t_draft[g_draft][c.w], 4), "step_ms": round(1e3 * c.step_s, 4),
-            "tokens_per_step": round(c.tokens, 3), "stall": round(c.stall, 3), "tok_s": round(c.tok_s, 2)}
+            "t_draft_ms": round(1e3 * t_draft[g_draft][c.w], 4), "host_ms": round(1e3 * c.host_total, 4),
+            "step_ms": round(1e3 * c.step_s, 4),
+            "tokens_per_step": round(c.tokens, 3), "stall": round(c.stall, 3),
+            "token_scale": round(c.token_scale, 3), "tok_s": round(c.tok_s, 2)}
 
 
 def run_flags(r: dict, world: int) -> str:
@@ -197,12 +212,13 @@ def render(result: dict, args, top: int = 16) -> list[str]:
                f"in its trace); leaders' round trip {1e3 * result['t_x_s']:.3f} ms"]
     if result.get("ar_tok_s"):
         lines.append(f"ar (the target alone on {result['ar_ranks']} rank(s)) would run {result['ar_tok_s']:.1f} tok/s")
-    head = ("mode", "draft", "verify", "n", "w", "d", "t_tgt ms", "t_dft ms", "step ms", "tok/step", "tok/s")
+    head = ("mode", "draft", "verify", "n", "w", "d", "t_tgt ms", "t_dft ms", "host ms", "step ms", "tok/step", "tok/s")
     rows = [head]
     for r in result["table"][:top]:
         rows.append((r["mode"] + ("*" if r["shared_device"] else ""), str(r["draft_ranks"]), str(r["verify_ranks"]),
                      str(r["verify_size"]), str(r["tree_width"]), str(r["expansions"]), f"{r['t_target_ms']:.3f}",
-                     f"{r['t_draft_ms']:.3f}", f"{r['step_ms']:.3f}", f"{r['tokens_per_step']:.2f}", f"{r['tok_s']:.1f}"))
+                     f"{r['t_draft_ms']:.3f}", f"{r['host_ms']:.3f}", f"{r['step_ms']:.3f}",
+                     f"{r['tokens_per_step']:.2f}", f"{r['tok_s']:.1f}"))
     widths = [max(len(x[i]) for x in rows) for i in range(len(head))]
     for i, x in enumerate(rows):
         lines.append("  ".join(v.rjust(widths[j]) for j, v in enumerate(x)))
@@ -245,10 +261,13 @@ def auto_split(world, cfg) -> None:
         heads = (tcfg.num_heads, dcfg.num_heads, tcfg.num_layers, dcfg.num_layers)
     heads = world.bcast(heads, root=0)
     sizes = [cfg.verify_size] if cfg.verify_size else list(C.TREE_SIZES)
-    prof = profile_groups(world, cfg, sizes, cfg.threads, heads[:2])
+    model = cfg.accept_model or acceptance.chain_model(C.expected_tokens(8), 8)
+    # the profile's own models: room for its timed loops past a context of 128 (the job's KV may be
+    # sized to its prompts alone)
+    prof = profile_groups(world, dataclasses.replace(cfg, max_context=max(cfg.max_context or 0, 2048)), sizes,
+                          cfg.threads, heads[:2], model, 128)
     choice = None
     if world.Get_rank() == 0:
-        model = cfg.accept_model or acceptance.chain_model(C.expected_tokens(8), 8)
         args = SimpleNamespace(max_expansions=8, tree_topk=cfg.tree_topk, max_depth=cfg.max_depth,
                                steps=200, gpus=None)
         result = choose(prof, model, sizes, heads[:2], args, world.Get_size(), heads[2], heads[3])

@@ -15,7 +15,7 @@ Two halves:
   on timing, the draws on the seed.
 - the draft (`calibrate` and `child_tokens`, in DraftSide.expand): random weights have
   near-uniform top-k, so the tree a draft grows from them has no shape. The log-probabilities of
-  a leaf's top-k children become those of a node of the real draft at that depth whose own
+  a leaf's top-k children become those of a node of the real draft (any depth) whose own
   log-probability fell in the leaf's bucket, drawn from the model's samples, so the replayed
   draft grows trees of the real draft's shapes; a model without samples (one built from a
   reported mean accepted length) gives log p[d][r]: a draft calibrated to acceptance, which
@@ -25,31 +25,39 @@ and the rank): the text means nothing, and every request runs to --max-new-token
 """
 from __future__ import annotations
 
+import bisect
+import math
 from typing import NamedTuple
 
 import numpy as np
 
-from swiftspec_mpi.trace.acceptance import confidence_bucket
+from swiftspec_mpi.trace.acceptance import CONF_EDGES
 
 FLOOR_LOGPROB = -30.0      # log-probability of a rank the model never accepts (keeps scores finite)
 
 
 class Replay(NamedTuple):
     """What a replaying job's ranks hold (EngineContext.replay): `table` float64[D, B + 1, K + 1]
-    (acceptance.probs by confidence bucket, [:, B] the depth's own row), `draft_lp` per depth B + 1
-    tables float64[S, topk] or None (acceptance.draft_logprobs), `rng` the draft's draws of them
-    (seeded alike on every rank of a group, so that their trees agree), `vocab` the modulus of
-    child_tokens (the smaller vocabulary of the pair)."""
+    (acceptance.probs by confidence bucket, [:, B] the depth's own row), `draft_lp` the real
+    draft's log-probabilities to draw from or None (acceptance.draft_logprobs' B + 1 tables
+    stacked: (rows float32[S, topk], first row int64[B + 1], rows int64[B + 1]) of bucket b, B
+    for an unknown confidence), `rng` the draft's draws of them (seeded alike on every rank of a
+    group, so that their trees agree), `vocab` the modulus of child_tokens (the smaller
+    vocabulary of the pair)."""
     table: np.ndarray
-    draft_lp: list | None
+    draft_lp: tuple | None
     rng: np.random.Generator
     vocab: int
 
     @classmethod
     def of(cls, model: dict, topk: int, seed: int, vocab: int) -> "Replay":
         from swiftspec_mpi.trace.acceptance import draft_logprobs, probs
-        return cls(probs(model, by_confidence=True), draft_logprobs(model, topk),
-                   np.random.default_rng([seed, 3]), vocab)
+        tables = draft_logprobs(model, topk)
+        lp = None
+        if tables is not None:
+            sizes = np.array([len(t) for t in tables], dtype=np.int64)
+            lp = (np.concatenate(tables).astype(np.float32), np.cumsum(sizes) - sizes, sizes)
+        return cls(probs(model, by_confidence=True), lp, np.random.default_rng([seed, 3]), vocab)
 
 
 def child_tokens(parents: np.ndarray, k: int, vocab: int) -> np.ndarray:
@@ -60,6 +68,13 @@ def child_tokens(parents: np.ndarray, k: int, vocab: int) -> np.ndarray:
     tree did not hold), as the real target's bonus is often a child the draft grew but did not send."""
     p = np.asarray(parents, dtype=np.int64).reshape(-1, 1)
     return (p * k + np.arange(k, dtype=np.int64)[None, :]) % vocab
+
+
+def _bucket(lp: float) -> int:
+    """acceptance.confidence_bucket of one log-probability (-1 for NaN), without numpy."""
+    if not math.isfinite(lp):
+        return -1
+    return sum(lp >= e for e in CONF_EDGES)
 
 
 class ReplayAcceptor:
@@ -74,6 +89,7 @@ class ReplayAcceptor:
         self.topk, self.vocab = topk, vocab
         self.cdf = np.cumsum(self.table, axis=2)
         self.cdf[:, :, -1] = 1.0
+        self.cdf_rows = self.cdf.tolist()     # [depth][bucket] lists: bisect, no numpy call a draw
         self.seed = seed
         self.top_logprobs = None
         self.rng = np.random.default_rng([seed, 0, 2])
@@ -87,8 +103,8 @@ class ReplayAcceptor:
     def draw(self, depth: int, bucket: int = -1) -> int:
         """A rank 1..K from row `depth` (the last row past it) of confidence `bucket` (-1:
         unknown, the depth's own row), or 0 for none."""
-        row = self.cdf[min(depth, len(self.cdf) - 1), bucket]
-        r = int(np.searchsorted(row, self.rng.random(), side="right"))
+        row = self.cdf_rows[min(depth, len(self.cdf_rows) - 1)][bucket]
+        r = bisect.bisect_right(row, self.rng.random())
         return r + 1 if r < len(row) - 1 else 0
 
     def accept(self, tokens: np.ndarray, parents: np.ndarray, logits, out_len: int, scores=None
@@ -97,14 +113,17 @@ class ReplayAcceptor:
         decoding.Acceptor.accept (`logits`, the target's, are not read). `scores` float64[n], the
         draft's path log-probabilities, give the draft's confidence at each node (the
         log-probability of its first child): the row of its bucket is drawn from."""
-        parents = np.asarray(parents)
+        children = [[] for _ in range(len(parents))]   # best-first: the draft's rank order
+        for i, p in enumerate(np.asarray(parents).tolist()[1:], start=1):
+            children[p].append(i)
+        score = None if scores is None else np.asarray(scores, dtype=np.float64).tolist()
         path, accepted = [0], []
         node, depth = 0, 0
         while True:
-            kids = np.flatnonzero(parents == node)          # best-first: the draft's rank order
+            kids = children[node]
             bucket = -1
-            if scores is not None and len(kids):
-                bucket = int(confidence_bucket(scores[kids[0]] - scores[node]))
+            if score is not None and kids:
+                bucket = _bucket(score[kids[0]] - score[node])
             r = self.draw(depth, bucket)
             if 1 <= r <= len(kids):
                 node = int(kids[r - 1])
@@ -122,18 +141,20 @@ class ReplayAcceptor:
 def calibrate(replay: Replay, depths: np.ndarray, k: int, own: np.ndarray | None = None) -> np.ndarray:
     """float32[n, k]: the log-probabilities the replayed draft gives the top-k children of leaves
     at `depths` int[n] whose own log-probabilities (their parents' for them; NaN: unknown, the
-    root) are `own` float[n]: each leaf draws one of the real draft's nodes at its depth whose own
-    log-probability fell in the same confidence bucket (draft_lp), so that a sure path goes on
-    sure as the real draft's do; a model without them gives log p[d][r] (a draft calibrated to
-    acceptance; FLOOR_LOGPROB where the model gives 0)."""
-    table = replay.table[:, -1]
+    root) are `own` float[n]: each leaf draws one of the real draft's nodes whose own
+    log-probability fell in the same confidence bucket (draft_lp, pooled over depths), so that a
+    sure path goes on sure as the real draft's do; a model without them gives log p[d][r] (a
+    draft calibrated to acceptance; FLOOR_LOGPROB where the model gives 0). One vectorized draw
+    (the replay's own host time stays small beside a real draft's forward)."""
+    n = len(depths)
     if replay.draft_lp is not None:
-        buckets = confidence_bucket(np.full(len(depths), np.nan) if own is None else own)
-        out = np.empty((len(depths), k), dtype=np.float32)
-        for i, (dep, b) in enumerate(zip(np.asarray(depths).tolist(), buckets.tolist())):
-            rows = replay.draft_lp[min(int(dep), len(replay.draft_lp) - 1)][b]
-            out[i] = rows[replay.rng.integers(len(rows)), :k]
-        return out
+        rows, first, size = replay.draft_lp
+        unknown = len(first) - 1
+        buckets = [-1] * n if own is None else [_bucket(x) for x in np.asarray(own, dtype=np.float64).tolist()]
+        b = np.array([unknown if x < 0 else x for x in buckets], dtype=np.int64)
+        pick = first[b] + (replay.rng.random(n) * size[b]).astype(np.int64)
+        return rows[pick, :k]
+    table = replay.table[:, -1]
     d = np.minimum(np.asarray(depths, dtype=np.int64), len(table) - 1)
     K = table.shape[1] - 1
     p = np.zeros((len(d), k))

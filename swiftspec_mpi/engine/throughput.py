@@ -9,19 +9,27 @@ scheduler's TokenTree, replay-calibrated log-probabilities) against the acceptan
   async  the draft expands d times while the verify group checks the tree it sent, and only then
          learns the result and re-roots: expansions under rejected branches are lost.
 
-Step times come from profiled forwards (t_target(n), t_draft(w) of the group's size g):
+Step times come from profiled forwards (t_target(n), t_draft(w) of the group's size g) and the
+host time a step adds to them, measured by running the engine's sync loop for a few steps
+(engine/host_time.py: h_s(n) a step, h_x(n) an expansion):
 
-  sync                 t_step = (d + s) * t_draft(w) + t_target(n)
-  async, own devices   t_step = t_target(n) + t_x + s * t_draft(w)
-                       d = max(1, floor((t_target(n) + t_x) / t_draft(w)))
-  async, one device    t_step = t_target(n) + (d + s) * t_draft(w) + t_x   (the groups share
-                       the device's bandwidth: no overlap is counted, a lower bound)
+  sync                 t_step = (d + s) * t_draft(w) + t_target(n) + h_s + d * h_x
+  async, own devices   t_step = t_target(n) + t_x + h_s + s * (t_draft(w) + h_x)
+                       d = max(1, floor((t_target(n) + t_x + h_s) / (t_draft(w) + h_x)))
+  async, one device    t_step = t_target(n) + (d + s) * t_draft(w) + t_x + h_s + d * h_x   (the
+                       groups share the device's bandwidth: no overlap is counted, a lower bound)
 
 where s counts the extra draft forwards a step on the critical path: in sync the re-root's
 hole fills (the target took a leaf the draft had not expanded: its KV and the new root's
 children take one more forward, of 2 tokens, counted as one of w), in async the steps whose
 re-rooted tree is the bare root (the target's token was none of the draft's children), so that
-the verify group waits for one expansion.
+the verify group waits for one expansion. The host terms of async are those of its own loops
+where the profile ran them for this split and n (plan_profile.async_host: h_s is then all the
+step waits for beyond t_target + t_x, the stalls included, so s * (t_draft + h_x) is dropped on
+own devices and s * t_draft on a shared one); elsewhere (--gpus predictions) the sync loop's.
+Where the async loops ran, their tokens a step also scale the simulation's (`token_scale`, the
+mean of measured / simulated at the paces they ran): the simulation models the `fresh` policy's
+trees, the engine's default `rate` sends others.
 
   tokens/s = E[tokens a step] / t_step
 
@@ -118,25 +126,38 @@ class Candidate:
     stall: float = 0.0            # extra draft forwards a step on the critical path (simulate)
     step_s: float = 0.0           # expected seconds a step
     shared: bool = False          # async with both groups on one device
+    host_s: float = 0.0           # h_s: host seconds a step (engine/host_time.py)
+    host_x: float = 0.0           # h_x: host seconds an expansion
+    host_measured: bool = False   # async: h_s timed on the async loops themselves (stalls in it)
+    token_scale: float = 1.0      # async: measured / simulated tokens a step where the loops ran
+
+    @property
+    def host_total(self) -> float:
+        """Host seconds a step (step_seconds' host part)."""
+        if self.mode == "sync" or self.shared:
+            return self.host_s + self.host_x * self.d
+        return self.host_s + (0.0 if self.host_measured else self.host_x * self.stall)
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.step_s if self.step_s > 0 else 0.0
 
 
-def async_expansions(t_target: float, t_draft: float, t_x: float) -> int:
+def async_expansions(t_target: float, t_draft: float, t_x: float, host_s: float = 0.0,
+                     host_x: float = 0.0) -> int:
     """Expansions an unpaced draft on its own devices makes while the verify group runs a step."""
-    return max(1, int((t_target + t_x) // max(t_draft, 1e-12)))
+    return max(1, int((t_target + t_x + host_s) // max(t_draft + host_x, 1e-12)))
 
 
 def step_seconds(c: Candidate, t_target: float, t_draft: float, t_x: float) -> float:
     """A step's seconds by the module doc's rules (t_target = t_target(n) at the verify group's
-    size, t_draft = t_draft(w) at the draft group's), c.stall known."""
+    size, t_draft = t_draft(w) at the draft group's), c.stall and the host terms known."""
     if c.mode == "sync":
-        return (c.d + c.stall) * t_draft + t_target
+        return (c.d + c.stall) * t_draft + t_target + c.host_s + c.d * c.host_x
+    stall = 0.0 if c.host_measured else c.stall
     if c.shared:
-        return t_target + (c.d + c.stall) * t_draft + t_x
-    return t_target + t_x + c.stall * t_draft
+        return t_target + (c.d + stall) * t_draft + t_x + c.host_s + c.d * c.host_x
+    return t_target + t_x + c.host_s + stall * (t_draft + c.host_x)
 
 
 def candidates(world: int, sizes: list[int], heads: tuple[int, int], max_d: int, shared: bool) -> list[Candidate]:
@@ -158,19 +179,35 @@ def candidates(world: int, sizes: list[int], heads: tuple[int, int], max_d: int,
 
 
 def evaluate(cands: list[Candidate], model: dict, t_target: dict, t_draft: dict, t_x: float,
-             topk: int = 8, max_depth: int = 16, steps: int = 300, cache: dict | None = None) -> list[Candidate]:
+             topk: int = 8, max_depth: int = 16, steps: int = 300, cache: dict | None = None,
+             host: dict | None = None, host_async: dict | None = None) -> list[Candidate]:
     """Fill tokens / step_s of each candidate; t_target[g][n], t_draft[g][w] seconds measured at
-    group size g. -> the candidates, best tok/s first. Simulations are shared between
-    candidates with the same (mode, n, w, d), and between calls given the same `cache`."""
+    group size g; host {n: {"step_s", "expansion_s"}} the sync loop's host terms
+    (engine/host_time.py; none: 0), host_async {draft ranks: {n: {...}}} the async loops' where
+    they were timed (plan_profile.async_host). -> the candidates, best tok/s first. Simulations
+    are shared between candidates with the same (mode, n, w, d), and between calls given the
+    same `cache`."""
     cache = {} if cache is None else cache
     for c in cands:
         tt, td = t_target[c.verify_ranks][c.n], t_draft[c.draft_ranks or c.verify_ranks][c.w]
+        h = (host or {}).get(c.n) or {}
+        c.host_s, c.host_x = h.get("step_s", 0.0), h.get("expansion_s", 0.0)
+        ha = ((host_async or {}).get(c.draft_ranks) or {}).get(c.n) if c.mode == "async" else None
+        if ha is not None:
+            c.host_s, c.host_measured = ha["step_s"], True
+            c.host_x = ha["expansion_s"] if c.shared else c.host_x
         if c.mode == "async" and not c.shared:
-            c.d = async_expansions(tt, td, t_x)
-        key = (c.mode, c.n, c.w, c.d)
-        if key not in cache:
-            cache[key] = simulate(model, c.mode, c.n, c.w, c.d, steps, topk, max_depth)
-        c.tokens, c.stall = cache[key]
+            c.d = async_expansions(tt, td, t_x, c.host_s, c.host_x)
+        def sim(d: int, c=c) -> tuple[float, float]:
+            key = (c.mode, c.n, c.w, d)
+            if key not in cache:
+                cache[key] = simulate(model, c.mode, c.n, c.w, d, steps, topk, max_depth)
+            return cache[key]
+        c.tokens, c.stall = sim(c.d)
+        if ha is not None and ha.get("measured"):
+            c.token_scale = float(np.mean([v[1] / sim(int(p) if c.shared else c.d)[0]
+                                           for p, v in ha["measured"].items()]))
+            c.tokens *= c.token_scale
         c.step_s = step_seconds(c, tt, td, t_x)
     return sorted(cands, key=lambda c: (-c.tok_s, c.mode, c.draft_ranks, c.n, c.d))
 

@@ -303,25 +303,44 @@ def _lp_table(samples, k: int) -> np.ndarray:
     return table
 
 
-def draft_logprobs(model: dict, k: int) -> list[list[np.ndarray]] | None:
-    """Per depth (as probs; the last serves deeper ones) B + 1 tables float64[S, k]: the real
+def draft_logprobs(model: dict, k: int) -> list[np.ndarray] | None:
+    """B + 1 tables float64[S, k] (every depth draws from them): the real
     draft's log-probabilities of its top-k children at S nodes (`draft_lp_samples`: ranks 1-3,
     then on geometrically within the mass left: _lp_table), [b] those of nodes whose own
-    log-probability (their parent's for them) fell in confidence bucket b (the whole depth's
-    where too few did), [B] the whole depth's. A replayed draft draws from them. None when the
-    model has none (a model built from a reported figure)."""
+    log-probability (their parent's for them) fell in confidence bucket b (the whole's where no
+    depth had enough such nodes), [B] the whole's. Pooled over the depths, each depth's samples
+    weighted by its nodes (_pooled): a row's depth is the depth its node had when its tree was
+    verified, while a replayed draft draws when it expands the node, which in `sync` with several
+    expansions a step or in `async` lies deeper under the root of that time (the tree is re-rooted
+    on the accepted tokens in between). Indexed by depth, the samples of the surer deep nodes
+    served shallower nodes at their expansion: a replay's trees grew deeper and surer than the
+    recorded ones (+3 to +6 % tokens a step at 3 expansions a step), and replaying a replay drifted
+    on. The parent's confidence carries what depth told of a sure path. A replayed draft draws
+    from them. None when the model has none (a model built from a reported figure)."""
     rows = sorted(model["depths"], key=lambda r: r["depth"])
-    D = int(rows[-1]["depth"]) + 1
     B = len(CONF_EDGES) + 1
+    if not all(r.get("draft_lp_samples") for r in rows):
+        return None
+    whole = _lp_table(_pooled([(r["draft_lp_samples"], r["nodes"]) for r in rows]), k)
+    own = []
+    for b in range(B):
+        parts = [((r.get("draft_lp_samples_by_own") or [[]] * B)[b], r["nodes"]) for r in rows]
+        pooled = _pooled([(x, n) for x, n in parts if x])
+        own.append(_lp_table(pooled, k) if pooled else whole)
+    return own + [whole]
+
+
+def _pooled(parts: list[tuple[list, int]], n: int = 4 * LP_SAMPLES) -> list:
+    """Up to n sample rows from (rows sorted by their first value, weight) parts: each part gives
+    a share of n proportional to its weight, evenly spaced over its rows (lp_samples' quantiles)."""
+    total = sum(w for rows, w in parts if rows)
     out = []
-    for d in range(D):
-        row = max((r for r in rows if r["depth"] <= d), key=lambda r: r["depth"], default=rows[0])
-        samples = row.get("draft_lp_samples") or []
-        if not samples:
-            return None
-        whole = _lp_table(samples, k)
-        own = list(row.get("draft_lp_samples_by_own") or []) + [[]] * B
-        out.append([_lp_table(own[b], k) if own[b] else whole for b in range(B)] + [whole])
+    for rows, w in parts:
+        if not rows or w <= 0:
+            continue
+        m = max(1, int(round(n * w / total)))
+        idx = np.linspace(0, len(rows) - 1, m).round().astype(int)
+        out += [rows[i] for i in idx]
     return out
 
 
