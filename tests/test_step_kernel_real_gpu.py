@@ -29,7 +29,7 @@ import time
 import pytest
 import torch
 
-from conftest import skip_or_fail
+from conftest import need_registry_model, skip_or_fail
 from engine_helpers import read_outputs, read_requests, read_root, run_swiftspec, write_prompts
 
 ENV = "SWIFTSPEC_SMOLLM2_GGUF"
@@ -50,11 +50,8 @@ def smollm2():
         if not os.path.isfile(path):
             skip_or_fail(f"{ENV}={path} is not a file; point it at SmolLM2-135M-Instruct.Q4_1.gguf")
         return path
-    cached = registry.gguf_path("smollm2-135m")
-    if not (cached.is_file() and cached.stat().st_size == registry.get_model("smollm2-135m").size):
-        skip_or_fail(f"{ENV} is unset and {cached} is missing; set {ENV} to SmolLM2-135M-Instruct.Q4_1.gguf "
-                     "or run `swiftspec models prepare smollm2-135m --gguf-only`")
-    return str(cached)
+    need_registry_model("smollm2-135m")           # in the model cache, or the index reachable
+    return str(registry.ensure_gguf("smollm2-135m"))
 
 
 def test_smollm2_gpu_runs_bf16(smollm2):
