@@ -216,6 +216,10 @@ class Job:
         # the file exists from here on (a run in progress shows up), written before any request
         # so that none pays the write; the next checkpoint comes after some decoding
         self.write(complete=False, status="running", events=None)
+        # every rank starts the first request together (rank 0's file write above would otherwise
+        # start the verify group late, and a draft group's first tree would wait on it)
+        wait_for(self.world.Ibarrier(), self.cfg.peer_timeout, "ranks before the first request",
+                 self.stop_flag, self.watch, collective=True)
         leader_of_verify = topo.role == ROLE_VERIFY and topo.is_leader
         source = None
         if cfg.interactive:
