@@ -45,6 +45,15 @@ pytestmark = pytest.mark.mpi
 
 
 # ----------------------------------------------------------------------------------- helpers
+def trace_requests(path: Path) -> int:
+    """How many requests a trace file being rewritten holds now (0 while it cannot be read)."""
+    try:
+        with h5py.File(path, "r") as f:
+            return len(f["requests"]) if "requests" in f else 0
+    except OSError:
+        return 0
+
+
 def read_trace(path: Path) -> dict:
     """Root attributes, per-request attributes + output ids, and /ranks of one HDF5 trace."""
     def s(v):
@@ -361,7 +370,9 @@ def test_cancel_leaves_partial_trace(slurm_cluster, base_env, tmp_path, how):
                                export={**base_env, "MODE": "async", "PROMPTS": str(many),
                                        "MAX_NEW_TOKENS": "64", "OUT": str(out)})
     deadline = time.monotonic() + JOB_TIMEOUT
-    while not out.exists():   # the first checkpoint: decoding is under way
+    # the file exists before the first request (its header); a checkpoint with a request in
+    # it says decoding is under way, so the signal lands mid-run
+    while not (out.exists() and trace_requests(out) >= 1):
         state = slurm_cluster.job(job)["JobState"]
         assert state in ("PENDING", "RUNNING"), f"{state}\n" + job_log(slurm_cluster, job)
         assert time.monotonic() < deadline, "no checkpoint file\n" + job_log(slurm_cluster, job)
