@@ -154,18 +154,26 @@ def test_run_draft_ranks_auto_takes_the_plans_split(tmp_path, tiny_pair):
 
 def test_plan_predicts_the_measured_tok_s_of_its_choice(tmp_path, tiny_pair):
     """plan on one CPU rank (its table: sync; --gpus 2 lets it run on one) predicts the tok/s
-    of the split it chooses, run twice with replayed acceptance, within 20 %: on the tiny
-    shapes the host time (engine/host_time.py) is half a step, and without it the prediction is
-    more than 1.5x the measured; a run's tok/s scatters by up to ~10 % on 2 shared cores
-    (benchmarks/cpu_plan_check.sh shows the error run by run)."""
+    of the split it chooses, run with replayed acceptance, within 20 %: on the tiny shapes the
+    host time (engine/host_time.py) is half a step, and without it the prediction is more than
+    1.5x the measured. Three rounds of plan + run, interleaved, so that a burst of load on the
+    shared cores (one run's tok/s scatters by up to ~10 % on 2 idle cores, 27 % was seen on a
+    busy one; benchmarks/cpu_plan_check.sh shows the error run by run) weighs on the predictions
+    and the runs alike; the choice is the first round's, its prediction looked up in each table."""
     target, draft = tiny_pair
     real = "benchmarks/acceptance/qwen25coder-0.5b-1.5b.json"
-    proc = plan(1, tiny_pair, real, "--gpus", "2", "--context", "150", "--json")     # 300 new tokens
-    assert proc.returncode == 0, proc.stderr
-    c = json.loads(proc.stdout)["chosen"]
-    assert c["mode"] == "sync" and c["host_ms"] > 0
+    keys = ("mode", "verify_size", "tree_width", "expansions", "draft_ranks", "verify_ranks")
+    chosen, predicted, without_host = None, [], []
     tokens = seconds = 0.0
-    for i in range(2):
+    for i in range(3):
+        proc = plan(1, tiny_pair, real, "--gpus", "2", "--context", "150", "--json")   # 300 new tokens
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout)
+        chosen = chosen or result["chosen"]
+        c = next(r for r in result["table"] if all(r.get(k) == chosen.get(k) for k in keys))
+        assert c["mode"] == "sync" and c["host_ms"] > 0, c
+        predicted.append(c["tok_s"])
+        without_host.append(c["tokens_per_step"] / (1e-3 * (c["step_ms"] - c["host_ms"])))
         out = tmp_path / f"planned{i}.h5"
         run_swiftspec(1, ["--target", target, "--draft", draft, "--load-format", "dummy", "--accept-from", real,
                           "--mode", "sync", "--verify-size", str(c["verify_size"]), "--tree-width",
@@ -175,6 +183,5 @@ def test_plan_predicts_the_measured_tok_s_of_its_choice(tmp_path, tiny_pair):
             tokens += len(r.output_ids)
             seconds += r.seconds
     measured = tokens / seconds
-    without_host = c["tokens_per_step"] / (1e-3 * (c["step_ms"] - c["host_ms"]))
-    assert abs(c["tok_s"] / measured - 1) < 0.20, (c, measured)
-    assert without_host / measured > 1.5, (without_host, measured)
+    assert abs(sum(predicted) / 3 / measured - 1) < 0.20, (chosen, predicted, measured)
+    assert sum(without_host) / 3 / measured > 1.5, (without_host, measured)
