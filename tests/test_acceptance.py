@@ -75,7 +75,7 @@ def test_replay_draws_follow_the_model_and_the_bonus_is_the_drawn_child():
     model = A.chain_model(2.0, 4)
     model["depths"][0]["p"] = [0.5, 0.3, 0.1] + [0.0] * 5
     table = A.probs(model, by_confidence=True)
-    acc = ReplayAcceptor(table, seed=1, topk=8, vocab=1000)
+    acc = ReplayAcceptor(table, seed=1, topk=8, vocab=1000, edges=A.conf_edges(model))
     acc.start_request(0, 0, 2)
     tokens = np.array([7], dtype=np.int64)               # a bare root: every draw ends the step
     parents = np.array([-1], dtype=np.int32)
