@@ -73,7 +73,8 @@ def loop_step(cfg, target, draft, tokenizer, model: dict, n: int, d: int, steps:
     clock = Clock()
     ctx = EngineContext(cfg, _OneRank(), clock, EventRecorder(0, 0, clock), StopFlag(), None, target,
                         counted if d else None, tokenizer, expansions=d, replay=replay)
-    acceptor = ReplayAcceptor(replay.table, 0, cfg.tree_topk, vocab, replay.edges) if d else Acceptor(0.0, "coupled", 0)
+    acceptor = ReplayAcceptor(replay.table, 0, cfg.tree_topk, vocab, replay.edges) if d else \
+        Acceptor(0.0, "coupled", 0)
     total = WARM_STEPS + steps + 1
     result = RequestResult(0, "", "", list(prompt))
     tracker = OutputTracker(result, tokenizer, (), 10 ** 9, [], stream=False)

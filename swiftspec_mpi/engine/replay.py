@@ -65,11 +65,12 @@ def draft_children(replay: Replay, tree, leaves: np.ndarray, k: int) -> tuple[np
     """(ids int64[n, k], lps float32[n, k]): the replayed draft's top-k children of `leaves`
     int32[n] of `tree` (scheduler TokenTree): child_tokens, and calibrate's log-probabilities
     drawn by the leaves' own (edge) log-probabilities, the root's unknown. A few numpy calls an
-    expansion: the replay's host time is a fifth of a tiny CPU draft's forward otherwise, which
-    in `async` moves the policy's timing (fewer expansions abandoned, later re-rooted trees)."""
+    expansion (15 us; still a fifth of the tiny CPU draft's forward once the forward has cooled
+    the caches, which shifts `async`'s timing a little but not its tokens a step)."""
     own = np.asarray(tree.logprob)[leaves]
     own[leaves == 0] = np.nan
-    return child_tokens(np.asarray(tree.token)[leaves], k, replay.vocab), calibrate(replay, np.asarray(tree.depth)[leaves], k, own)
+    lps = calibrate(replay, np.asarray(tree.depth)[leaves], k, own)
+    return child_tokens(np.asarray(tree.token)[leaves], k, replay.vocab), lps
 
 
 def child_tokens(parents: np.ndarray, k: int, vocab: int) -> np.ndarray:
