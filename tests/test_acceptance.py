@@ -75,7 +75,7 @@ def test_replay_draws_follow_the_model_and_the_bonus_is_the_drawn_child():
     model = A.chain_model(2.0, 4)
     model["depths"][0]["p"] = [0.5, 0.3, 0.1] + [0.0] * 5
     table = A.probs(model, by_confidence=True)
-    acc = ReplayAcceptor(table, seed=1, topk=8, vocab=1000)
+    acc = ReplayAcceptor(table, seed=1, topk=8, vocab=1000, edges=A.conf_edges(model))
     acc.start_request(0, 0, 2)
     tokens = np.array([7], dtype=np.int64)               # a bare root: every draw ends the step
     parents = np.array([-1], dtype=np.int32)
@@ -85,6 +85,42 @@ def test_replay_draws_follow_the_model_and_the_bonus_is_the_drawn_child():
     assert np.allclose(share, [0.5, 0.3, 0.1], atol=0.03)
     assert np.mean([b not in kids for b in bonus]) == pytest.approx(0.1, abs=0.03)
     assert len(set(child_tokens(np.array([999]), 8, 1000)[0].tolist())) == 8
+
+
+def test_a_thin_confidence_bucket_takes_its_nodes_of_every_depth():
+    """At each of depths 0 and 1, 30 unsure nodes (p = 0.1, rank 2) and 12 sure ones (p = 0.9,
+    rank 1): 12 is too few for a row of its own at a depth, so the sure bucket's row is that of
+    its 24 nodes over both depths (first child always), not the depth's mix; the file names its
+    edges, and a model without them reads as the legacy ones."""
+    depth = np.repeat([0, 1], 42)
+    sure = np.tile(np.r_[np.zeros(30, bool), np.ones(12, bool)], 2)
+    lp = np.full((84, 4), np.nan)
+    lp[:, 0] = np.where(sure, np.log(0.9), np.log(0.1))
+    rows = A.estimate(depth, np.full(84, 3), np.where(sure, 1, 2), 3, lp)
+    model = {"depths": rows, "conf_edges": list(A.CONF_EDGES)}
+    table = A.probs(model, by_confidence=True)
+    b_sure = int(A.confidence_bucket(np.log(0.9)))
+    assert b_sure == len(A.CONF_EDGES) and table.shape[1] == len(A.CONF_EDGES) + 2
+    for d in (0, 1):
+        assert table[d, b_sure, 0] == pytest.approx(1.0) and table[d, -1, 0] == pytest.approx(12 / 42)
+    assert A.conf_edges({"depths": rows}) == A.LEGACY_EDGES
+
+
+def test_replay_reads_the_confidence_of_a_verified_leaf_in_the_tree_at_hand():
+    """A model whose target takes the first child only where the draft is sure (p > 0.8): at a
+    bare verified root the draw reads the draft's confidence from the tree at hand (a child of
+    p = 0.9 there: the bonus is that child); without the tree at hand it is unknown (none)."""
+    B = len(A.CONF_EDGES) + 1
+    table = np.zeros((1, B + 1, 9))
+    table[:, :, -1] = 1.0
+    table[0, B - 1] = [1.0] + [0.0] * 8
+    acc = ReplayAcceptor(table, seed=0, topk=8, vocab=1000, edges=np.asarray(A.CONF_EDGES))
+    acc.start_request(0, 0, 2)
+    tokens, parents = np.array([7], dtype=np.int64), np.array([-1], dtype=np.int32)
+    kids = child_tokens(np.array([7]), 8, 1000)[0]
+    hand = (np.array([-1, 0], dtype=np.int32), np.array([0.0, np.log(0.9)]))
+    assert int(acc.accept(tokens, parents, None, 0, hand)[1][0]) == kids[0]
+    assert int(acc.accept(tokens, parents, None, 0)[1][0]) not in kids
 
 
 def test_simulation_exact_cases():

@@ -209,7 +209,8 @@ class Job:
         acceptor = Acceptor(cfg.temperature, cfg.sampling_rule, cfg.seed)
         if ctx.replay is not None:
             from swiftspec_mpi.engine.replay import ReplayAcceptor
-            acceptor = ReplayAcceptor(ctx.replay.table, cfg.seed, cfg.tree_topk, ctx.replay.vocab)
+            acceptor = ReplayAcceptor(ctx.replay.table, cfg.seed, cfg.tree_topk, ctx.replay.vocab,
+                                      ctx.replay.edges)
             if self.rank == 0:
                 print(f"swiftspec run: acceptance replayed from {cfg.accept_from} on dummy weights "
                       "(the generated text is meaningless)", file=sys.stderr, flush=True)

@@ -95,8 +95,7 @@ def decide(ctx: EngineContext, tokens, parents, logits, acceptor, tracker, resul
     (parents int32[m], scores float64[m]) of the tree at hand whose first n nodes were verified
     (scores: the draft's path log-probabilities), for the verdicts' lp fields and a replay."""
     if ctx.topo.is_leader:
-        scores = None if hand is None else hand[1][:len(tokens)]
-        path, accepted = acceptor.accept(tokens, parents, logits, len(result.output_ids), scores)
+        path, accepted = acceptor.accept(tokens, parents, logits, len(result.output_ids), hand)
         logprobs = None
         if acceptor.top_logprobs is not None:
             from swiftspec_mpi.engine.decoding import committed_logprobs   # (torch: not at job import)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from swiftspec_mpi import _tree
-from swiftspec_mpi.engine.replay import calibrate, child_tokens
+from swiftspec_mpi.engine.replay import calibrate, child_tokens, draft_children
 from swiftspec_mpi.gpu.graphs import logits_argmax, logits_topk_logprobs
 from swiftspec_mpi.network.transformer import chain_mask
 
@@ -175,10 +175,7 @@ class DraftSide:
         if share is not None:
             ids, lps = share(ids, lps)
         if self.replay is not None:
-            score, parent = np.asarray(self.tree.score), np.asarray(self.tree.parent)
-            own = np.where(leaves > 0, score[leaves] - score[np.maximum(parent[leaves], 0)], np.nan)
-            lps = calibrate(self.replay, np.asarray(self.tree.depth)[leaves], lps.shape[1], own)
-            ids = child_tokens(self.tree.tokens_of(leaves), ids.shape[1], self.replay.vocab)
+            ids, lps = draft_children(self.replay, self.tree, leaves, ids.shape[1])
         self.tree.expand(leaves, ids, lps)
         self.kv_used += n
         return True
@@ -301,10 +298,10 @@ class Acceptor:
         self.residual_rng = np.random.default_rng([self.seed, request_index, 1])
 
     def accept(self, tokens: np.ndarray, parents: np.ndarray, logits: torch.Tensor,
-               out_len: int, scores=None) -> tuple[np.ndarray, np.ndarray]:
+               out_len: int, hand=None) -> tuple[np.ndarray, np.ndarray]:
         """-> (path int32[a] local indices from the root, accepted int64[a]: draft tokens + bonus).
-        `logits`: the target's float32[n, vocab], or when greedy its argmax int64[n]; `scores`
-        (the draft's, replay.ReplayAcceptor reads them) are not needed here."""
+        `logits`: the target's float32[n, vocab], or when greedy its argmax int64[n]; `hand` (the
+        tree at hand, replay.ReplayAcceptor reads the draft's confidence there) is not needed here."""
         if self.greedy:
             choice = logits if isinstance(logits, np.ndarray) else logits_argmax(logits)
             return _tree.verify_greedy(tokens, parents, choice)

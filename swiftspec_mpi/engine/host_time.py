@@ -73,7 +73,8 @@ def loop_step(cfg, target, draft, tokenizer, model: dict, n: int, d: int, steps:
     clock = Clock()
     ctx = EngineContext(cfg, _OneRank(), clock, EventRecorder(0, 0, clock), StopFlag(), None, target,
                         counted if d else None, tokenizer, expansions=d, replay=replay)
-    acceptor = ReplayAcceptor(replay.table, 0, cfg.tree_topk, vocab) if d else Acceptor(0.0, "coupled", 0)
+    acceptor = ReplayAcceptor(replay.table, 0, cfg.tree_topk, vocab, replay.edges) if d else \
+        Acceptor(0.0, "coupled", 0)
     total = WARM_STEPS + steps + 1
     result = RequestResult(0, "", "", list(prompt))
     tracker = OutputTracker(result, tokenizer, (), 10 ** 9, [], stream=False)
@@ -164,7 +165,7 @@ def async_loop_step(ctx: EngineContext, model: dict, n: int, pace: int, steps: i
         return None
     total = WARM_STEPS + steps + 1
     result = tracker = None
-    acceptor = ReplayAcceptor(ctx.replay.table, 0, cfg.tree_topk, vocab)
+    acceptor = ReplayAcceptor(ctx.replay.table, 0, cfg.tree_topk, vocab, ctx.replay.edges)
     if ctx.topo.is_leader:
         result = RequestResult(0, "", "", list(prompt))
         tracker = OutputTracker(result, ctx.tokenizer, (), 10 ** 9, [], stream=False)

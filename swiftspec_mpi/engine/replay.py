@@ -31,8 +31,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from swiftspec_mpi.trace.acceptance import CONF_EDGES
-
 FLOOR_LOGPROB = -30.0      # log-probability of a rank the model never accepts (keeps scores finite)
 
 
@@ -43,21 +41,36 @@ class Replay(NamedTuple):
     stacked: (rows float32[S, topk], first row int64[B + 1], rows int64[B + 1]) of bucket b, B
     for an unknown confidence), `rng` the draft's draws of them (seeded alike on every rank of a
     group, so that their trees agree), `vocab` the modulus of child_tokens (the smaller
-    vocabulary of the pair)."""
+    vocabulary of the pair), `edges` float64[B - 1] the model's confidence bucket edges
+    (acceptance.conf_edges)."""
     table: np.ndarray
     draft_lp: tuple | None
     rng: np.random.Generator
     vocab: int
+    edges: np.ndarray
 
     @classmethod
     def of(cls, model: dict, topk: int, seed: int, vocab: int) -> "Replay":
-        from swiftspec_mpi.trace.acceptance import draft_logprobs, probs
+        from swiftspec_mpi.trace.acceptance import conf_edges, draft_logprobs, probs
         tables = draft_logprobs(model, topk)
         lp = None
         if tables is not None:
             sizes = np.array([len(t) for t in tables], dtype=np.int64)
             lp = (np.concatenate(tables).astype(np.float32), np.cumsum(sizes) - sizes, sizes)
-        return cls(probs(model, by_confidence=True), lp, np.random.default_rng([seed, 3]), vocab)
+        return cls(probs(model, by_confidence=True), lp, np.random.default_rng([seed, 3]), vocab,
+                   np.asarray(conf_edges(model), dtype=np.float64))
+
+
+def draft_children(replay: Replay, tree, leaves: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int64[n, k], lps float32[n, k]): the replayed draft's top-k children of `leaves`
+    int32[n] of `tree` (scheduler TokenTree): child_tokens, and calibrate's log-probabilities
+    drawn by the leaves' own (edge) log-probabilities, the root's unknown. A few numpy calls an
+    expansion (15 us; still a fifth of the tiny CPU draft's forward once the forward has cooled
+    the caches, which shifts `async`'s timing a little but not its tokens a step)."""
+    own = np.asarray(tree.logprob)[leaves]
+    own[leaves == 0] = np.nan
+    lps = calibrate(replay, np.asarray(tree.depth)[leaves], k, own)
+    return child_tokens(np.asarray(tree.token)[leaves], k, replay.vocab), lps
 
 
 def child_tokens(parents: np.ndarray, k: int, vocab: int) -> np.ndarray:
@@ -70,22 +83,24 @@ def child_tokens(parents: np.ndarray, k: int, vocab: int) -> np.ndarray:
     return (p * k + np.arange(k, dtype=np.int64)[None, :]) % vocab
 
 
-def _bucket(lp: float) -> int:
+def _bucket(lp: float, edges: list[float]) -> int:
     """acceptance.confidence_bucket of one log-probability (-1 for NaN), without numpy."""
     if not math.isfinite(lp):
         return -1
-    return sum(lp >= e for e in CONF_EDGES)
+    return sum(lp >= e for e in edges)
 
 
 class ReplayAcceptor:
     """decoding.Acceptor's interface (greedy: the verify forward returns the target's argmax);
-    `table` float64[D, B + 1, K + 1] from acceptance.probs(by_confidence=True)."""
+    `table` float64[D, B + 1, K + 1] from acceptance.probs(by_confidence=True), `edges` its
+    B - 1 confidence bucket edges (Replay.edges)."""
 
     temperature = 0.0
     rule = "replay"
 
-    def __init__(self, table: np.ndarray, seed: int, topk: int, vocab: int):
+    def __init__(self, table: np.ndarray, seed: int, topk: int, vocab: int, edges: np.ndarray):
         self.table = np.asarray(table, dtype=np.float64)
+        self.edges = [float(e) for e in edges]
         self.topk, self.vocab = topk, vocab
         self.cdf = np.cumsum(self.table, axis=2)
         self.cdf[:, :, -1] = 1.0
@@ -107,23 +122,32 @@ class ReplayAcceptor:
         r = bisect.bisect_right(row, self.rng.random())
         return r + 1 if r < len(row) - 1 else 0
 
-    def accept(self, tokens: np.ndarray, parents: np.ndarray, logits, out_len: int, scores=None
+    def accept(self, tokens: np.ndarray, parents: np.ndarray, logits, out_len: int, hand=None
                ) -> tuple[np.ndarray, np.ndarray]:
         """-> (path int32[a] from the root, accepted int64[a]: draft tokens + the bonus), as
-        decoding.Acceptor.accept (`logits`, the target's, are not read). `scores` float64[n], the
-        draft's path log-probabilities, give the draft's confidence at each node (the
-        log-probability of its first child): the row of its bucket is drawn from."""
+        decoding.Acceptor.accept (`logits`, the target's, are not read). `hand` = (parents
+        int32[m], scores float64[m]) of the tree at hand whose first n nodes are the verified
+        tree (scores: the draft's path log-probabilities) gives the draft's confidence at each
+        node, the log-probability of its first child there, as the verdicts the model was
+        estimated from record it (trace.record.verdict_rows): the row of its bucket is drawn from.
+        So a leaf of the verified tree that the draft expanded has its confidence too: the target
+        takes a sure draft's first child there as often as the model says, the bonus the draft
+        grew on (an unknown bucket, the depth's average row, took it less often after a sure leaf
+        and re-rooted the draft on shallower trees)."""
         children = [[] for _ in range(len(parents))]   # best-first: the draft's rank order
         for i, p in enumerate(np.asarray(parents).tolist()[1:], start=1):
             children[p].append(i)
-        score = None if scores is None else np.asarray(scores, dtype=np.float64).tolist()
+        conf = [float("nan")] * len(parents)           # the draft's lp of each node's first child
+        if hand is not None:
+            score = np.asarray(hand[1], dtype=np.float64).tolist()
+            for i, p in enumerate(np.asarray(hand[0]).tolist()[1:], start=1):
+                if p < len(conf) and conf[p] != conf[p]:
+                    conf[p] = score[i] - score[p]
         path, accepted = [0], []
         node, depth = 0, 0
         while True:
             kids = children[node]
-            bucket = -1
-            if score is not None and kids:
-                bucket = _bucket(score[kids[0]] - score[node])
+            bucket = _bucket(conf[node], self.edges)
             r = self.draw(depth, bucket)
             if 1 <= r <= len(kids):
                 node = int(kids[r - 1])
@@ -149,9 +173,12 @@ def calibrate(replay: Replay, depths: np.ndarray, k: int, own: np.ndarray | None
     n = len(depths)
     if replay.draft_lp is not None:
         rows, first, size = replay.draft_lp
-        unknown = len(first) - 1
-        buckets = [-1] * n if own is None else [_bucket(x) for x in np.asarray(own, dtype=np.float64).tolist()]
-        b = np.array([unknown if x < 0 else x for x in buckets], dtype=np.int64)
+        if own is None:
+            b = np.full(n, len(first) - 1)
+        else:
+            own = np.asarray(own, dtype=np.float64)
+            b = np.searchsorted(replay.edges, own, side="right")
+            b[~np.isfinite(own)] = len(first) - 1
         pick = first[b] + (replay.rng.random(n) * size[b]).astype(np.int64)
         return rows[pick, :k]
     table = replay.table[:, -1]

@@ -74,7 +74,7 @@ def simulate(model: dict, mode: str, n: int, w: int, d: int, steps: int = 300, t
     can start) over `steps` steps of the `mode` loop (sync | async) with verify size n, width w,
     d expansions a step."""
     replay = Replay.of(model, topk, seed, SIM_VOCAB)
-    acceptor = ReplayAcceptor(replay.table, seed, topk, SIM_VOCAB)
+    acceptor = ReplayAcceptor(replay.table, seed, topk, SIM_VOCAB, replay.edges)
     acceptor.start_request(0, 0, n)
     fake = _TreeOnlyDraft()
     draft = DraftSide(fake, w, topk, max(1024, 4 * d * w * topk + 64), max_depth, replay=replay)
@@ -88,8 +88,8 @@ def simulate(model: dict, mode: str, n: int, w: int, d: int, steps: int = 300, t
             stalls += fake.calls - before
         if mode == "sync" or accepted is None:
             _grow(draft, d)
-        tokens, parents, scores = draft.best_subtree(n)
-        _path, accepted = acceptor.accept(tokens, parents, None, 0, scores)
+        tokens, parents, scores = draft.best_subtree(4 * n)     # the tree at hand, its best n verified
+        _path, accepted = acceptor.accept(tokens[:n], parents[:n], None, 0, (parents, scores))
         total += len(accepted)
         if mode == "async":                # the draft grew the tree while the target verified
             _grow(draft, d)

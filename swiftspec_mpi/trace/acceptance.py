@@ -11,7 +11,8 @@ p_none[d] = 1 - sum_r p[d][r]. Ranks no node was at risk for get h = 0 (counted 
 
 The model file (JSON, `swiftspec analyze TRACE --acceptance-out FILE`):
     {"format": "swiftspec-acceptance", "version": 1, "source": {...}, "mean_accepted": float,
-     "topk": K, "depths": [{"depth": d, "nodes": n, "chosen": [count of rank 1..K], "none": count,
+     "topk": K, "conf_edges": [log-probabilities], "depths": [{"depth": d, "nodes": n,
+                            "chosen": [count of rank 1..K], "none": count,
                             "at_risk": [K], "p": [K], "p_none": float,
                             "draft_lp": [3 floats or null]}, ...]}
 `draft_lp` is the draft's mean log-probability of its 1st, 2nd, 3rd child at that depth (the
@@ -31,10 +32,14 @@ from swiftspec_mpi.core.errors import UserError
 
 FORMAT = "swiftspec-acceptance"
 VERSION = 1
-# the draft's confidence at a node: the log-probability of its likeliest child, in buckets
-# [-inf, log 0.5), [log 0.5, log 0.8), [log 0.8, 0]; acceptance is estimated per depth and bucket
-# too (`by_confidence`), since a draft that is sure is right more often (and grows deeper there)
-CONF_EDGES = (math.log(0.5), math.log(0.8))
+# the draft's confidence at a node: the log-probability of its likeliest child, in buckets split
+# at p = 0.2, 0.3, 0.4, 0.5, 0.8; acceptance is estimated per depth and bucket too
+# (`by_confidence`), since a draft that is sure is right more often (and grows deeper there). Below
+# 0.5 the first child's share still climbs with it (the tiny pair: 62 % under p = 0.2, 93 % at
+# 0.4-0.5): one bucket there replayed its unsure and fairly sure nodes alike, and `async` 4-6 %
+# short. A model file names its edges (`conf_edges`); one without them has LEGACY_EDGES.
+CONF_EDGES = (math.log(0.2), math.log(0.3), math.log(0.4), math.log(0.5), math.log(0.8))
+LEGACY_EDGES = (math.log(0.5), math.log(0.8))
 LP_SAMPLES = 64      # rows of the draft's confidence kept per depth (lp_samples)
 MIN_NODES = 20       # a depth with fewer decision nodes than this is pooled into the one above it
 
@@ -100,20 +105,22 @@ def estimate(depth: np.ndarray, children: np.ndarray, rank: np.ndarray, topk: in
     if len(groups) > 1 and ((depth >= groups[-1][0]) & (depth <= top)).sum() < MIN_NODES:
         last = groups.pop()              # too few at the deepest levels: join the row above
         groups[-1][1] = last[1]
+    all_conf = confidence_bucket(lp[:, 0])
+    B = len(CONF_EDGES) + 1
     for lo, hi in groups:
         sel = (depth >= lo) & (depth <= hi)
         c, k = children[sel], rank[sel]
         chosen, at_risk, p, alive = _km(c, k, K)
         conf = confidence_bucket(lp[sel, 0])
         by_conf = []
-        for b in range(len(CONF_EDGES) + 1):
+        for b in range(B):
             m = conf == b
             if m.sum() >= MIN_NODES:
-                _c, _r, pb, ab = _km(c[m], k[m], K)
-                by_conf.append({"nodes": int(m.sum()), "p": [round(x, 6) for x in pb],
-                                "p_none": round(max(0.0, ab), 6)})
-            else:
-                by_conf.append(None)
+                by_conf.append(_bucket_row(c[m], k[m], K))
+            else:                        # too few here: the bucket's nodes at every depth
+                m = all_conf == b
+                by_conf.append(dict(_bucket_row(children[m], rank[m], K), all_depths=True)
+                               if m.sum() >= MIN_NODES else None)
         draft_lp = []
         for j in range(3):
             col = lp[sel, j]
@@ -124,9 +131,15 @@ def estimate(depth: np.ndarray, children: np.ndarray, rank: np.ndarray, topk: in
                      "at_risk": at_risk, "p": [round(x, 6) for x in p], "p_none": round(max(0.0, alive), 6),
                      "draft_lp": draft_lp, "draft_lp_samples": lp_samples(lp[sel, :3]),
                      "draft_lp_samples_by_own": [lp_samples(lp[sel, :3][incoming == b]) if (incoming == b).sum() >= MIN_NODES
-                                                 else [] for b in range(len(CONF_EDGES) + 1)],
+                                                 else [] for b in range(B)],
                      "by_confidence": by_conf})
     return rows
+
+
+def _bucket_row(c: np.ndarray, k: np.ndarray, K: int) -> dict:
+    """A `by_confidence` entry: the hazard estimate (_km) of the nodes of one confidence bucket."""
+    _chosen, _at_risk, p, alive = _km(c, k, K)
+    return {"nodes": int(len(c)), "p": [round(x, 6) for x in p], "p_none": round(max(0.0, alive), 6)}
 
 
 def _km(c: np.ndarray, k: np.ndarray, K: int):
@@ -142,11 +155,16 @@ def _km(c: np.ndarray, k: np.ndarray, K: int):
     return chosen, at_risk, p, alive
 
 
-def confidence_bucket(lp1) -> np.ndarray:
-    """int64[...] bucket (0, 1, 2: CONF_EDGES) of the draft's log-probability of a node's
-    likeliest child; NaN (unknown) gives -1."""
+def conf_edges(model: dict) -> tuple[float, ...]:
+    """The confidence bucket edges (log-probabilities) `model`'s rows were estimated with."""
+    return tuple(model.get("conf_edges") or LEGACY_EDGES)
+
+
+def confidence_bucket(lp1, edges=CONF_EDGES) -> np.ndarray:
+    """int64[...] bucket (0 .. len(edges): the number of `edges` at or below it) of the draft's
+    log-probability of a node's likeliest child; NaN (unknown) gives -1."""
     lp1 = np.asarray(lp1, dtype=np.float64)
-    b = np.searchsorted(np.asarray(CONF_EDGES), np.nan_to_num(lp1, nan=-np.inf), side="right")
+    b = np.searchsorted(np.asarray(edges), np.nan_to_num(lp1, nan=-np.inf), side="right")
     return np.where(np.isfinite(lp1), b, -1)
 
 
@@ -192,7 +210,7 @@ def from_trace(trace, requests=None) -> dict:
         source["replayed_from"] = replayed
     return {"format": FORMAT, "version": VERSION, "source": source,
             "mean_accepted": round(mean_accepted(trace, requests), 4),
-            "topk": len(rows[0]["p"]), "depths": rows}
+            "topk": len(rows[0]["p"]), "conf_edges": [round(e, 6) for e in CONF_EDGES], "depths": rows}
 
 
 def chain_model(mean_tokens: float, tree_nodes: int, topk: int = 8, depths: int = 16,
@@ -266,12 +284,13 @@ def probs(model: dict, by_confidence: bool = False) -> np.ndarray:
     """float64[D, K + 1]: per depth (row D-1 serves deeper ones) the probability that the target's
     token is the draft's rank-1..K child (columns 0..K-1) or none of them (column K).
     by_confidence: float64[D, B + 1, K + 1], [:, b] the rows of confidence bucket b
-    (confidence_bucket; the depth's own row where the bucket had too few nodes), [:, B] the
+    (confidence_bucket with the model's conf_edges; the bucket's row over all depths where its
+    depth had too few of its nodes, the depth's own row where all depths had), [:, B] the
     depth's own row (for an unknown confidence)."""
     rows = sorted(model["depths"], key=lambda r: r["depth"])
     K = max(len(r["p"]) for r in rows)
     D = int(rows[-1]["depth"]) + 1
-    B = len(CONF_EDGES) + 1
+    B = len(conf_edges(model)) + 1
     out = np.zeros((D, B + 1, K + 1))
 
     def fill(dst, p):
@@ -318,7 +337,7 @@ def draft_logprobs(model: dict, k: int) -> list[np.ndarray] | None:
     on. The parent's confidence carries what depth told of a sure path. A replayed draft draws
     from them. None when the model has none (a model built from a reported figure)."""
     rows = sorted(model["depths"], key=lambda r: r["depth"])
-    B = len(CONF_EDGES) + 1
+    B = len(conf_edges(model)) + 1
     if not all(r.get("draft_lp_samples") for r in rows):
         return None
     whole = _lp_table(_pooled([(r["draft_lp_samples"], r["nodes"]) for r in rows]), k)
