@@ -208,9 +208,7 @@ class Job:
         cfg, ctx, topo = self.cfg, self.ctx, self.topo
         acceptor = Acceptor(cfg.temperature, cfg.sampling_rule, cfg.seed)
         if ctx.replay is not None:
-            from swiftspec_mpi.engine.replay import ReplayAcceptor
-            acceptor = ReplayAcceptor(ctx.replay.table, cfg.seed, cfg.tree_topk, ctx.replay.vocab,
-                                      ctx.replay.edges)
+            acceptor = ctx.replay.acceptor(cfg.seed, cfg.tree_topk)
             if self.rank == 0:
                 print(f"swiftspec run: acceptance replayed from {cfg.accept_from} on dummy weights "
                       "(the generated text is meaningless)", file=sys.stderr, flush=True)

@@ -21,7 +21,7 @@ import torch
 from swiftspec_mpi.engine.context import EngineContext
 from swiftspec_mpi.engine.decoding import Acceptor, OutputTracker, draft_topk, verify_forward
 from swiftspec_mpi.engine.protocol import StopFlag
-from swiftspec_mpi.engine.replay import Replay, ReplayAcceptor
+from swiftspec_mpi.engine.replay import Replay
 from swiftspec_mpi.engine.single_group import run_request_single
 from swiftspec_mpi.network.transformer import chain_mask
 from swiftspec_mpi.trace.record import Clock, EventRecorder, RequestResult
@@ -73,8 +73,7 @@ def loop_step(cfg, target, draft, tokenizer, model: dict, n: int, d: int, steps:
     clock = Clock()
     ctx = EngineContext(cfg, _OneRank(), clock, EventRecorder(0, 0, clock), StopFlag(), None, target,
                         counted if d else None, tokenizer, expansions=d, replay=replay)
-    acceptor = ReplayAcceptor(replay.table, 0, cfg.tree_topk, vocab, replay.edges) if d else \
-        Acceptor(0.0, "coupled", 0)
+    acceptor = replay.acceptor(0, cfg.tree_topk) if d else Acceptor(0.0, "coupled", 0)
     total = WARM_STEPS + steps + 1
     result = RequestResult(0, "", "", list(prompt))
     tracker = OutputTracker(result, tokenizer, (), 10 ** 9, [], stream=False)
@@ -165,7 +164,7 @@ def async_loop_step(ctx: EngineContext, model: dict, n: int, pace: int, steps: i
         return None
     total = WARM_STEPS + steps + 1
     result = tracker = None
-    acceptor = ReplayAcceptor(ctx.replay.table, 0, cfg.tree_topk, vocab, ctx.replay.edges)
+    acceptor = ctx.replay.acceptor(0, cfg.tree_topk)
     if ctx.topo.is_leader:
         result = RequestResult(0, "", "", list(prompt))
         tracker = OutputTracker(result, ctx.tokenizer, (), 10 ** 9, [], stream=False)

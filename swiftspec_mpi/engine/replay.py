@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from swiftspec_mpi.trace.acceptance import confidence_bucket, conf_edges, draft_logprobs, probs
+
 FLOOR_LOGPROB = -30.0      # log-probability of a rank the model never accepts (keeps scores finite)
 
 
@@ -51,7 +53,6 @@ class Replay(NamedTuple):
 
     @classmethod
     def of(cls, model: dict, topk: int, seed: int, vocab: int) -> "Replay":
-        from swiftspec_mpi.trace.acceptance import conf_edges, draft_logprobs, probs
         tables = draft_logprobs(model, topk)
         lp = None
         if tables is not None:
@@ -59,6 +60,10 @@ class Replay(NamedTuple):
             lp = (np.concatenate(tables).astype(np.float32), np.cumsum(sizes) - sizes, sizes)
         return cls(probs(model, by_confidence=True), lp, np.random.default_rng([seed, 3]), vocab,
                    np.asarray(conf_edges(model), dtype=np.float64))
+
+    def acceptor(self, seed: int, topk: int) -> "ReplayAcceptor":
+        """The target's side of this replay: a ReplayAcceptor over its table and bucket edges."""
+        return ReplayAcceptor(self.table, seed, topk, self.vocab, self.edges)
 
 
 def draft_children(replay: Replay, tree, leaves: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -141,7 +146,7 @@ class ReplayAcceptor:
         if hand is not None:
             score = np.asarray(hand[1], dtype=np.float64).tolist()
             for i, p in enumerate(np.asarray(hand[0]).tolist()[1:], start=1):
-                if p < len(conf) and conf[p] != conf[p]:
+                if p < len(conf) and math.isnan(conf[p]):
                     conf[p] = score[i] - score[p]
         path, accepted = [0], []
         node, depth = 0, 0
@@ -173,12 +178,8 @@ def calibrate(replay: Replay, depths: np.ndarray, k: int, own: np.ndarray | None
     n = len(depths)
     if replay.draft_lp is not None:
         rows, first, size = replay.draft_lp
-        if own is None:
-            b = np.full(n, len(first) - 1)
-        else:
-            own = np.asarray(own, dtype=np.float64)
-            b = np.searchsorted(replay.edges, own, side="right")
-            b[~np.isfinite(own)] = len(first) - 1
+        b = np.full(n, -1) if own is None else confidence_bucket(own, replay.edges)
+        b[b < 0] = len(first) - 1                 # unknown: the last row
         pick = first[b] + (replay.rng.random(n) * size[b]).astype(np.int64)
         return rows[pick, :k]
     table = replay.table[:, -1]

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from swiftspec_mpi.engine.decoding import DraftSide
-from swiftspec_mpi.engine.replay import Replay, ReplayAcceptor
+from swiftspec_mpi.engine.replay import Replay
 
 
 SIM_VOCAB = 1 << 40     # token ids of the simulated tree (replay.child_tokens)
@@ -74,7 +74,7 @@ def simulate(model: dict, mode: str, n: int, w: int, d: int, steps: int = 300, t
     can start) over `steps` steps of the `mode` loop (sync | async) with verify size n, width w,
     d expansions a step."""
     replay = Replay.of(model, topk, seed, SIM_VOCAB)
-    acceptor = ReplayAcceptor(replay.table, seed, topk, SIM_VOCAB, replay.edges)
+    acceptor = replay.acceptor(seed, topk)
     acceptor.start_request(0, 0, n)
     fake = _TreeOnlyDraft()
     draft = DraftSide(fake, w, topk, max(1024, 4 * d * w * topk + 64), max_depth, replay=replay)
