@@ -10,16 +10,18 @@
 //          down add into the residual x, and the block that finishes the op's last instruction
 //          (the last arriver) runs the following RMSNorm of x into h (ln2, the next layer's ln1,
 //          or the final norm)
-//   ATTN   one query head x up to 8 rows: RoPE of this KV head's new K rows + their K/V append
-//          into the cache (every instruction of the KV head writes the same values), then the
-//          masked attention of the rows over the slots [0, n_valid) with an online softmax, the
-//          keys split over the warps and merged in shared memory
+//   ATTN   one query head x up to 8 rows x one of `splits` key ranges: RoPE of this KV head's new
+//          K rows + their K/V append into the cache (every instruction of the KV head writes the
+//          same values), then the masked attention of the rows over its range of the slots
+//          [0, n_valid) with an online softmax, the keys split again over the warps and merged in
+//          shared memory; one range: O in bf16, else the range's (max, sum, unnormalized O) in
+//          fp32, which the O projection's X staging merges (load_o_merged)
 // Dependencies: counters in global memory (a producer's stores, __threadfence, atomicAdd; the
 // consumer's thread 0 spins on an acquire load); no grid-wide barrier. The last block to finish
 // zeroes every counter, so the next launch starts clean without another kernel.
 //
 // Weight streaming: warp 8 is the loader. It walks the same instruction list and copies each GEMV
-// tile's weights, page after page (16 rows x up to 256 k's of bf16, or 16 rows x up to 8 128-k
+// tile's weights, page after page (16 rows x up to 1024 k's of bf16, or 16 rows x up to 16 128-k
 // chunks of 4-bit codes with their scales), into a ring of `npages` shared-memory pages with
 // cp.async.bulk (the TMA's 1-D copy, completion on a `full` mbarrier per page). Weights do not
 // depend on activations, so the loader runs ahead of the counters the compute warps wait on: the
@@ -70,14 +72,16 @@ constexpr int COMPUTE_WARPS = STEP_COMPUTE_WARPS;
 static_assert(COMPUTE_WARPS == 8 || COMPUTE_WARPS == 16, "8 or 16 compute warps");
 constexpr int COMPUTE_THREADS = COMPUTE_WARPS * 32;
 constexpr int THREADS = COMPUTE_THREADS + 32;
-// Pages of 10 KB: a warp holds the page it multiplies (all 8 may hold one each), so the ring
-// needs many more pages than warps to keep loads in flight.
-constexpr int MAX_PAGES = 20;
-constexpr int PAGE_BYTES = 10240;
-constexpr int BF16_PAGE_K = 256;                // k's of one bf16 page
-constexpr int BF16_ROW_BYTES = BF16_PAGE_K * 2 + 64;   // 576 = 64 mod 128: conflict-free rows
-constexpr int Q4_PAGE_CHUNKS = 8;               // 128-k chunks of one 4-bit page
-constexpr int Q4_SCALES_OFF = 8192;             // byte offset of the page's scale words
+// Pages of 33 KB (bf16: 16 row segments of 2 KB; 4-bit: one 16 KB copy of codes + the scale words):
+// one SM streams at 97-98 % of copy bandwidth with 16-32 KB a page and at 39 % with 8 KB pages of
+// 512-byte segments, whatever the ring's depth (benchmarks/bench_step_stream.py): what a page
+// costs is per copy and per mbarrier round, not per byte. A few pages in flight suffice.
+constexpr int MAX_PAGES = 6;
+constexpr int PAGE_BYTES = 33792;
+constexpr int BF16_PAGE_K = 1024;               // k's of one bf16 page
+constexpr int BF16_ROW_BYTES = BF16_PAGE_K * 2 + 64;   // 2112 = 64 mod 128: conflict-free rows
+constexpr int Q4_PAGE_CHUNKS = 16;              // 128-k chunks of one 4-bit page
+constexpr int Q4_SCALES_OFF = 16384;            // byte offset of the page's scale words
 constexpr int RED_BYTES = COMPUTE_WARPS * 16 * 32 * 4;
 // Shared memory: red (the k-split's partial tiles, attention's scratch), the pages' mbarriers, a flag,
 // then the pool: X staged [N rows of 2 kx + 64 bytes] (`xs_bytes`, the host's choice: the largest
@@ -131,14 +135,15 @@ struct Params {
   const bf16* rope_sin;
   uint64_t* timeline;         // [n_instr, 3] or null: per instruction (wait from, run from, done at),
                               // globaltimer ns, written by thread 0 (the profile of the schedule)
+  float* attn_part;           // attn_splits > 1: (max, sum) [splits, N, nh, 2], then O [splits, N, nh, hd]
   int64_t N, H, nh, nkv, hd, I, V, n_layers, max_slots, rope_len, mask_stride, qkv_cols, vocab_embed;
-  int64_t n_counters, timeout_ns, npages, xs_bytes;
+  int64_t n_counters, timeout_ns, npages, xs_bytes, attn_splits;
   double eps, scale_log2;
 };
 // swiftspec_mpi/gpu/step_kernel.py packs these with struct: keep the sizes in step.
 static_assert(sizeof(OpDesc) == 12 * 8, "OpDesc layout");
 static_assert(sizeof(LayerDesc) == 4 * 8, "LayerDesc layout");
-static_assert(sizeof(Params) == 40 * 8, "Params layout");
+static_assert(sizeof(Params) == 42 * 8, "Params layout");
 static_assert(RED_BYTES + 2 * MAX_PAGES * 8 + 16 <= HEAD_BYTES, "shared memory head");
 static_assert(MAX_PAGES * PAGE_BYTES <= POOL_BYTES + 4 * PAGE_BYTES, "pages (the host gives fewer when the head is larger)");
 static_assert(16 * BF16_ROW_BYTES <= PAGE_BYTES && BF16_ROW_BYTES % 128 == 64, "bf16 page");
@@ -329,8 +334,8 @@ __device__ void rmsnorm_rows(const Params& p, const bf16* w, float* part) {
 }
 
 // ------------------------------------------------------------------ pages of a GEMV instruction
-// A page = one 16-row tile's weights over `page_k` k's (bf16: 256 k's, 16 row segments of 512 B at
-// a BF16_ROW_BYTES pitch; 4-bit: 8 chunks of 128 k's, the tile-major codes then the scale words).
+// A page = one 16-row tile's weights over `page_k` k's (bf16: 1024 k's, 16 row segments of 2 KB at
+// a BF16_ROW_BYTES pitch; 4-bit: 16 chunks of 128 k's, the tile-major codes then the scale words).
 // A GEMV instruction runs its `ntiles` tiles in rounds of up to 8 (one tile a warp, 128 rows): in
 // round r, `na` = min(8, ntiles - 8 r) tiles; the loader fills the ring in the order
 // (page j, tile i of the round), so the page (i, j) of the round is ring sequence number
@@ -417,6 +422,38 @@ __device__ __forceinline__ uint4 load_x(const bf16* X, int64_t ld, int row, int 
     const float2 gf = unpack_bf16x2(gw[i]), uf = unpack_bf16x2(uw[i]);
     const float s0 = round_bf16(gf.x / (1.f + __expf(-gf.x))), s1 = round_bf16(gf.y / (1.f + __expf(-gf.y)));
     o[i] = pack_bf16x2(s0 * uf.x, s1 * uf.y);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// The O projection's input when attention ran in key ranges: 8 consecutive columns k (one head,
+// k % 8 == 0) of token row `row`, the ranges' partial softmax sums merged, rounded to bf16 as the
+// one-range path rounds O.
+__device__ __forceinline__ uint4 load_o_merged(const Params& p, int row, int k) {
+  const int hd = (int)p.hd, nh = (int)p.nh, N = (int)p.N, S = (int)p.attn_splits;
+  const int hq = k / hd, d = k % hd;
+  const float* ml = p.attn_part;
+  const float* po = p.attn_part + 2 * (int64_t)S * N * nh;
+  float M = -INFINITY;
+  for (int s = 0; s < S; ++s) M = fmaxf(M, __ldcg(ml + 2 * (((int64_t)s * N + row) * nh + hq)));
+  float lsum = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (M != -INFINITY) {
+    for (int s = 0; s < S; ++s) {
+      const int64_t i = ((int64_t)s * N + row) * nh + hq;
+      const float2 m_l = __ldcg(reinterpret_cast<const float2*>(ml + 2 * i));
+      const float f = exp2f(m_l.x - M);
+      lsum += m_l.y * f;
+      const float4 a = __ldcg(reinterpret_cast<const float4*>(po + i * hd + d));
+      const float4 b = __ldcg(reinterpret_cast<const float4*>(po + i * hd + d + 4));
+      acc[0] += a.x * f; acc[1] += a.y * f; acc[2] += a.z * f; acc[3] += a.w * f;
+      acc[4] += b.x * f; acc[5] += b.y * f; acc[6] += b.z * f; acc[7] += b.w * f;
+    }
+  }
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float lo = lsum > 0.f ? acc[2 * i] / lsum : 0.f, hi = lsum > 0.f ? acc[2 * i + 1] / lsum : 0.f;
+    o[i] = pack_bf16x2(lo, hi);
   }
   return make_uint4(o[0], o[1], o[2], o[3]);
 }
@@ -527,7 +564,7 @@ __device__ __forceinline__ void gemv_out(const Params& p, const OpDesc& op, int6
 // before their stores (a load-store pair at a time would pay an L2 round trip per 16 bytes).
 constexpr int X_BATCH = 4;
 __device__ __forceinline__ void stage_x(const bf16* X, int64_t ld, bool swiglu, int64_t I, int N, int xk0, int kn,
-                                        uint32_t xs, int xstride) {
+                                        uint32_t xs, int xstride, const Params* merge) {
   const int per_row = kn / 8, total = N * per_row;
   for (int i0 = threadIdx.x; i0 < total; i0 += X_BATCH * COMPUTE_THREADS) {
     uint4 v[X_BATCH];
@@ -536,7 +573,7 @@ __device__ __forceinline__ void stage_x(const bf16* X, int64_t ld, bool swiglu, 
       const int i = i0 + u * COMPUTE_THREADS;
       if (i < total) {
         const int r = i / per_row, c = (i - r * per_row) * 8;
-        v[u] = load_x(X, ld, r, xk0 + c, swiglu, I);
+        v[u] = merge != nullptr ? load_o_merged(*merge, r, xk0 + c) : load_x(X, ld, r, xk0 + c, swiglu, I);
       }
     }
 #pragma unroll
@@ -584,7 +621,8 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
       const int xk0 = xb * kx;
       if (r0 == 0 || nxb > 1) {
         if (r0 > 0 || xb > 0) compute_sync();                // every warp is done with the staged block
-        stage_x(X, ld, swiglu, p.I, N, xk0, min(kx, K - xk0), xs, xstride);
+        stage_x(X, ld, swiglu, p.I, N, xk0, min(kx, K - xk0), xs, xstride,
+                op.kind == K_O && p.attn_splits > 1 ? &p : nullptr);
         compute_sync();
       }
       {
@@ -724,8 +762,10 @@ __device__ __forceinline__ void attn_warp(const float* q, const uint8_t* mrow, c
   for (int e = 0; e < DPL; ++e) po[warp * HD + lane * DPL + e] = o[e];
 }
 
-// Attention of rows [row0, row0 + nrows) of query head hq (nrows <= 8) in layer `layer`.
-__device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows, float* scratch) {
+// Attention of rows [row0, row0 + nrows) of query head hq (nrows <= 8) in layer `layer`, over key
+// range `split` of `splits`.
+__device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows, int split, int splits,
+                         float* scratch) {
   const int warp = threadIdx.x / 32;
   const int hd = (int)p.hd, half = hd / 2, N = (int)p.N;
   const int group = (int)(p.nh / p.nkv), kh = hq / group;
@@ -771,11 +811,13 @@ __device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows
   compute_sync();
   // 3. warps = (row, key split); online softmax over the split's keys
   const int L_len = *p.n_valid;
+  const int per_i = ((L_len + splits - 1) / splits + 31) / 32 * 32;    // this instruction's keys
+  const int kb_i = min(L_len, split * per_i), ke_i = min(L_len, kb_i + per_i);
   const int nsplit = max(1, COMPUTE_WARPS / nrows);
   if (warp < nrows * nsplit) {
     const int r = warp % nrows, sp = warp / nrows, t = row0 + r;
-    const int per = ((L_len + nsplit - 1) / nsplit + 31) / 32 * 32;
-    const int kb = sp * per, ke = min(L_len, kb + per);
+    const int per = ((ke_i - kb_i + nsplit - 1) / nsplit + 31) / 32 * 32;
+    const int kb = min(ke_i, kb_i + sp * per), ke = min(ke_i, kb + per);
     const uint8_t* mrow = p.mask + (int64_t)t * p.mask_stride;
     const bf16* kbase = L.kc + kh * hd;
     const bf16* vbase = L.vc + kh * hd;
@@ -798,7 +840,13 @@ __device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows
         acc += po[w * hd + d] * f;
       }
     }
-    p.o[(int64_t)(row0 + r) * p.nh * hd + (int64_t)hq * hd + d] = __float2bfloat16_rn(lsum > 0.f ? acc / lsum : 0.f);
+    if (splits == 1) {
+      p.o[(int64_t)(row0 + r) * p.nh * hd + (int64_t)hq * hd + d] = __float2bfloat16_rn(lsum > 0.f ? acc / lsum : 0.f);
+    } else {
+      const int64_t at = ((int64_t)split * N + row0 + r) * p.nh + hq;
+      if (d == 0) { p.attn_part[2 * at] = M; p.attn_part[2 * at + 1] = lsum; }
+      p.attn_part[2 * (int64_t)splits * N * p.nh + at * hd + d] = acc;
+    }
   }
   compute_sync();
 }
@@ -859,7 +907,7 @@ __device__ void step_body(const Params& p) {
     if (opc == EMBED) {
       run_embed(p, red);
     } else if (opc == ATTN) {
-      run_attn(p, in[1], in[2], in[3], in[7], red);
+      run_attn(p, in[1], in[2], in[3], in[7] & 0xFF, (in[7] >> 8) & 0xFF, in[7] >> 16, red);
     } else {
       const OpDesc& op = p.ops[in[1]];
       run_gemv<MB>(p, op, in[2], in[3], pages, full, empty, page_seq, red, xs_area, i);
@@ -896,13 +944,10 @@ __device__ void step_body(const Params& p) {
 
 }  // namespace step
 
-// 8 compute warps: launch bounds (288 threads, 1 block an SM); 16: at most 120 registers (the
-// bounds of 544 threads would cap them at 96, with spills)
-#if STEP_COMPUTE_WARPS == 8
+// Launch bounds: 1 block an SM; 8 compute warps get 168 registers. 16 compute warps (544 threads)
+// get 96 with spills: at 120 registers the driver allows only 512 threads a block (measured on an
+// H100: registers go to warps in groups of four, so 17 warps count as 20).
 #define STEP_BOUNDS __launch_bounds__(step::THREADS, 1)
-#else
-#define STEP_BOUNDS __maxnreg__(120)
-#endif
 // step_kernel_mb<MB>: grid = the schedule's blocks (<= one per SM), step::THREADS threads,
 // step::SMEM_BYTES of dynamic shared memory; MB = m-blocks of 8 token rows (N <= 8 MB).
 extern "C" __global__ void STEP_BOUNDS step_kernel_mb1(const step::Params* p) {

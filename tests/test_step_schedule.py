@@ -65,12 +65,15 @@ def test_schedule_runs_and_covers(name, n, blocks):
             assert w[3] >= 1
             tiles[int(w[1])].update(range(int(w[2]), int(w[2] + w[3])))
         elif w[0] == ss.ATTN:
-            assert 1 <= w[7] <= ss.ATTN_ROWS
-            attn.update((int(w[1]), int(w[2]), r) for r in range(int(w[3]), int(w[3] + w[7])))
+            nrows, split, splits = ss.attn_fields(int(w[7]))
+            assert 1 <= nrows <= ss.ATTN_ROWS and 0 <= split < splits <= ss.MAX_SPLITS
+            attn.update((int(w[1]), int(w[2]), r, split, splits) for r in range(int(w[3]), int(w[3] + nrows)))
     for i, (kind, _layer) in enumerate(s.op_kinds):
         assert sorted(tiles[i]) == list(range(rows[kind] // ss.TILE)) and set(tiles[i].values()) == {1}
         assert s.op_instr[i] == sum(1 for w in s.instr if w[0] == ss.GEMV and w[1] == i)
-    assert len(attn) == shape.n_layers * shape.n_heads * n and set(attn.values()) == {1}
+    splits = ss.attn_splits(n, shape.n_heads, blocks)
+    assert len(attn) == shape.n_layers * shape.n_heads * n * splits and set(attn.values()) == {1}
+    assert {k[4] for k in attn} == {splits}
     # each block's list in stage order (what makes the schedule deadlock-free on the device)
     for b in range(s.blocks):
         stages = [_stage(s, w) if not (w[0] == ss.GEMV and s.op_kinds[w[1]][0] == ss.K_HEAD)
@@ -90,6 +93,15 @@ def test_schedule_spreads_the_work():
             if w[0] == ss.GEMV and w[1] == head:
                 per_block[b] += int(w[3])
     assert set(per_block.values()) == {60, 61}
+
+
+def test_attention_keys_split_to_fill_the_blocks():
+    """Small N: each (head, rows) pair's keys are split so that the attention instructions fill the
+    blocks (1B at N = 1: 32 heads x 4 ranges on 132 blocks); large N: one range."""
+    assert ss.attn_splits(1, 32, 132) == 4 and ss.attn_splits(1, 9, 132) == 14
+    assert ss.attn_splits(8, 32, 132) == 1 and ss.attn_splits(32, 64, 132) == 1
+    assert ss.attn_splits(1, 4, 132) == ss.MAX_SPLITS and ss.attn_splits(1, 32, 7) == 1
+    assert ss.attn_fields(ss.attn_word(5, 3, 14)) == (5, 3, 14)
 
 
 def test_simulate_finds_a_deadlock():
@@ -140,13 +152,13 @@ def test_step_kernel_flag_and_record():
 def test_shared_memory_pool_split():
     """The staged input and the weight pages share the pool: at least MIN_PAGES pages while a
     page's k's of X fit beside them, never more than the pool; the largest input whole when it
-    fits (Llama-3.2-1B at N = 1: the down projection's 8192 inputs, 19 pages), else blocks of whole
-    pages' k's (Llama-3-8B at N = 8: 5120 of 14336 for 4-bit); the rows 16-byte aligned, the pages
+    fits (Llama-3.2-1B at N = 1: the down projection's 8192 inputs, 5 pages), else blocks of whole
+    pages' k's (Llama-3-8B at N = 8: 4096 of 14336 for 4-bit); the rows 16-byte aligned, the pages
     128."""
     from swiftspec_mpi.gpu import step_kernel as sk
-    assert sk.pool_split(1, [2048, 2048, 8192], sk.PAGE_K_BF16) == (16512, 19)
+    assert sk.pool_split(1, [2048, 2048, 8192], sk.PAGE_K_BF16) == (16512, 5)
     xs, pages = sk.pool_split(8, [4096, 4096, 14336], sk.PAGE_K_Q4)
-    assert pages == sk.MIN_PAGES and sk.x_block_k(xs, 8, 14336, sk.PAGE_K_Q4) == 5120
+    assert pages == sk.MIN_PAGES and sk.x_block_k(xs, 8, 14336, sk.PAGE_K_Q4) == 4096
     for n in range(1, 33):
         for dims in ([2048, 2048, 8192], [4096, 4096, 14336], [8192, 8192, 28672], [576, 576, 1536],
                      [896, 896, 4864]):

@@ -31,7 +31,7 @@ from swiftspec_mpi.gpu.launch import function, launch, sm_count
 _SOURCE = "step_kernel"
 WARPS = (8, 16)             # compute warps a block the kernel is built for (STEP_COMPUTE_WARPS)
 # cuda/step_kernel.cu's shared memory: a fixed head, then the pool of staged X and weight pages
-PAGE_BYTES, MAX_PAGES, MIN_PAGES = 10240, 20, 12
+PAGE_BYTES, MAX_PAGES, MIN_PAGES = 33792, 6, 4
 SMEM_BYTES = 227 * 1024
 
 
@@ -42,7 +42,7 @@ def head_bytes(warps: int) -> int:
 
 def threads(warps: int) -> int:
     return 32 * warps + 32          # the compute warps and the loader
-PAGE_K_BF16, PAGE_K_Q4 = 256, 1024      # k's of one weight page (16 rows of a tile)
+PAGE_K_BF16, PAGE_K_Q4 = 1024, 2048     # k's of one weight page (16 rows of a tile)
 
 
 def x_block_k(xs_bytes: int, n: int, k: int, page_k: int) -> int:
@@ -220,6 +220,9 @@ class _PerN:
         self.o = torch.empty(n, sh.nh_l * hd, **kw)
         self.gu = torch.empty(n, 2 * sh.inter_l, **kw)
         self.logits = torch.empty(n, self.shape.vocab_rows, dtype=torch.float32, device=dev)
+        # attention split over key ranges: per range, token row and head (max, sum) then O [hd]
+        self.attn_splits = ss.attn_splits(n, sh.nh_l, sk.blocks)
+        self.attn_part = torch.empty(self.attn_splits * n * sh.nh_l * (hd + 2), dtype=torch.float32, device=dev)
         self.params: dict[tuple, torch.Tensor] = {}
         self.timeline: torch.Tensor | None = None     # int64 [n_instr, 3] while profiling (record_timeline)
 
@@ -265,10 +268,10 @@ class StepKernel:
         cfg, sh = m.cfg, m.shard
         ptrs = [tokens, positions, write_slots, mask, n_valid, st.x, st.h, st.qkv, st.o, st.gu, st.logits,
                 st.counters, self.err, st.instr, st.block_start, st.ops, self.layers, m.embed,
-                m.rope_cos, m.rope_sin, st.timeline]
+                m.rope_cos, m.rope_sin, st.timeline, st.attn_part]
         ints = [st.n, cfg.hidden_size, sh.nh_l, sh.nkv_l, cfg.head_dim, sh.inter_l, st.shape.vocab_rows,
                 len(m.layers), m.max_slots, m.rope_cos.shape[0], mask.stride(0), st.shape.qkv_rows,
-                m.embed.shape[0], st.schedule.n_counters, self.timeout_ns, st.npages, st.xs_bytes]
+                m.embed.shape[0], st.schedule.n_counters, self.timeout_ns, st.npages, st.xs_bytes, st.attn_splits]
         dbl = [float(cfg.rms_norm_eps), 1.0 / math.sqrt(cfg.head_dim) * math.log2(math.e)]
         raw = struct.pack(f"<{len(ptrs)}Q{len(ints)}q{len(dbl)}d", *[_ptr(t) for t in ptrs], *ints, *dbl)
         p = st.params[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(m.device)
@@ -345,7 +348,9 @@ class StepKernel:
                 if w[0] == ss.EMBED:
                     return f"N={st.n} embedding"
                 if w[0] == ss.ATTN:
-                    return f"N={st.n} layer {w[1]} attention, head {w[2]}, rows {w[3]}..{w[3] + w[7] - 1}"
+                    rows, split, splits = ss.attn_fields(int(w[7]))
+                    return (f"N={st.n} layer {w[1]} attention, head {w[2]}, rows {w[3]}..{w[3] + rows - 1}"
+                            + (f", keys {split + 1} of {splits}" if splits > 1 else ""))
                 kind, layer = s.op_kinds[w[1]]
                 return f"N={st.n} layer {layer} {_KIND_NAMES[kind]} tiles {w[2]}..{w[2] + w[3] - 1}"
         return "unknown"

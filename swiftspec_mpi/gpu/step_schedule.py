@@ -7,7 +7,10 @@ Instruction words (int32 x INSTR_WORDS):
     EMBED (op 0): nothing else (block 0).
     GEMV  (op 1): a = op index (ops table: 4 a layer, QKV, O, gate|up, down, then the head),
                   b = first 16-row tile, c = tiles.
-    ATTN  (op 2): a = layer, b = query head, c = first row, d = rows (<= ATTN_ROWS).
+    ATTN  (op 2): a = layer, b = query head, c = first row, d = attn_word(rows <= ATTN_ROWS, key
+                  split, splits): this instruction's share of the keys [0, n_valid) is range
+                  `split` of `splits` equal ones (splits > 1 when the (head, rows) pairs alone would
+                  leave blocks idle, i.e. small N: the partial softmax sums meet in O's X staging).
 
 Counters (int32, zero at launch, zeroed again by the last block out), layer l at 7 l:
     +0 h1 (h = RMSNorm(x, ln1) ready)   +1 QKV instructions done   +2 attention instructions done
@@ -90,6 +93,26 @@ def attn_rows(n: int, n_heads: int, blocks: int) -> int:
     return max(1, min(ATTN_ROWS, -(-n * n_heads // blocks)))
 
 
+MAX_SPLITS = 16         # key ranges of one (head, rows) attention pair at most
+
+
+def attn_splits(n: int, n_heads: int, blocks: int) -> int:
+    """Key ranges each (head, rows) pair of attention is split into: as many as keep every block
+    busy (Llama-3.2-1B at N = 1: 32 heads x 4 = 128 instructions on 132 blocks), at least 1."""
+    pairs = n_heads * -(-n // attn_rows(n, n_heads, blocks))
+    return max(1, min(MAX_SPLITS, blocks // pairs))
+
+
+def attn_word(rows: int, split: int, splits: int) -> int:
+    """Word d of an ATTN instruction: rows | split << 8 | splits << 16 (attn_fields reads it)."""
+    return rows | split << 8 | splits << 16
+
+
+def attn_fields(d: int) -> tuple[int, int, int]:
+    """(rows, split, splits) of an ATTN instruction's word d."""
+    return d & 0xFF, (d >> 8) & 0xFF, d >> 16
+
+
 def build(shape: Shape, blocks: int) -> Schedule:
     """The schedule of one step of `shape` over `blocks` resident blocks."""
     if shape.n < 1 or shape.n > 32:
@@ -117,13 +140,15 @@ def build(shape: Shape, blocks: int) -> Schedule:
         n_qkv = gemv(base + 0, shape.qkv_rows, (ctr(l, H1), 1), ctr(l, QKV_DONE))
         n_attn = 0
         rows = attn_rows(shape.n, shape.n_heads, blocks)
+        splits = attn_splits(shape.n, shape.n_heads, blocks)
         for hq in range(shape.n_heads):
             for r0 in range(0, shape.n, rows):
-                b = rot % blocks
-                rot += 1
-                per_block[b].append([ATTN, l, hq, r0, ctr(l, QKV_DONE), n_qkv, ctr(l, ATTN_DONE),
-                                     min(rows, shape.n - r0)])
-                n_attn += 1
+                for sp in range(splits):
+                    b = rot % blocks
+                    rot += 1
+                    per_block[b].append([ATTN, l, hq, r0, ctr(l, QKV_DONE), n_qkv, ctr(l, ATTN_DONE),
+                                         attn_word(min(rows, shape.n - r0), sp, splits)])
+                    n_attn += 1
         n_o = gemv(base + 1, shape.hidden, (ctr(l, ATTN_DONE), n_attn), ctr(l, O_DONE))
         n_gu = gemv(base + 2, shape.inter2, (ctr(l, H2), 1), ctr(l, GU_DONE))
         n_down = gemv(base + 3, shape.hidden, (ctr(l, GU_DONE), n_gu), ctr(l, DOWN_DONE))
