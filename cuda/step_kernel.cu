@@ -76,8 +76,10 @@ constexpr int THREADS = COMPUTE_THREADS + 32;
 // one SM streams at 97-98 % of copy bandwidth with 16-32 KB a page and at 39 % with 8 KB pages of
 // 512-byte segments, whatever the ring's depth (benchmarks/bench_step_stream.py): what a page
 // costs is per copy and per mbarrier round, not per byte. A few pages in flight suffice.
-constexpr int MAX_PAGES = 6;
-constexpr int PAGE_BYTES = 33792;
+// The page stride is the host's (Params.page_bytes): PAGE_BYTES when a bf16 weight is streamed,
+// else the 4-bit page's codes and scale words only (17-20 KB), so that more pages are in flight.
+constexpr int MAX_PAGES = 11;
+constexpr int PAGE_BYTES = 33792;               // the largest page
 constexpr int BF16_PAGE_K = 1024;               // k's of one bf16 page
 constexpr int BF16_ROW_BYTES = BF16_PAGE_K * 2 + 64;   // 2112 = 64 mod 128: conflict-free rows
 constexpr int Q4_PAGE_CHUNKS = 16;              // 128-k chunks of one 4-bit page
@@ -137,15 +139,15 @@ struct Params {
                               // globaltimer ns, written by thread 0 (the profile of the schedule)
   float* attn_part;           // attn_splits > 1: (max, sum) [splits, N, nh, 2], then O [splits, N, nh, hd]
   int64_t N, H, nh, nkv, hd, I, V, n_layers, max_slots, rope_len, mask_stride, qkv_cols, vocab_embed;
-  int64_t n_counters, timeout_ns, npages, xs_bytes, attn_splits;
+  int64_t n_counters, timeout_ns, npages, xs_bytes, attn_splits, page_bytes;
   double eps, scale_log2;
 };
 // swiftspec_mpi/gpu/step_kernel.py packs these with struct: keep the sizes in step.
 static_assert(sizeof(OpDesc) == 12 * 8, "OpDesc layout");
 static_assert(sizeof(LayerDesc) == 4 * 8, "LayerDesc layout");
-static_assert(sizeof(Params) == 42 * 8, "Params layout");
+static_assert(sizeof(Params) == 43 * 8, "Params layout");
 static_assert(RED_BYTES + 2 * MAX_PAGES * 8 + 16 <= HEAD_BYTES, "shared memory head");
-static_assert(MAX_PAGES * PAGE_BYTES <= POOL_BYTES + 4 * PAGE_BYTES, "pages (the host gives fewer when the head is larger)");
+static_assert(MAX_PAGES * Q4_SCALES_OFF <= POOL_BYTES, "pages (the host gives fewer when they are larger)");
 static_assert(16 * BF16_ROW_BYTES <= PAGE_BYTES && BF16_ROW_BYTES % 128 == 64, "bf16 page");
 static_assert(Q4_PAGE_CHUNKS * 1024 == Q4_SCALES_OFF && Q4_SCALES_OFF + Q4_PAGE_CHUNKS * 64 * 4 <= PAGE_BYTES,
               "4-bit page: codes, then the scale words of group 32");
@@ -477,6 +479,10 @@ template <int MB>
 __device__ __forceinline__ void page_mma(const OpDesc& op, const Page& pg, uint32_t page, uint32_t xs, int xstride,
                                          int xk0, int N, int sub, int ks, float (&acc)[MB][4]) {
   const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  // two accumulator sets (each step's second mma into acc2): half the dependent mma chain
+  float acc2[MB][4];
+#pragma unroll
+  for (int mb = 0; mb < MB; ++mb) acc2[mb][0] = acc2[mb][1] = acc2[mb][2] = acc2[mb][3] = 0.f;
   uint32_t xr[MB];       // this lane's token row of each m-block (rows past N read row N-1, dropped)
 #pragma unroll
   for (int mb = 0; mb < MB; ++mb) xr[mb] = xs + min(8 * mb + g, N - 1) * xstride + (pg.k0 - xk0) * 2;
@@ -491,7 +497,7 @@ __device__ __forceinline__ void page_mma(const OpDesc& op, const Page& pg, uint3
       for (int mb = 0; mb < MB; ++mb) {
         const uint4 xv = lds16(xr[mb] + s * 64 + q * 16);
         mma_bf16(acc[mb], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
-        mma_bf16(acc[mb], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+        mma_bf16(acc2[mb], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
       }
     }
   } else {
@@ -517,10 +523,15 @@ __device__ __forceinline__ void page_mma(const OpDesc& op, const Page& pg, uint3
         for (int mb = 0; mb < MB; ++mb) {
           const uint4 xv = lds16(xr[mb] + xo);
           mma_bf16(acc[mb], a0, b0, a1, b1, xv.x, xv.y);
-          mma_bf16(acc[mb], a2, b2, a3, b3, xv.z, xv.w);
+          mma_bf16(acc2[mb], a2, b2, a3, b3, xv.z, xv.w);
         }
       }
     }
+  }
+#pragma unroll
+  for (int mb = 0; mb < MB; ++mb) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[mb][e] += acc2[mb][e];
   }
 }
 
@@ -633,7 +644,7 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
             const int slot = seq % np;
             mbar_wait(p, full + 8 * slot, (seq / np) & 1, instr, (uint64_t)p.timeout_ns);
             if (active && t == ti)
-              page_mma<MB>(op, page_of(op, tile0 + r0 + ti, j), pages + slot * PAGE_BYTES, xs, xstride, xk0, N, sub,
+              page_mma<MB>(op, page_of(op, tile0 + r0 + ti, j), pages + slot * (uint32_t)p.page_bytes, xs, xstride, xk0, N, sub,
                            ks, acc);
             __syncwarp();
             if (lane == 0) mbar_arrive(empty + 8 * slot);
@@ -887,7 +898,7 @@ __device__ void step_body(const Params& p) {
           for (int ti = 0; ti < na; ++ti, ++seq) {
             const int slot = seq % np;
             if (seq >= np) mbar_wait(p, empty + 8 * slot, ((seq / np) - 1) & 1, i, 4 * (uint64_t)p.timeout_ns);
-            load_page(op, page_of(op, tile0 + r0 + ti, j), pages + slot * PAGE_BYTES, full + 8 * slot, lane);
+            load_page(op, page_of(op, tile0 + r0 + ti, j), pages + slot * (uint32_t)p.page_bytes, full + 8 * slot, lane);
             __syncwarp();
           }
         }

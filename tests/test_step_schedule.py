@@ -157,16 +157,20 @@ def test_shared_memory_pool_split():
     128."""
     from swiftspec_mpi.gpu import step_kernel as sk
     assert sk.pool_split(1, [2048, 2048, 8192], sk.PAGE_K_BF16) == (16512, 5)
+    # all-4-bit models stream pages of codes and scales only: 17 KB (groups of 128), 11 in flight
+    assert sk.page_bytes(False, 128) == 17408 and sk.page_bytes(False, 32) == 20480
+    assert sk.pool_split(1, [2048, 2048, 8192], sk.PAGE_K_Q4, 8, sk.page_bytes(False, 128)) == (16512, 11)
     xs, pages = sk.pool_split(8, [4096, 4096, 14336], sk.PAGE_K_Q4)
     assert pages == sk.MIN_PAGES and sk.x_block_k(xs, 8, 14336, sk.PAGE_K_Q4) == 4096
     for n in range(1, 33):
         for dims in ([2048, 2048, 8192], [4096, 4096, 14336], [8192, 8192, 28672], [576, 576, 1536],
                      [896, 896, 4864]):
-            for pk in (sk.PAGE_K_BF16, sk.PAGE_K_Q4):
-                xs, pages = sk.pool_split(n, dims, pk)
+            for pk, page in ((sk.PAGE_K_BF16, sk.PAGE_BYTES), (sk.PAGE_K_Q4, sk.PAGE_BYTES),
+                             (sk.PAGE_K_Q4, sk.page_bytes(False, 128)), (sk.PAGE_K_Q4, sk.page_bytes(False, 32))):
+                xs, pages = sk.pool_split(n, dims, pk, 8, page)
                 assert xs % 128 == 0 and 1 <= pages <= sk.MAX_PAGES
-                assert pages >= sk.MIN_PAGES or n * (2 * pk + 64) > sk.SMEM_BYTES - sk.head_bytes(8) - sk.MIN_PAGES * sk.PAGE_BYTES
-                assert sk.head_bytes(8) + xs + pages * sk.PAGE_BYTES <= sk.SMEM_BYTES <= 227 * 1024
+                assert pages >= sk.MIN_PAGES or n * (2 * pk + 64) > sk.SMEM_BYTES - sk.head_bytes(8) - sk.MIN_PAGES * page
+                assert sk.head_bytes(8) + xs + pages * page <= sk.SMEM_BYTES <= 227 * 1024
                 for k in dims:
                     kx = sk.x_block_k(xs, n, k, pk)
                     assert n * (2 * kx + 64) <= xs and (2 * kx + 64) % 16 == 0

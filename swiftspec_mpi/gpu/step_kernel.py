@@ -31,7 +31,7 @@ from swiftspec_mpi.gpu.launch import function, launch, sm_count
 _SOURCE = "step_kernel"
 WARPS = (8, 16)             # compute warps a block the kernel is built for (STEP_COMPUTE_WARPS)
 # cuda/step_kernel.cu's shared memory: a fixed head, then the pool of staged X and weight pages
-PAGE_BYTES, MAX_PAGES, MIN_PAGES = 33792, 6, 4
+PAGE_BYTES, MAX_PAGES, MIN_PAGES = 33792, 11, 4    # PAGE_BYTES: the largest page (bf16)
 SMEM_BYTES = 227 * 1024
 
 
@@ -53,17 +53,25 @@ def x_block_k(xs_bytes: int, n: int, k: int, page_k: int) -> int:
     return k if k <= fit else fit // page_k * page_k
 
 
-def pool_split(n: int, input_dims: list[int], page_k: int, warps: int = 8) -> tuple[int, int]:
-    """(bytes of staged X, weight pages) of the shared-memory pool for n tokens: room for the
-    largest op input [n, K] whole when it leaves MIN_PAGES pages, else all the room those pages
-    leave (larger inputs are staged in blocks of whole pages' k's), and at least one page's k's
-    of X (`page_k`: the largest of the model's weight formats); the rest of the pool is pages."""
+def page_bytes(bf16: bool, min_group: int) -> int:
+    """Stride of the ring's pages: a bf16 page (16 rows of 1024 k's at a 2112-byte pitch) when any
+    streamed weight is bf16, else a 4-bit page: 16 KB of codes, then 16 chunks x 16 rows x
+    128 / min_group scale words (17 KB for groups of 128, 20 KB for 32)."""
+    return PAGE_BYTES if bf16 else 16384 + 16 * 16 * (128 // min_group) * 4
+
+
+def pool_split(n: int, input_dims: list[int], page_k: int, warps: int = 8,
+               page: int = PAGE_BYTES) -> tuple[int, int]:
+    """(bytes of staged X, weight pages of `page` bytes) of the shared-memory pool for n tokens:
+    room for the largest op input [n, K] whole when it leaves MIN_PAGES pages, else all the room
+    those pages leave (larger inputs are staged in blocks of whole pages' k's), and at least one
+    page's k's of X (`page_k`: the largest of the model's weight formats); the rest is pages."""
     pool = SMEM_BYTES - head_bytes(warps)
-    room = pool - MIN_PAGES * PAGE_BYTES
+    room = pool - MIN_PAGES * page
     want = n * (2 * max(input_dims) + 64)
     xs = min(want, max(room, n * (2 * page_k + 64)))
     xs = -(-xs // 128) * 128
-    pages = min(MAX_PAGES, (pool - xs) // PAGE_BYTES)
+    pages = min(MAX_PAGES, (pool - xs) // page)
     if pages < 1 or any(x_block_k(xs, n, k, page_k) < min(k, page_k) for k in input_dims):
         raise ValueError(f"the step kernel's shared memory cannot hold {n} rows of X beside a weight page")
     return xs, pages
@@ -192,9 +200,11 @@ class _PerN:
         self.shape = ss.Shape(len(m.layers), n, sh.nh_l, sh.nkv_l, (sh.nh_l + 2 * sh.nkv_l) * hd,
                               cfg.hidden_size, 2 * sh.inter_l, int(m.head.shape[0]))
         self.schedule = ss.build(self.shape, sk.blocks)
-        w4 = _is_w4(m.head) or any(_is_w4(w) for l in m.layers for w in (l.wqkv, l.wo, l.wgu, l.wd))
+        ws = [m.head] + [w for l in m.layers for w in (l.wqkv, l.wo, l.wgu, l.wd)]
+        w4 = [w for w in ws if _is_w4(w)]
+        self.page_bytes = page_bytes(len(w4) < len(ws), min((w.group for w in w4), default=128))
         self.xs_bytes, self.npages = pool_split(n, [cfg.hidden_size, sh.nh_l * hd, sh.inter_l],
-                                                PAGE_K_Q4 if w4 else PAGE_K_BF16, sk.warps)
+                                                PAGE_K_Q4 if w4 else PAGE_K_BF16, sk.warps, self.page_bytes)
         s = self.schedule
         self.instr = torch.from_numpy(s.instr.copy()).to(dev)
         self.block_start = torch.from_numpy(s.block_start.copy()).to(dev)
@@ -271,7 +281,8 @@ class StepKernel:
                 m.rope_cos, m.rope_sin, st.timeline, st.attn_part]
         ints = [st.n, cfg.hidden_size, sh.nh_l, sh.nkv_l, cfg.head_dim, sh.inter_l, st.shape.vocab_rows,
                 len(m.layers), m.max_slots, m.rope_cos.shape[0], mask.stride(0), st.shape.qkv_rows,
-                m.embed.shape[0], st.schedule.n_counters, self.timeout_ns, st.npages, st.xs_bytes, st.attn_splits]
+                m.embed.shape[0], st.schedule.n_counters, self.timeout_ns, st.npages, st.xs_bytes, st.attn_splits,
+                st.page_bytes]
         dbl = [float(cfg.rms_norm_eps), 1.0 / math.sqrt(cfg.head_dim) * math.log2(math.e)]
         raw = struct.pack(f"<{len(ptrs)}Q{len(ints)}q{len(dbl)}d", *[_ptr(t) for t in ptrs], *ints, *dbl)
         p = st.params[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(m.device)
