@@ -17,19 +17,21 @@
 # Summaries: $OUT/replay.md (benchmarks/replay_summary.py), $OUT/plan-70b.{txt,json},
 # $OUT/plan-check.md; traces $OUT/*.h5, logs $OUT/*.log. BUDGET (s, default 330) skips what
 # would start after it; RUN_TIMEOUT (s, default 90) bounds each run, PLAN_TIMEOUT (default 240),
-# so the script ends within BUDGET + 90 s + the summary (under the device call's 600 s).
+# so the script ends within BUDGET + 90 s + the summary (under the device call's 600 s); MAX_NEW
+# (default 128) tokens a request.
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/../jobs/mps.sh"
 T0=$SECONDS
 BUDGET=${BUDGET:-330}
 RUN_TIMEOUT=${RUN_TIMEOUT:-90}
+MAX_NEW=${MAX_NEW:-128}
 PLAN_TIMEOUT=${PLAN_TIMEOUT:-240}
 PARTS=${PARTS:-"plan70 paper70 int8b bf8b"}
 REAL=benchmarks/acceptance/qwen25coder-0.5b-1.5b.json
 PAPER=benchmarks/acceptance/swiftspec-paper.json
 P="Write a quicksort in Python with comments explaining each step."
-COMMON="--load-format dummy --device cuda --dtype bfloat16 --prompt \"$P\" --max-new-tokens 128 --ignore-eos --quiet --overwrite"
+COMMON="--load-format dummy --device cuda --dtype bfloat16 --prompt \"$P\" --max-new-tokens $MAX_NEW --ignore-eos --quiet --overwrite"
 M70="--target llama-3-70b --draft llama-3.2-1b --quant int4"
 M8="--target llama-3-8b --draft llama-3.2-1b"
 M8Q="--target llama-3-8b --draft llama-3.2-1b --quant int4"
