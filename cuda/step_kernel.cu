@@ -4,12 +4,12 @@
 //
 // Grid: one block per SM (all resident: the blocks wait on each other), 9 warps. Each block walks
 // its own list of instructions (built on the host once per model and N, in layer order):
-//   EMBED  x = embed[tokens]; h = RMSNorm(x, ln1 of layer 0)
+//   EMBED  x = embed[tokens]
 //   GEMV   `ntiles` 16-row tiles of one projection (QKV, O, gate|up, down or the LM head) over all
 //          K, in rounds of up to 8 tiles (128 rows: a warp a tile), with the op's epilogue; O and
-//          down add into the residual x, and the block that finishes the op's last instruction
-//          (the last arriver) runs the following RMSNorm of x into h (ln2, the next layer's ln1,
-//          or the final norm)
+//          down add into the residual x; QKV, gate|up and the head take RMSNorm(x) (ln1, ln2, the
+//          final norm), which every one of their instructions computes while staging x (no block
+//          normalizes for the others, so they wait on the O / down instructions directly)
 //   ATTN   one query head x up to 8 rows x one of `splits` key ranges: RoPE of this KV head's new
 //          K rows + their K/V append into the cache (every instruction of the KV head writes the
 //          same values), then the masked attention of the rows over its range of the slots
@@ -89,7 +89,8 @@ constexpr int RED_BYTES = COMPUTE_WARPS * 16 * 32 * 4;
 // then the pool: X staged [N rows of 2 kx + 64 bytes] (`xs_bytes`, the host's choice: the largest
 // op input whole when that leaves MIN_PAGES pages, else blocks of kx k's) and the ring of
 // `npages` pages after it.
-constexpr int HEAD_BYTES = (RED_BYTES + 2 * MAX_PAGES * 8 + 16 + 1023) / 1024 * 1024;   // red + mbarriers + flag
+constexpr int INV_OFF = RED_BYTES + 2 * MAX_PAGES * 8 + 16;   // 32 floats: the staged rows' 1 / rms
+constexpr int HEAD_BYTES = (INV_OFF + 32 * 4 + 1023) / 1024 * 1024;   // red + mbarriers + flag + inv
 constexpr int SMEM_BYTES = 227 * 1024;
 constexpr int POOL_BYTES = SMEM_BYTES - HEAD_BYTES;
 constexpr int INSTR_WORDS = 8;
@@ -102,9 +103,9 @@ struct OpDesc {
   const void* w;          // bf16 [rows, K] or uint8 codes [rows, K / 2] (tile-major)
   const uint32_t* so;     // 4-bit: (scale, offset) words [rows, K / group] (tile-major), else null
   const bf16* bias;       // [rows] or null
-  const bf16* norm_w;     // O / down: the RMSNorm the last arriver applies after the op, else null
+  const bf16* norm_w;     // QKV / gate|up / head: their input is RMSNorm(x) with this weight, else null
   int64_t rows, K, fmt, group;   // fmt 0 bf16, 1 4-bit
-  int64_t kind, layer, n_instr, norm_ctr;   // n_instr: instructions of the op (last arriver)
+  int64_t kind, layer, n_instr;  // n_instr: instructions of the op
 };
 
 struct LayerDesc {
@@ -121,7 +122,6 @@ struct Params {
   const uint8_t* mask;        // [N, mask_stride]
   const int* n_valid;         // [1]
   bf16* x;                    // [N, H] residual
-  bf16* h;                    // [N, H] normed
   bf16* qkv;                  // [N, QKV]
   bf16* o;                    // [N, nh * hd]
   bf16* gu;                   // [N, 2 I]
@@ -143,10 +143,10 @@ struct Params {
   double eps, scale_log2;
 };
 // swiftspec_mpi/gpu/step_kernel.py packs these with struct: keep the sizes in step.
-static_assert(sizeof(OpDesc) == 12 * 8, "OpDesc layout");
+static_assert(sizeof(OpDesc) == 11 * 8, "OpDesc layout");
 static_assert(sizeof(LayerDesc) == 4 * 8, "LayerDesc layout");
-static_assert(sizeof(Params) == 43 * 8, "Params layout");
-static_assert(RED_BYTES + 2 * MAX_PAGES * 8 + 16 <= HEAD_BYTES, "shared memory head");
+static_assert(sizeof(Params) == 42 * 8, "Params layout");
+static_assert(INV_OFF + 32 * 4 <= HEAD_BYTES, "shared memory head");
 static_assert(MAX_PAGES * Q4_SCALES_OFF <= POOL_BYTES, "pages (the host gives fewer when they are larger)");
 static_assert(16 * BF16_ROW_BYTES <= PAGE_BYTES && BF16_ROW_BYTES % 128 == 64, "bf16 page");
 static_assert(Q4_PAGE_CHUNKS * 1024 == Q4_SCALES_OFF && Q4_SCALES_OFF + Q4_PAGE_CHUNKS * 64 * 4 <= PAGE_BYTES,
@@ -284,9 +284,11 @@ __device__ __forceinline__ int signal(const Params& p, int ctr) {
   return atomicAdd(p.counters + ctr, 1);
 }
 
-// RMSNorm of the N rows of x into h with weight w (compute warps: 8 / N warps a row when N < 8,
-// a warp a row from N = 8; `part` holds COMPUTE_WARPS floats of shared memory).
-__device__ void rmsnorm_rows(const Params& p, const bf16* w, float* part) {
+// RMSNorm folded into its consumers: the GEMVs whose input is RMSNorm(x) (QKV, gate|up, the head)
+// stage x and normalize it themselves, so no block waits for one that normalizes for all.
+// inv[r] = 1 / rms(x[r]) for the N rows of x (compute warps: 8 / N warps a row when N < 8, a warp
+// a row from N = 8; `part` holds COMPUTE_WARPS floats); ends with a barrier.
+__device__ void rows_inv_rms(const Params& p, float* inv, float* part) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int H = (int)p.H, N = (int)p.N;
   int wpr = 1;                                                   // warps per row: a power of 2
@@ -312,26 +314,64 @@ __device__ void rmsnorm_rows(const Params& p, const bf16* w, float* part) {
     for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     if (lane == 0) part[warp] = ss;
     compute_sync();
-    if (r < N) {
+    if (r < N && sub == 0 && lane == 0) {
       float tot = 0.f;
-      for (int i = 0; i < wpr; ++i) tot += part[(warp / wpr) * wpr + i];
-      const float inv = rsqrtf(tot / (float)H + (float)p.eps);
-      bf16* hr = p.h + (int64_t)r * H;
-#pragma unroll 4
-      for (int c = (sub * 32 + lane) * 8; c < H; c += wpr * 256) {
-        const uint4 v = ldcg16(xr + c);
-        const uint4 wv = *reinterpret_cast<const uint4*>(w + c);
-        const uint32_t u[4] = {v.x, v.y, v.z, v.w}, wu[4] = {wv.x, wv.y, wv.z, wv.w};
-        uint32_t o[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = unpack_bf16x2(u[i]), g = unpack_bf16x2(wu[i]);
-          o[i] = pack_bf16x2(f.x * inv * g.x, f.y * inv * g.y);
-        }
-        *reinterpret_cast<uint4*>(hr + c) = make_uint4(o[0], o[1], o[2], o[3]);
-      }
+      for (int i = 0; i < wpr; ++i) tot += part[warp + i];
+      inv[r] = rsqrtf(tot / (float)H + (float)p.eps);
     }
     compute_sync();
+  }
+}
+
+// The same for x staged whole in shared memory (rows of xstride bytes, H columns): inv from the
+// staged rows, then each row scaled in place to bf16(x * inv * w), the chain's RMSNorm rounding.
+// Starts and ends with a barrier's worth of ordering (the caller's barrier precedes it).
+__device__ void normalize_staged(const Params& p, const bf16* w, uint32_t xs, int xstride, float* inv, float* part) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int H = (int)p.H, N = (int)p.N;
+  int wpr = 1;
+  while (2 * wpr * N <= COMPUTE_WARPS) wpr *= 2;
+  for (int r0 = 0; r0 < N; r0 += COMPUTE_WARPS / wpr) {
+    const int r = r0 + warp / wpr, sub = warp % wpr;
+    float ss = 0.f;
+    if (r < N) {
+      for (int c = (sub * 32 + lane) * 8; c < H; c += wpr * 256) {
+        const uint4 v = lds16(xs + r * xstride + c * 2);
+        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = unpack_bf16x2(u[i]);
+          ss = fmaf(f.x, f.x, ss);
+          ss = fmaf(f.y, f.y, ss);
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) part[warp] = ss;
+    compute_sync();
+    if (r < N && sub == 0 && lane == 0) {
+      float tot = 0.f;
+      for (int i = 0; i < wpr; ++i) tot += part[warp + i];
+      inv[r] = rsqrtf(tot / (float)H + (float)p.eps);
+    }
+    compute_sync();
+  }
+  for (int i = threadIdx.x; i < N * (H / 8); i += COMPUTE_THREADS) {
+    const int r = i / (H / 8), c = (i % (H / 8)) * 8;
+    const uint32_t a = xs + r * xstride + c * 2;
+    const uint4 v = lds16(a);
+    const uint4 wv = *reinterpret_cast<const uint4*>(w + c);
+    const uint32_t u[4] = {v.x, v.y, v.z, v.w}, wu[4] = {wv.x, wv.y, wv.z, wv.w};
+    const float iv = inv[r];
+    uint32_t o[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = unpack_bf16x2(u[k]), g = unpack_bf16x2(wu[k]);
+      o[k] = pack_bf16x2(f.x * iv * g.x, f.y * iv * g.y);
+    }
+    asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" :: "r"(a), "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3])
+                 : "memory");
   }
 }
 
@@ -536,7 +576,7 @@ __device__ __forceinline__ void page_mma(const OpDesc& op, const Page& pg, uint3
 }
 
 // ------------------------------------------------------------------ instructions
-__device__ void run_embed(const Params& p, float* part) {
+__device__ void run_embed(const Params& p) {
   const int H = (int)p.H;
   for (int i = threadIdx.x; i < p.N * (H / 8); i += COMPUTE_THREADS) {
     const int r = i / (H / 8), c = (i % (H / 8)) * 8;
@@ -544,9 +584,6 @@ __device__ void run_embed(const Params& p, float* part) {
     t = t < 0 ? 0 : t >= p.vocab_embed ? p.vocab_embed - 1 : t;
     *reinterpret_cast<uint4*>(p.x + (int64_t)r * H + c) = *reinterpret_cast<const uint4*>(p.embed + t * H + c);
   }
-  __threadfence_block();
-  compute_sync();
-  rmsnorm_rows(p, p.layers[0].ln1, part);
 }
 
 // The op's epilogue for output row n (of W) and token row m: value v (fp32 sum over K).
@@ -575,7 +612,8 @@ __device__ __forceinline__ void gemv_out(const Params& p, const OpDesc& op, int6
 // before their stores (a load-store pair at a time would pay an L2 round trip per 16 bytes).
 constexpr int X_BATCH = 4;
 __device__ __forceinline__ void stage_x(const bf16* X, int64_t ld, bool swiglu, int64_t I, int N, int xk0, int kn,
-                                        uint32_t xs, int xstride, const Params* merge) {
+                                        uint32_t xs, int xstride, const Params* merge, const bf16* norm_w,
+                                        const float* inv) {
   const int per_row = kn / 8, total = N * per_row;
   for (int i0 = threadIdx.x; i0 < total; i0 += X_BATCH * COMPUTE_THREADS) {
     uint4 v[X_BATCH];
@@ -592,6 +630,17 @@ __device__ __forceinline__ void stage_x(const bf16* X, int64_t ld, bool swiglu, 
       const int i = i0 + u * COMPUTE_THREADS;
       if (i < total) {
         const int r = i / per_row, c = (i - r * per_row) * 8;
+        if (norm_w != nullptr) {            // bf16(x * inv * w): the chain's RMSNorm rounding
+          const uint4 wv = *reinterpret_cast<const uint4*>(norm_w + xk0 + c);
+          const uint32_t xu[4] = {v[u].x, v[u].y, v[u].z, v[u].w}, wu[4] = {wv.x, wv.y, wv.z, wv.w};
+          uint32_t o[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const float2 f = unpack_bf16x2(xu[k]), g = unpack_bf16x2(wu[k]);
+            o[k] = pack_bf16x2(f.x * inv[r] * g.x, f.y * inv[r] * g.y);
+          }
+          v[u] = make_uint4(o[0], o[1], o[2], o[3]);
+        }
         asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" :: "r"(xs + r * xstride + c * 2), "r"(v[u].x),
                      "r"(v[u].y), "r"(v[u].z), "r"(v[u].w) : "memory");
       }
@@ -605,7 +654,7 @@ __device__ __forceinline__ void stage_x(const bf16* X, int64_t ld, bool swiglu, 
 // warps pass a barrier only around a staging and at a round's k-split reduction.
 template <int MB>
 __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int ntiles, uint32_t pages, uint32_t full,
-                         uint32_t empty, int& page_seq, float* red, uint32_t xs, int instr) {
+                         uint32_t empty, int& page_seq, float* red, float* inv, uint32_t xs, int instr) {
   const OpDesc op = op_g;       // in registers for the loops
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int N = (int)p.N, K = (int)op.K, np = (int)p.npages;
@@ -615,12 +664,14 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
   switch ((int)op.kind) {
     case K_O: X = p.o; ld = p.nh * p.hd; break;
     case K_DOWN: X = p.gu; ld = 2 * p.I; swiglu = true; break;
-    default: X = p.h; ld = p.H; break;
+    default: X = p.x; ld = p.H; break;         // RMSNorm(x) (op.norm_w), normalized while staged
   }
   const int pk = page_k(op), npt = pages_per_tile(op);
   const int kx = x_block_k(p.xs_bytes, N, K, pk);
   const int xstride = kx * 2 + 64;             // 64 mod 128 bytes: conflict-free fragment loads
   const int nxb = (K + kx - 1) / kx, ppx = kx / pk;
+  const bf16* norm_w = op.norm_w;
+  if (norm_w != nullptr && nxb > 1) rows_inv_rms(p, inv, red);    // blocks of x: 1 / rms first
   for (int r0 = 0; r0 < ntiles; r0 += COMPUTE_WARPS) {
     const int na = min(COMPUTE_WARPS, ntiles - r0), ks = k_split(na);
     const int ti = warp % na, sub = warp / na;                // this warp's tile of the round, its k-split part
@@ -633,8 +684,12 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
       if (r0 == 0 || nxb > 1) {
         if (r0 > 0 || xb > 0) compute_sync();                // every warp is done with the staged block
         stage_x(X, ld, swiglu, p.I, N, xk0, min(kx, K - xk0), xs, xstride,
-                op.kind == K_O && p.attn_splits > 1 ? &p : nullptr);
+                op.kind == K_O && p.attn_splits > 1 ? &p : nullptr, nxb > 1 ? norm_w : nullptr, inv);
         compute_sync();
+        if (norm_w != nullptr && nxb == 1) {   // x staged whole: normalized in place
+          normalize_staged(p, norm_w, xs, xstride, inv, red);
+          compute_sync();
+        }
       }
       {
         const int j_end = xb == nxb - 1 ? npt : (xb + 1) * ppx;
@@ -871,6 +926,7 @@ __device__ void step_body(const Params& p) {
   const uint32_t full = smem_addr(smem + RED_BYTES);
   const uint32_t empty = full + 8 * MAX_PAGES;
   int* flag = reinterpret_cast<int*>(smem + RED_BYTES + 16 * MAX_PAGES);
+  float* inv = reinterpret_cast<float*>(smem + INV_OFF);
   const uint32_t xs_area = smem_addr(smem + HEAD_BYTES);
   const uint32_t pages = xs_area + (uint32_t)p.xs_bytes;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -916,27 +972,14 @@ __device__ void step_body(const Params& p) {
     if (tl != nullptr && threadIdx.x == 0) tl[3 * i + 1] = globaltimer();
     const int opc = in[0];
     if (opc == EMBED) {
-      run_embed(p, red);
+      run_embed(p);
     } else if (opc == ATTN) {
       run_attn(p, in[1], in[2], in[3], in[7] & 0xFF, (in[7] >> 8) & 0xFF, in[7] >> 16, red);
     } else {
-      const OpDesc& op = p.ops[in[1]];
-      run_gemv<MB>(p, op, in[2], in[3], pages, full, empty, page_seq, red, xs_area, i);
-      if (op.norm_w != nullptr) {
-        // O / down: the last instruction to finish applies the next RMSNorm
-        if (threadIdx.x == 0) *flag = signal(p, in[6]) == (int)op.n_instr - 1;
-        compute_sync();
-        if (*flag) {
-          __threadfence();
-          rmsnorm_rows(p, op.norm_w, red);
-          __threadfence();
-          compute_sync();
-          if (threadIdx.x == 0) signal(p, (int)op.norm_ctr);
-        }
-        compute_sync();
-        if (tl != nullptr && threadIdx.x == 0) tl[3 * i + 2] = globaltimer();
-        continue;
-      }
+      run_gemv<MB>(p, p.ops[in[1]], in[2], in[3], pages, full, empty, page_seq, red, inv, xs_area, i);
+      if (threadIdx.x == 0 && in[6] >= 0) signal(p, in[6]);      // run_gemv ended with fence + barrier
+      if (tl != nullptr && threadIdx.x == 0) tl[3 * i + 2] = globaltimer();
+      continue;
     }
     __threadfence();
     compute_sync();

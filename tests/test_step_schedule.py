@@ -362,13 +362,13 @@ def test_timeline_summary_accounts_for_the_whole_step():
         t[i] = (seen[k] - 500, seen[k], seen[k] + 10000)
     summ = step_timeline.summarize(s, t, op_bytes=[1000] * len(s.op_kinds))
     st = summ["stages"]
-    assert list(st) == ["embed", "qkv", "attention", "o + norm", "gate|up", "down + norm", "lm head"]
-    assert st["qkv"]["n"] == 2 and st["lm head"]["n"] == 1
+    assert list(st) == ["embed", "norm + qkv", "attention", "o", "norm + gate|up", "down", "norm + lm head"]
+    assert st["norm + qkv"]["n"] == 2 and st["norm + lm head"]["n"] == 1
     assert abs(sum(r["share"] for r in st.values()) - 1) < 0.05      # + the first wait's 0.5 us
     assert st["attention"]["span_us"] == 10 and st["attention"]["gap_us"] == 2
     n_qkv = s.op_instr[0]
-    assert abs(st["qkv"]["busy"] - n_qkv / s.blocks) < 1e-9
-    assert st["qkv"]["gbs"] == 1000 / 10000 and st["attention"]["gbs"] is None
+    assert abs(st["norm + qkv"]["busy"] - n_qkv / s.blocks) < 1e-9
+    assert st["norm + qkv"]["gbs"] == 1000 / 10000 and st["attention"]["gbs"] is None
     assert "| attention | 2 | 10.00 | 2.00 |" in step_timeline.format_table(summ)
     t[3] = 0
     with pytest.raises(ValueError, match="every instruction"):

@@ -36,8 +36,9 @@ SMEM_BYTES = 227 * 1024
 
 
 def head_bytes(warps: int) -> int:
-    """cuda/step_kernel.cu's HEAD_BYTES: the k-split's partial tiles, 2 mbarriers a page, a flag."""
-    return -(-(warps * 16 * 32 * 4 + 2 * MAX_PAGES * 8 + 16) // 1024) * 1024
+    """cuda/step_kernel.cu's HEAD_BYTES: the k-split's partial tiles, 2 mbarriers a page, a flag,
+    32 rows' 1 / rms."""
+    return -(-(warps * 16 * 32 * 4 + 2 * MAX_PAGES * 8 + 16 + 32 * 4) // 1024) * 1024
 
 
 def threads(warps: int) -> int:
@@ -78,16 +79,18 @@ def pool_split(n: int, input_dims: list[int], page_k: int, warps: int = 8,
 
 
 MAX_TOKENS = 32
-_TIMELINE_OFFSET = 20 * 8     # Params.timeline: the 21st pointer
+_TIMELINE_OFFSET = 19 * 8     # Params.timeline: the 20th pointer
 TIMEOUT_S = 2.0             # a counter wait longer than this is a stuck schedule (watchdog)
 _KIND_NAMES = {ss.K_QKV: "QKV", ss.K_O: "O", ss.K_GU: "gate|up", ss.K_DOWN: "down", ss.K_HEAD: "LM head"}
 
 
 def _counter_name(c: int, n_layers: int) -> str:
-    layer, which = divmod(c, ss.CTR_PER_LAYER)
-    if layer >= n_layers:
-        return ["the final norm", "LM head done", "abort", "exit"][which] if which < 4 else "?"
-    names = ["ln1 norm", "QKV done", "attention done", "O done", "ln2 norm", "gate|up done", "down done"]
+    if c == ss.EMBED_DONE:
+        return "embedding done"
+    if c >= ss.head_counter(n_layers):
+        return ["LM head done", "abort", "exit"][c - ss.head_counter(n_layers)] if c < ss.head_counter(n_layers) + 3 else "?"
+    layer, which = divmod(c - 1, ss.CTR_PER_LAYER)
+    names = ["QKV done", "attention done", "O done", "gate|up done", "down done"]
     return f"layer {layer} {names[which]}"
 
 
@@ -175,8 +178,9 @@ def _ptr(t) -> int:
     return 0 if t is None else int(t.data_ptr())
 
 
-def _op_words(w, bias, norm_w, kind: int, layer: int, n_instr: int, norm_ctr: int) -> bytes:
-    """One OpDesc (cuda/step_kernel.cu): 4 pointers and 8 int64."""
+def _op_words(w, bias, norm_w, kind: int, layer: int, n_instr: int) -> bytes:
+    """One OpDesc (cuda/step_kernel.cu): 4 pointers and 7 int64; norm_w: the RMSNorm weight of the
+    op's input x (QKV, gate|up, head), else None."""
     if _is_w4(w):
         rows, k = w.shape
         ptrs = (_ptr(w.qweight), _ptr(w.so))
@@ -185,8 +189,8 @@ def _op_words(w, bias, norm_w, kind: int, layer: int, n_instr: int, norm_ctr: in
         rows, k = w.shape
         ptrs = (_ptr(w), 0)
         fmt, group = 0, 0
-    return struct.pack("<4Q8q", ptrs[0], ptrs[1], _ptr(bias), _ptr(norm_w), rows, k, fmt, group, kind,
-                       layer, n_instr, norm_ctr)
+    return struct.pack("<4Q7q", ptrs[0], ptrs[1], _ptr(bias), _ptr(norm_w), rows, k, fmt, group, kind,
+                       layer, n_instr)
 
 
 class _PerN:
@@ -213,19 +217,15 @@ class _PerN:
         words = []
         L = len(m.layers)
         for li, lay in enumerate(m.layers):
-            nxt = m.layers[li + 1].ln1 if li + 1 < L else m.norm
-            words.append(_op_words(lay.wqkv, lay.bqkv, None, ss.K_QKV, li, s.op_instr[4 * li], -1))
-            words.append(_op_words(lay.wo, lay.bo, lay.ln2, ss.K_O, li, s.op_instr[4 * li + 1],
-                                   ss.norm_counter(ss.K_O, li)))
-            words.append(_op_words(lay.wgu, None, None, ss.K_GU, li, s.op_instr[4 * li + 2], -1))
-            words.append(_op_words(lay.wd, None, nxt, ss.K_DOWN, li, s.op_instr[4 * li + 3],
-                                   ss.norm_counter(ss.K_DOWN, li)))
-        words.append(_op_words(m.head, None, None, ss.K_HEAD, L, s.op_instr[4 * L], -1))
+            words.append(_op_words(lay.wqkv, lay.bqkv, lay.ln1, ss.K_QKV, li, s.op_instr[4 * li]))
+            words.append(_op_words(lay.wo, lay.bo, None, ss.K_O, li, s.op_instr[4 * li + 1]))
+            words.append(_op_words(lay.wgu, None, lay.ln2, ss.K_GU, li, s.op_instr[4 * li + 2]))
+            words.append(_op_words(lay.wd, None, None, ss.K_DOWN, li, s.op_instr[4 * li + 3]))
+        words.append(_op_words(m.head, None, m.norm, ss.K_HEAD, L, s.op_instr[4 * L]))
         self.ops = torch.frombuffer(bytearray(b"".join(words)), dtype=torch.uint8).to(dev)
         kw = dict(dtype=torch.bfloat16, device=dev)
         H = cfg.hidden_size
         self.x = torch.empty(n, H, **kw)
-        self.h = torch.empty(n, H, **kw)
         self.qkv = torch.empty(n, self.shape.qkv_rows, **kw)
         self.o = torch.empty(n, sh.nh_l * hd, **kw)
         self.gu = torch.empty(n, 2 * sh.inter_l, **kw)
@@ -276,7 +276,7 @@ class StepKernel:
             return p
         m = self.model
         cfg, sh = m.cfg, m.shard
-        ptrs = [tokens, positions, write_slots, mask, n_valid, st.x, st.h, st.qkv, st.o, st.gu, st.logits,
+        ptrs = [tokens, positions, write_slots, mask, n_valid, st.x, st.qkv, st.o, st.gu, st.logits,
                 st.counters, self.err, st.instr, st.block_start, st.ops, self.layers, m.embed,
                 m.rope_cos, m.rope_sin, st.timeline, st.attn_part]
         ints = [st.n, cfg.hidden_size, sh.nh_l, sh.nkv_l, cfg.head_dim, sh.inter_l, st.shape.vocab_rows,

@@ -12,11 +12,11 @@ Instruction words (int32 x INSTR_WORDS):
                   `split` of `splits` equal ones (splits > 1 when the (head, rows) pairs alone would
                   leave blocks idle, i.e. small N: the partial softmax sums meet in O's X staging).
 
-Counters (int32, zero at launch, zeroed again by the last block out), layer l at 7 l:
-    +0 h1 (h = RMSNorm(x, ln1) ready)   +1 QKV instructions done   +2 attention instructions done
-    +3 O instructions done   +4 h2 (RMSNorm(x, ln2) ready)   +5 gate|up done   +6 down done
-    7 L: the final norm ready; 7 L + 1 head instructions done; then the abort flag and the exit count.
-The last O (down) instruction to finish applies the next RMSNorm and signals h2 (the next h1).
+Counters (int32, zero at launch, zeroed again by the last block out): 0 the embedding written;
+layer l at 1 + 5 l: +0 QKV instructions done, +1 attention done, +2 O done, +3 gate|up done,
++4 down done; 1 + 5 L the head's instructions done; then the abort flag and the exit count.
+QKV, gate|up and the head normalize x themselves while staging it, so they wait on the whole
+previous down (the embedding) or O op.
 
 Every instruction waits only on counters of earlier stages (stage order: embed, then per layer
 QKV, attention, O, gate|up, down, then the head), each block's list is in stage order and all
@@ -32,8 +32,9 @@ import numpy as np
 INSTR_WORDS = 8
 EMBED, GEMV, ATTN = 0, 1, 2
 K_QKV, K_O, K_GU, K_DOWN, K_HEAD = 0, 1, 2, 3, 4
-CTR_PER_LAYER = 7
-H1, QKV_DONE, ATTN_DONE, O_DONE, H2, GU_DONE, DOWN_DONE = range(7)
+CTR_PER_LAYER = 5
+QKV_DONE, ATTN_DONE, O_DONE, GU_DONE, DOWN_DONE = range(5)
+EMBED_DONE = 0
 ATTN_ROWS = 8          # token rows of one attention instruction at most (a warp per row and key split)
 TILE = 16              # output rows of one GEMV tile
 
@@ -56,7 +57,7 @@ class Schedule:
     instr: np.ndarray          # int32 [n_instr, INSTR_WORDS]
     block_start: np.ndarray    # int32 [blocks + 1]: block b runs instr[block_start[b]:block_start[b+1]]
     n_counters: int
-    op_instr: list             # per op index: how many instructions it has (the last arriver's target)
+    op_instr: list             # per op index: how many instructions it has (its consumers' wait target)
     op_kinds: list             # per op index: (kind, layer)
 
     @property
@@ -65,7 +66,11 @@ class Schedule:
 
 
 def ctr(layer: int, which: int) -> int:
-    return CTR_PER_LAYER * layer + which
+    return 1 + CTR_PER_LAYER * layer + which
+
+
+def head_counter(n_layers: int) -> int:
+    return 1 + CTR_PER_LAYER * n_layers
 
 
 def n_counters(n_layers: int) -> int:
@@ -134,10 +139,11 @@ def build(shape: Shape, blocks: int) -> Schedule:
             per_block[b].append([GEMV, op_index, t0, c, wait[0], wait[1], sig, 0])
         return len(runs)
 
-    per_block[0].append([EMBED, 0, 0, 0, -1, 0, ctr(0, H1), 0])
+    per_block[0].append([EMBED, 0, 0, 0, -1, 0, EMBED_DONE, 0])
+    x_ready = (EMBED_DONE, 1)                  # x as the next QKV (the head) normalizes it
     for l in range(L):
         base = 4 * l
-        n_qkv = gemv(base + 0, shape.qkv_rows, (ctr(l, H1), 1), ctr(l, QKV_DONE))
+        n_qkv = gemv(base + 0, shape.qkv_rows, x_ready, ctr(l, QKV_DONE))
         n_attn = 0
         rows = attn_rows(shape.n, shape.n_heads, blocks)
         splits = attn_splits(shape.n, shape.n_heads, blocks)
@@ -150,11 +156,12 @@ def build(shape: Shape, blocks: int) -> Schedule:
                                          attn_word(min(rows, shape.n - r0), sp, splits)])
                     n_attn += 1
         n_o = gemv(base + 1, shape.hidden, (ctr(l, ATTN_DONE), n_attn), ctr(l, O_DONE))
-        n_gu = gemv(base + 2, shape.inter2, (ctr(l, H2), 1), ctr(l, GU_DONE))
+        n_gu = gemv(base + 2, shape.inter2, (ctr(l, O_DONE), n_o), ctr(l, GU_DONE))
         n_down = gemv(base + 3, shape.hidden, (ctr(l, GU_DONE), n_gu), ctr(l, DOWN_DONE))
+        x_ready = (ctr(l, DOWN_DONE), n_down)
         ops_instr += [n_qkv, n_o, n_gu, n_down]
         op_kinds += [(K_QKV, l), (K_O, l), (K_GU, l), (K_DOWN, l)]
-    n_head = gemv(4 * L, shape.vocab_rows, (ctr(L, H1), 1), ctr(L, 1))
+    n_head = gemv(4 * L, shape.vocab_rows, x_ready, head_counter(L))
     ops_instr.append(n_head)
     op_kinds.append((K_HEAD, L))
     starts = np.zeros(blocks + 1, dtype=np.int32)
@@ -164,15 +171,9 @@ def build(shape: Shape, blocks: int) -> Schedule:
     return Schedule(instr, starts, n_counters(L), ops_instr, op_kinds)
 
 
-def norm_counter(kind: int, layer: int) -> int:
-    """The counter the last arriver of an O (down) op of `layer` signals: h2 (the next h1)."""
-    return ctr(layer, H2) if kind == K_O else ctr(layer + 1, H1)
-
-
 def simulate(s: Schedule) -> list[int]:
     """Run the schedule on the host as the kernel would (each block in list order, an instruction
-    starting once its counter reached the target; O / down last arrivers signalling the norm
-    counter) and return the order in which the instructions finished. Raises RuntimeError on a
+    starting once its counter reached the target) and return the order in which the instructions finished. Raises RuntimeError on a
     deadlock (blocks left waiting with nothing able to run) or a wait that could never be met."""
     counters = [0] * s.n_counters
     pos = [int(s.block_start[b]) for b in range(s.blocks)]
@@ -187,10 +188,6 @@ def simulate(s: Schedule) -> list[int]:
                 if w[4] >= 0 and counters[w[4]] < w[5]:
                     break
                 counters[w[6]] += 1
-                if w[0] == GEMV:
-                    kind, layer = s.op_kinds[w[1]]
-                    if kind in (K_O, K_DOWN) and counters[w[6]] == s.op_instr[w[1]]:
-                        counters[norm_counter(kind, layer)] += 1
                 done.append(pos[b])
                 pos[b] += 1
                 progress = True

@@ -2,8 +2,8 @@
 (`StepKernel.record_timeline`) summed into its stages. Pure numpy (the CPU tests build timelines
 by hand).
 
-Every stage of the schedule (embedding; per layer QKV, attention, O (+ the RMSNorm its last
-arriver applies), gate|up, down (+ norm); the LM head) waits for the whole previous stage, so the
+Every stage of the schedule (embedding; per layer norm + QKV, attention, O, norm + gate|up, down;
+norm + the LM head: each instruction normalizes x itself) waits for the whole previous stage, so the
 step is the chain  sum over stages of (gap + span):
     gap   from the previous stage's last instruction done to this stage's first one running:
           the counter's signal -> acquire-load -> barrier latency (and any block still busy)
@@ -22,9 +22,9 @@ import numpy as np
 
 from swiftspec_mpi.gpu import step_schedule as ss
 
-_KIND_NAMES = {ss.K_QKV: "qkv", ss.K_O: "o + norm", ss.K_GU: "gate|up", ss.K_DOWN: "down + norm",
-               ss.K_HEAD: "lm head"}
-STAGE_ORDER = ("embed", "qkv", "attention", "o + norm", "gate|up", "down + norm", "lm head")
+_KIND_NAMES = {ss.K_QKV: "norm + qkv", ss.K_O: "o", ss.K_GU: "norm + gate|up", ss.K_DOWN: "down",
+               ss.K_HEAD: "norm + lm head"}
+STAGE_ORDER = ("embed", "norm + qkv", "attention", "o", "norm + gate|up", "down", "norm + lm head")
 
 
 def stage_of(s: ss.Schedule, i: int) -> tuple[str, int, int]:
@@ -49,7 +49,7 @@ def summarize(s: ss.Schedule, t: np.ndarray, op_bytes: list[int] | None = None) 
     per: dict[tuple[int, int, str], dict] = {}       # (order, layer, name)
     for i in range(len(s.instr)):
         name, layer, op = stage_of(s, i)
-        order = (layer, STAGE_ORDER.index(name)) if name not in ("embed", "lm head") else \
+        order = (layer, STAGE_ORDER.index(name)) if name not in ("embed", "norm + lm head") else \
             ((-1, 0) if name == "embed" else (1 << 30, 0))
         d = per.setdefault((*order, name), {"first": 1 << 62, "last": 0, "busy": 0, "op": op})
         d["first"] = min(d["first"], int(t[i, 1]))
