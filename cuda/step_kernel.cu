@@ -263,12 +263,15 @@ __device__ void wait_counter(const Params& p, int ctr, int target, int instr) {
         const bool aborted = ld_acquire(abort_flag) != 0;
         if (aborted || globaltimer() - t0 > (uint64_t)p.timeout_ns) {
           if (!aborted) report(p, 1, instr, ctr, v, target);
-          // every block left waiting says where (the host names the earliest stuck wait)
+          // every block left waiting says where, its first stuck wait only (the later ones of an
+          // aborted block are consequences); the host names the earliest stuck wait
           volatile int* b = p.err + 8 + 4 * blockIdx.x;
-          b[1] = ctr; b[2] = v; b[3] = target;
-          __threadfence_system();
-          b[0] = instr + 1;
-          __threadfence_system();
+          if (b[0] == 0) {
+            b[1] = ctr; b[2] = v; b[3] = target;
+            __threadfence_system();
+            b[0] = instr + 1;
+            __threadfence_system();
+          }
           break;
         }
         __nanosleep(32);

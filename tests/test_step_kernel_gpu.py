@@ -245,7 +245,7 @@ def test_timeline_records_every_instruction_without_changing_the_step():
     tl = t.cpu().numpy()
     assert (tl > 0).all() and (tl[:, 0] <= tl[:, 1]).all() and (tl[:, 1] <= tl[:, 2]).all()
     summ = step_timeline.summarize(sk.state(8).schedule, tl)
-    assert list(summ["stages"])[:3] == ["embed", "qkv", "attention"] and summ["total_us"] > 0
+    assert list(summ["stages"])[:3] == ["embed", "norm + qkv", "attention"] and summ["total_us"] > 0
     sk.record_timeline(8, on=False)
     sk.forward(tokens, pos, slots, mask, n_valid)
     sk.check()
