@@ -289,9 +289,10 @@ __device__ __forceinline__ int signal(const Params& p, int ctr) {
 
 // RMSNorm folded into its consumers: the GEMVs whose input is RMSNorm(x) (QKV, gate|up, the head)
 // stage x and normalize it themselves, so no block waits for one that normalizes for all.
-// inv[r] = 1 / rms(x[r]) for the N rows of x (compute warps: 8 / N warps a row when N < 8, a warp
-// a row from N = 8; `part` holds COMPUTE_WARPS floats); ends with a barrier.
-__device__ void rows_inv_rms(const Params& p, float* inv, float* part) {
+// inv[r] = 1 / rms(x[r]) for the N rows of x, read from global memory (xs == 0) or from x staged
+// whole in shared memory at xs (rows of xstride bytes); compute warps: 8 / N warps a row when
+// N < 8, a warp a row from N = 8; `part` holds COMPUTE_WARPS floats; ends with a barrier.
+__device__ void rows_inv_rms(const Params& p, float* inv, float* part, uint32_t xs = 0, int xstride = 0) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int H = (int)p.H, N = (int)p.N;
   int wpr = 1;                                                   // warps per row: a power of 2
@@ -303,7 +304,7 @@ __device__ void rows_inv_rms(const Params& p, float* inv, float* part) {
     if (r < N) {
 #pragma unroll 4
       for (int c = (sub * 32 + lane) * 8; c < H; c += wpr * 256) {
-        const uint4 v = ldcg16(xr + c);
+        const uint4 v = xs != 0 ? lds16(xs + r * xstride + c * 2) : ldcg16(xr + c);
         const uint32_t u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -326,40 +327,12 @@ __device__ void rows_inv_rms(const Params& p, float* inv, float* part) {
   }
 }
 
-// The same for x staged whole in shared memory (rows of xstride bytes, H columns): inv from the
-// staged rows, then each row scaled in place to bf16(x * inv * w), the chain's RMSNorm rounding.
-// Starts and ends with a barrier's worth of ordering (the caller's barrier precedes it).
+// x staged whole in shared memory (rows of xstride bytes, H columns) normalized in place: inv from
+// the staged rows, then each row to bf16(x * inv * w), the chain's RMSNorm rounding (the caller's
+// barrier precedes it).
 __device__ void normalize_staged(const Params& p, const bf16* w, uint32_t xs, int xstride, float* inv, float* part) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int H = (int)p.H, N = (int)p.N;
-  int wpr = 1;
-  while (2 * wpr * N <= COMPUTE_WARPS) wpr *= 2;
-  for (int r0 = 0; r0 < N; r0 += COMPUTE_WARPS / wpr) {
-    const int r = r0 + warp / wpr, sub = warp % wpr;
-    float ss = 0.f;
-    if (r < N) {
-      for (int c = (sub * 32 + lane) * 8; c < H; c += wpr * 256) {
-        const uint4 v = lds16(xs + r * xstride + c * 2);
-        const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = unpack_bf16x2(u[i]);
-          ss = fmaf(f.x, f.x, ss);
-          ss = fmaf(f.y, f.y, ss);
-        }
-      }
-    }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) part[warp] = ss;
-    compute_sync();
-    if (r < N && sub == 0 && lane == 0) {
-      float tot = 0.f;
-      for (int i = 0; i < wpr; ++i) tot += part[warp + i];
-      inv[r] = rsqrtf(tot / (float)H + (float)p.eps);
-    }
-    compute_sync();
-  }
+  rows_inv_rms(p, inv, part, xs, xstride);
   for (int i = threadIdx.x; i < N * (H / 8); i += COMPUTE_THREADS) {
     const int r = i / (H / 8), c = (i % (H / 8)) * 8;
     const uint32_t a = xs + r * xstride + c * 2;
