@@ -32,6 +32,21 @@ def op_bytes(model) -> list[int]:
     return out + [nb(model.head)]
 
 
+def median_phases(sk, st, n, step, runs: int = 5) -> dict:
+    """The phases (step_timeline.phases) of the launch with the median total of `runs`."""
+    from swiftspec_mpi.gpu import step_timeline
+    out = []
+    for _ in range(runs):
+        t = sk.record_timeline(n)
+        step()
+        torch.cuda.synchronize()
+        tl = t.cpu().numpy()
+        out.append((int(tl[:, 2].max() - tl[:, 0].min()), step_timeline.phases(st.schedule, tl)))
+    sk.record_timeline(n, on=False)
+    out.sort(key=lambda r: r[0])
+    return out[len(out) // 2][1]
+
+
 def bench_row(name: str, ns: list[int], context: int, bw: float, warps: list[int]) -> dict:
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.checkpoints.load import dummy_model
@@ -70,6 +85,7 @@ def bench_row(name: str, ns: list[int], context: int, bw: float, warps: list[int
             st = sk.state(n)
             st.instr[:, 4] = -1                  # every wait gone
             t_free = cuda_time(pers, iters=40)
+            free_phases = median_phases(sk, st, n, pers)
             sk.repair(n)
             sk.check()
             runs = []
@@ -77,17 +93,23 @@ def bench_row(name: str, ns: list[int], context: int, bw: float, warps: list[int
                 t = sk.record_timeline(n)
                 pers()
                 torch.cuda.synchronize()
-                runs.append(step_timeline.summarize(st.schedule, t.cpu().numpy(), ob))
+                tl = t.cpu().numpy()
+                runs.append((step_timeline.summarize(st.schedule, tl, ob), step_timeline.phases(st.schedule, tl)))
             sk.record_timeline(n, on=False)
             sk.check()
-            runs.sort(key=lambda s: s["total_us"])
-            summ = runs[len(runs) // 2]
+            runs.sort(key=lambda s: s[0]["total_us"])
+            summ, ph = runs[len(runs) // 2]
             r["n"][f"{n}/{w}"] = {"warps": w, "persistent_ms": t_pers, "no_waits_ms": t_free, "timeline": summ,
                                   "rel_diff_to_first": diff}
             print(f"\n### {name}, N = {n}, {w} compute warps: persistent {t_pers:.3f} ms, with no waits "
                   f"{t_free:.3f} ms, floor {floor_ms:.3f} ms, blocks {sk.blocks}, logits rel diff to "
                   f"{next(iter(kernels))} warps {diff:.2e}\n")
-            print(step_timeline.format_table(summ), flush=True)
+            print(step_timeline.format_table(summ))
+            print("\nInside the instructions (µs, mean per instruction):")
+            print(step_timeline.format_phases(ph))
+            print("\nThe same with no waits:")
+            print(step_timeline.format_phases(free_phases), flush=True)
+            r["n"][f"{n}/{w}"].update(phases=ph, phases_no_waits=free_phases)
     del kernels, model
     torch.cuda.empty_cache()
     return r

@@ -94,6 +94,14 @@ constexpr int HEAD_BYTES = (INV_OFF + 32 * 4 + 1023) / 1024 * 1024;   // red + m
 constexpr int SMEM_BYTES = 227 * 1024;
 constexpr int POOL_BYTES = SMEM_BYTES - HEAD_BYTES;
 constexpr int INSTR_WORDS = 8;
+// Timeline words of one instruction (gpu/step_timeline.py reads them): compute thread 0's wait
+// from, run from, done at (after the signal), then two marks inside the instruction (GEMV: X staged
+// and normalized, every page multiplied; ATTN: the new K/V appended and q loaded, the keys'
+// softmax done), the epilogue's end (before the fence), and the loader's first and last page of
+// the instruction issued (GEMV only; the first is taken before its wait for a free slot).
+constexpr int TL_WORDS = 8;
+enum Timeline { TL_WAIT = 0, TL_RUN = 1, TL_DONE = 2, TL_MARK1 = 3, TL_MARK2 = 4, TL_EPI = 5,
+                TL_LOAD0 = 6, TL_LOAD1 = 7 };
 
 enum Op { EMBED = 0, GEMV = 1, ATTN = 2 };
 enum Kind { K_QKV = 0, K_O = 1, K_GU = 2, K_DOWN = 3, K_HEAD = 4 };
@@ -135,8 +143,8 @@ struct Params {
   const bf16* embed;          // [V_embed, H]
   const bf16* rope_cos;       // [rope_len, hd]
   const bf16* rope_sin;
-  uint64_t* timeline;         // [n_instr, 3] or null: per instruction (wait from, run from, done at),
-                              // globaltimer ns, written by thread 0 (the profile of the schedule)
+  uint64_t* timeline;         // [n_instr, TL_WORDS] or null: per instruction, globaltimer ns (the
+                              // profile of the schedule): TL_* below
   float* attn_part;           // attn_splits > 1: (max, sum) [splits, N, nh, 2], then O [splits, N, nh, hd]
   int64_t N, H, nh, nkv, hd, I, V, n_layers, max_slots, rope_len, mask_stride, qkv_cols, vocab_embed;
   int64_t n_counters, timeout_ns, npages, xs_bytes, attn_splits, page_bytes;
@@ -248,6 +256,11 @@ __device__ void mbar_wait(const Params& p, uint32_t bar, uint32_t parity, int in
       asm volatile("trap;");
     }
   }
+}
+
+// Compute thread 0 (or the loader's lane 0) stamps word w of instruction i's timeline when profiling.
+__device__ __forceinline__ void mark(const Params& p, int i, int w) {
+  if (p.timeline != nullptr) p.timeline[(int64_t)TL_WORDS * i + w] = globaltimer();
 }
 
 // Thread 0 of the compute warps waits until counters[ctr] >= target (or the abort flag is up),
@@ -666,6 +679,7 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
           normalize_staged(p, norm_w, xs, xstride, inv, red);
           compute_sync();
         }
+        if (r0 == 0 && xb == 0 && threadIdx.x == 0) mark(p, instr, TL_MARK1);
       }
       {
         const int j_end = xb == nxb - 1 ? npt : (xb + 1) * ppx;
@@ -684,6 +698,7 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
       }
     }
     page_seq += npt * na;
+    if (r0 + COMPUTE_WARPS >= ntiles && threadIdx.x == 0) mark(p, instr, TL_MARK2);
     if (ks > 1) {
       // the k-split parts meet: red[warp][row 16][token 32]; warp ti (sub 0) adds the others'
       if (active && sub > 0) {
@@ -724,6 +739,7 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
     }
     if (ks > 1) compute_sync();                               // red is free again
   }
+  if (threadIdx.x == 0) mark(p, instr, TL_EPI);
   __threadfence();              // once per instruction: every writer fences before the barrier
   compute_sync();               // that precedes the signal
 }
@@ -807,7 +823,7 @@ __device__ __forceinline__ void attn_warp(const float* q, const uint8_t* mrow, c
 // Attention of rows [row0, row0 + nrows) of query head hq (nrows <= 8) in layer `layer`, over key
 // range `split` of `splits`.
 __device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows, int split, int splits,
-                         float* scratch) {
+                         float* scratch, int instr) {
   const int warp = threadIdx.x / 32;
   const int hd = (int)p.hd, half = hd / 2, N = (int)p.N;
   const int group = (int)(p.nh / p.nkv), kh = hq / group;
@@ -851,6 +867,7 @@ __device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows
   }
   __threadfence_block();
   compute_sync();
+  if (threadIdx.x == 0) mark(p, instr, TL_MARK1);
   // 3. warps = (row, key split); online softmax over the split's keys
   const int L_len = *p.n_valid;
   const int per_i = ((L_len + splits - 1) / splits + 31) / 32 * 32;    // this instruction's keys
@@ -868,6 +885,7 @@ __device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows
     else attn_warp<64>(qs + r * hd, mrow, kbase, vbase, kv_stride, kb, ke, (float)p.scale_log2, pm, pl, po);
   }
   compute_sync();
+  if (threadIdx.x == 0) mark(p, instr, TL_MARK2);
   // 4. merge the splits of each row -> o[t, hq * hd + d]
   for (int i = threadIdx.x; i < nrows * hd; i += COMPUTE_THREADS) {
     const int r = i / hd, d = i % hd;
@@ -891,6 +909,7 @@ __device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows
     }
   }
   compute_sync();
+  if (threadIdx.x == 0) mark(p, instr, TL_EPI);
 }
 
 // ------------------------------------------------------------------ the kernel
@@ -924,6 +943,7 @@ __device__ void step_body(const Params& p) {
       if (in[0] != GEMV) continue;
       const OpDesc op = p.ops[in[1]];
       const int npt = pages_per_tile(op), tile0 = in[2], ntiles = in[3];
+      if (lane == 0) mark(p, i, TL_LOAD0);
       for (int r0 = 0; r0 < ntiles; r0 += COMPUTE_WARPS) {       // rounds: (page j, tile i) order
         const int na = min(COMPUTE_WARPS, ntiles - r0);
         for (int j = 0; j < npt; ++j) {
@@ -935,32 +955,32 @@ __device__ void step_body(const Params& p) {
           }
         }
       }
+      if (lane == 0) mark(p, i, TL_LOAD1);
     }
     return;
   }
 
   int page_seq = 0;
-  uint64_t* tl = p.timeline;
   for (int i = i_begin; i < i_end; ++i) {
     const int* in = p.instr + (int64_t)i * INSTR_WORDS;
-    if (tl != nullptr && threadIdx.x == 0) tl[3 * i] = globaltimer();
+    if (threadIdx.x == 0) mark(p, i, TL_WAIT);
     wait_counter(p, in[4], in[5], i);
-    if (tl != nullptr && threadIdx.x == 0) tl[3 * i + 1] = globaltimer();
+    if (threadIdx.x == 0) mark(p, i, TL_RUN);
     const int opc = in[0];
     if (opc == EMBED) {
       run_embed(p);
     } else if (opc == ATTN) {
-      run_attn(p, in[1], in[2], in[3], in[7] & 0xFF, (in[7] >> 8) & 0xFF, in[7] >> 16, red);
+      run_attn(p, in[1], in[2], in[3], in[7] & 0xFF, (in[7] >> 8) & 0xFF, in[7] >> 16, red, i);
     } else {
       run_gemv<MB>(p, p.ops[in[1]], in[2], in[3], pages, full, empty, page_seq, red, inv, xs_area, i);
       if (threadIdx.x == 0 && in[6] >= 0) signal(p, in[6]);      // run_gemv ended with fence + barrier
-      if (tl != nullptr && threadIdx.x == 0) tl[3 * i + 2] = globaltimer();
+      if (threadIdx.x == 0) mark(p, i, TL_DONE);
       continue;
     }
     __threadfence();
     compute_sync();
     if (threadIdx.x == 0 && in[6] >= 0) signal(p, in[6]);
-    if (tl != nullptr && threadIdx.x == 0) tl[3 * i + 2] = globaltimer();
+    if (threadIdx.x == 0) mark(p, i, TL_DONE);
   }
   // the last block out zeroes the counters for the next launch (abort flag included)
   compute_sync();

@@ -243,9 +243,17 @@ def test_timeline_records_every_instruction_without_changing_the_step():
     sk.check()
     assert torch.equal(plain, timed)
     tl = t.cpu().numpy()
-    assert (tl > 0).all() and (tl[:, 0] <= tl[:, 1]).all() and (tl[:, 1] <= tl[:, 2]).all()
-    summ = step_timeline.summarize(sk.state(8).schedule, tl)
+    assert (tl[:, :3] > 0).all() and (tl[:, 0] <= tl[:, 1]).all() and (tl[:, 1] <= tl[:, 2]).all()
+    sched = sk.state(8).schedule
+    inner = sched.instr[:, 0] != 0                          # every GEMV and ATTN: its marks in order
+    for a, b in ((1, 3), (3, 4), (4, 5), (5, 2)):
+        assert (tl[inner, a] <= tl[inner, b]).all()
+    gemv = sched.instr[:, 0] == 1                            # the loader's first page before its last
+    assert (tl[gemv, 6] > 0).all() and (tl[gemv, 6] <= tl[gemv, 7]).all()
+    summ = step_timeline.summarize(sched, tl)
     assert list(summ["stages"])[:3] == ["embed", "norm + qkv", "attention"] and summ["total_us"] > 0
+    ph = step_timeline.phases(sched, tl)
+    assert ph["attention"]["softmax"] > 0 and ph["norm + gate|up"]["mma"] > 0
     sk.record_timeline(8, on=False)
     sk.forward(tokens, pos, slots, mask, n_valid)
     sk.check()

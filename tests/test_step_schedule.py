@@ -375,6 +375,33 @@ def test_timeline_summary_accounts_for_the_whole_step():
         step_timeline.summarize(s, t)
 
 
+def test_timeline_phases_are_per_instruction_means():
+    """step_timeline.phases: each GEMV / ATTN instruction's 8 words -> the mean µs of its phases per
+    stage, and how far ahead of the compute warps the loader began a GEMV's pages."""
+    from swiftspec_mpi.gpu import step_timeline as tlm
+    shape = ss.Shape(n_layers=1, n=1, n_heads=4, n_kv_heads=2, qkv_rows=64 * 8, hidden=256, inter2=1024,
+                     vocab_rows=512)
+    s = ss.build(shape, blocks=4)
+    t = np.zeros((len(s.instr), tlm.TL_WORDS), dtype=np.int64)
+    for i in range(len(s.instr)):
+        base = 10_000 * (i + 1)
+        # wait 1 us, then phases of 2, 3, 4, 5 us (GEMV: the loader began 6 us before the run, took 7)
+        t[i, [tlm.TL_WAIT, tlm.TL_RUN, tlm.TL_MARK1, tlm.TL_MARK2, tlm.TL_EPI, tlm.TL_DONE]] = \
+            base + np.array([0, 1000, 3000, 6000, 10000, 15000])
+        if s.instr[i, 0] == ss.GEMV:
+            t[i, tlm.TL_LOAD0], t[i, tlm.TL_LOAD1] = base + 1000 - 6000, base + 1000 + 1000
+    ph = tlm.phases(s, t)
+    assert list(ph) == ["norm + qkv", "attention", "o", "norm + gate|up", "down", "norm + lm head"]
+    assert ph["attention"] == {"n": 4, "wait": 1, "append + q": 2, "softmax": 3, "merge + store": 4,
+                               "fence + signal": 5}
+    g = ph["down"]
+    assert g["n"] == s.op_instr[3] and (g["stage x"], g["mma"], g["loader ahead"], g["loader issue"]) == (2, 3, 6, 7)
+    table = tlm.format_phases(ph)
+    assert "| attention | 4 | 1.00 | 2.00 | 3.00 | 4.00 | 5.00 |" in table and "loader ahead" in table
+    with pytest.raises(ValueError, match="full timeline"):
+        tlm.phases(s, t[:, :3])
+
+
 def test_weight_shapes_refused_unless_every_k_is_computed():
     """The step kernel floors each page's k's to whole steps (32 k's bf16, 128-k chunks 4-bit):
     gpu.step_kernel.shape_reason takes exactly the shapes whose pages multiply every k, so none is

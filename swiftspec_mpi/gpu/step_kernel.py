@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from swiftspec_mpi.gpu import step_schedule as ss
+from swiftspec_mpi.gpu import step_timeline
 from swiftspec_mpi.gpu.launch import function, launch, sm_count
 
 _SOURCE = "step_kernel"
@@ -234,7 +235,7 @@ class _PerN:
         self.attn_splits = ss.attn_splits(n, sh.nh_l, sk.blocks)
         self.attn_part = torch.empty(self.attn_splits * n * sh.nh_l * (hd + 2), dtype=torch.float32, device=dev)
         self.params: dict[tuple, torch.Tensor] = {}
-        self.timeline: torch.Tensor | None = None     # int64 [n_instr, 3] while profiling (record_timeline)
+        self.timeline: torch.Tensor | None = None     # int64 [n_instr, TL_WORDS] while profiling (record_timeline)
 
 
 class StepKernel:
@@ -290,11 +291,13 @@ class StepKernel:
 
     def record_timeline(self, n: int, on: bool = True) -> torch.Tensor | None:
         """Profile the schedule of N = n: from the next launch (graph replays included) every
-        instruction writes (wait from, run from, done at), globaltimer ns, into the returned int64
-        [n_instr, 3] (instruction order of `state(n).schedule`; gpu/step_timeline.py reads it).
-        on=False stops it (the launches then write nothing)."""
+        instruction writes (wait from, run from, done at, two marks inside it, the epilogue's end,
+        the loader's first and last page issued), globaltimer ns, into the returned int64
+        [n_instr, TL_WORDS] (instruction order of `state(n).schedule`; gpu/step_timeline.py reads
+        it; cuda/step_kernel.cu's enum Timeline). on=False stops it (the launches then write nothing)."""
         st = self.state(n)
-        st.timeline = torch.zeros(len(st.schedule.instr), 3, dtype=torch.int64, device=self.model.device) if on else None
+        st.timeline = torch.zeros(len(st.schedule.instr), step_timeline.TL_WORDS, dtype=torch.int64,
+                                  device=self.model.device) if on else None
         word = torch.frombuffer(bytearray(struct.pack("<Q", _ptr(st.timeline))), dtype=torch.uint8)
         for p in st.params.values():      # the params blocks graphs hold: rewritten in place
             p[_TIMELINE_OFFSET:_TIMELINE_OFFSET + 8].copy_(word)
