@@ -16,8 +16,8 @@
 //          [0, n_valid) with an online softmax, the keys split again over the warps and merged in
 //          shared memory; one range: O in bf16, else the range's (max, sum, unnormalized O) in
 //          fp32, which the O projection's X staging merges (load_o_merged)
-// Dependencies: counters in global memory (a producer's stores, __threadfence, atomicAdd; the
-// consumer's thread 0 spins on an acquire load); no grid-wide barrier. The last block to finish
+// Dependencies: counters in global memory (a producer's stores, a barrier, thread 0's release add;
+// the consumer's thread 0 spins on an acquire load, then a barrier); no grid-wide barrier. The last block to finish
 // zeroes every counter, so the next launch starts clean without another kernel.
 //
 // Weight streaming: warp 8 is the loader. It walks the same instruction list and copies each GEMV
@@ -148,12 +148,13 @@ struct Params {
   float* attn_part;           // attn_splits > 1: (max, sum) [splits, N, nh, 2], then O [splits, N, nh, hd]
   int64_t N, H, nh, nkv, hd, I, V, n_layers, max_slots, rope_len, mask_stride, qkv_cols, vocab_embed;
   int64_t n_counters, timeout_ns, npages, xs_bytes, attn_splits, page_bytes;
+  int64_t max_inflight;       // pages the loader keeps issued and not yet landed, at most (<= npages)
   double eps, scale_log2;
 };
 // swiftspec_mpi/gpu/step_kernel.py packs these with struct: keep the sizes in step.
 static_assert(sizeof(OpDesc) == 11 * 8, "OpDesc layout");
 static_assert(sizeof(LayerDesc) == 4 * 8, "LayerDesc layout");
-static_assert(sizeof(Params) == 42 * 8, "Params layout");
+static_assert(sizeof(Params) == 43 * 8, "Params layout");
 static_assert(INV_OFF + 32 * 4 <= HEAD_BYTES, "shared memory head");
 static_assert(MAX_PAGES * Q4_SCALES_OFF <= POOL_BYTES, "pages (the host gives fewer when they are larger)");
 static_assert(16 * BF16_ROW_BYTES <= PAGE_BYTES && BF16_ROW_BYTES % 128 == 64, "bf16 page");
@@ -230,9 +231,17 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
                : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
   return ok != 0;
 }
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+// Weights are read once a step: their copies take L2's evict-first policy, so that the streamed
+// gigabytes do not push the activations (x, qkv, the KV cache's new rows) out of L2 between their
+// producer and their consumers.
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar, uint64_t pol) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
 }
 
 // Watchdog record (host-mapped memory): code, instruction, block, counter, value, target. The
@@ -294,10 +303,13 @@ __device__ void wait_counter(const Params& p, int ctr, int target, int instr) {
   compute_sync();
 }
 
-// Thread 0: publish this block's writes and add one to counters[ctr]; returns the old value.
+// Thread 0, after a barrier of the compute warps: publish the block's writes and add one to
+// counters[ctr]; returns the old value. The add is a gpu-scope release, cumulative over the
+// writes the barrier ordered before it (the other threads' too), so no thread fences on its own.
 __device__ __forceinline__ int signal(const Params& p, int ctr) {
-  __threadfence();
-  return atomicAdd(p.counters + ctr, 1);
+  int old;
+  asm volatile("atom.add.release.gpu.global.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(p.counters + ctr) : "memory");
+  return old;
 }
 
 // RMSNorm folded into its consumers: the GEMVs whose input is RMSNorm(x) (QKV, gate|up, the head)
@@ -416,7 +428,7 @@ __device__ __forceinline__ int x_block_k(int64_t xs_bytes, int N, int K, int pk)
 }
 
 // Loader lane: issue the copies of one page into `dst` (shared address) on mbarrier `bar`.
-__device__ void load_page(const OpDesc& op, const Page& pg, uint32_t dst, uint32_t bar, int lane) {
+__device__ void load_page(const OpDesc& op, const Page& pg, uint32_t dst, uint32_t bar, int lane, uint64_t pol) {
   const int64_t K = op.K;
   if (op.fmt == 0) {
     const uint32_t bytes = (uint32_t)pg.kspan * 2;
@@ -424,7 +436,7 @@ __device__ void load_page(const OpDesc& op, const Page& pg, uint32_t dst, uint32
     __syncwarp();
     if (lane < 16) {
       const bf16* src = reinterpret_cast<const bf16*>(op.w) + ((int64_t)pg.tile * 16 + lane) * K + pg.k0;
-      bulk_copy(dst + lane * BF16_ROW_BYTES, src, bytes, bar);
+      bulk_copy(dst + lane * BF16_ROW_BYTES, src, bytes, bar, pol);
     }
   } else {
     const int c0 = pg.k0 / 128, nch = pg.kspan / 128;
@@ -434,8 +446,8 @@ __device__ void load_page(const OpDesc& op, const Page& pg, uint32_t dst, uint32
       mbar_expect_tx(bar, code_bytes + so_bytes);
       const uint8_t* q = reinterpret_cast<const uint8_t*>(op.w) + (int64_t)pg.tile * 16 * (K / 2) + 1024 * (int64_t)c0;
       const uint32_t* so = op.so + (int64_t)pg.tile * 16 * (K / op.group) + 16 * SW * (int64_t)c0;
-      bulk_copy(dst, q, code_bytes, bar);
-      bulk_copy(dst + Q4_SCALES_OFF, so, so_bytes, bar);
+      bulk_copy(dst, q, code_bytes, bar, pol);
+      bulk_copy(dst + Q4_SCALES_OFF, so, so_bytes, bar, pol);
     }
   }
 }
@@ -458,26 +470,37 @@ __device__ __forceinline__ uint4 load_x(const bf16* X, int64_t ld, int row, int 
 }
 
 // The O projection's input when attention ran in key ranges: 8 consecutive columns k (one head,
-// k % 8 == 0) of token row `row`, the ranges' partial softmax sums merged, rounded to bf16 as the
-// one-range path rounds O.
+// k % 8 == 0) of token row `row`, the ranges' partial softmax sums merged (online, MERGE_BATCH
+// ranges' loads in flight at once: no load waits for a max), rounded to bf16 as the one-range
+// path rounds O.
+constexpr int MERGE_BATCH = 4;
 __device__ __forceinline__ uint4 load_o_merged(const Params& p, int row, int k) {
   const int hd = (int)p.hd, nh = (int)p.nh, N = (int)p.N, S = (int)p.attn_splits;
   const int hq = k / hd, d = k % hd;
   const float* ml = p.attn_part;
   const float* po = p.attn_part + 2 * (int64_t)S * N * nh;
-  float M = -INFINITY;
-  for (int s = 0; s < S; ++s) M = fmaxf(M, __ldcg(ml + 2 * (((int64_t)s * N + row) * nh + hq)));
-  float lsum = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (M != -INFINITY) {
-    for (int s = 0; s < S; ++s) {
-      const int64_t i = ((int64_t)s * N + row) * nh + hq;
-      const float2 m_l = __ldcg(reinterpret_cast<const float2*>(ml + 2 * i));
-      const float f = exp2f(m_l.x - M);
-      lsum += m_l.y * f;
-      const float4 a = __ldcg(reinterpret_cast<const float4*>(po + i * hd + d));
-      const float4 b = __ldcg(reinterpret_cast<const float4*>(po + i * hd + d + 4));
-      acc[0] += a.x * f; acc[1] += a.y * f; acc[2] += a.z * f; acc[3] += a.w * f;
-      acc[4] += b.x * f; acc[5] += b.y * f; acc[6] += b.z * f; acc[7] += b.w * f;
+  float M = -INFINITY, lsum = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int s0 = 0; s0 < S; s0 += MERGE_BATCH) {
+    float2 m_l[MERGE_BATCH];
+    float4 a[MERGE_BATCH], b[MERGE_BATCH];
+#pragma unroll
+    for (int u = 0; u < MERGE_BATCH; ++u) {
+      const int64_t i = ((int64_t)min(s0 + u, S - 1) * N + row) * nh + hq;
+      m_l[u] = __ldcg(reinterpret_cast<const float2*>(ml + 2 * i));
+      a[u] = __ldcg(reinterpret_cast<const float4*>(po + i * hd + d));
+      b[u] = __ldcg(reinterpret_cast<const float4*>(po + i * hd + d + 4));
+    }
+#pragma unroll
+    for (int u = 0; u < MERGE_BATCH; ++u) {
+      const float m_new = fmaxf(M, m_l[u].x);
+      if (s0 + u >= S || m_new == -INFINITY) continue;        // a range with no unmasked key
+      const float f_old = exp2f(M - m_new), f = exp2f(m_l[u].x - m_new);
+      lsum = lsum * f_old + m_l[u].y * f;
+      acc[0] = acc[0] * f_old + a[u].x * f; acc[1] = acc[1] * f_old + a[u].y * f;
+      acc[2] = acc[2] * f_old + a[u].z * f; acc[3] = acc[3] * f_old + a[u].w * f;
+      acc[4] = acc[4] * f_old + b[u].x * f; acc[5] = acc[5] * f_old + b[u].y * f;
+      acc[6] = acc[6] * f_old + b[u].z * f; acc[7] = acc[7] * f_old + b[u].w * f;
+      M = m_new;
     }
   }
   uint32_t o[4];
@@ -575,8 +598,9 @@ __device__ void run_embed(const Params& p) {
   }
 }
 
-// The op's epilogue for output row n (of W) and token row m: value v (fp32 sum over K).
-__device__ __forceinline__ void gemv_out(const Params& p, const OpDesc& op, int64_t n, int m, float v) {
+// The op's epilogue for output row n (of W) and token row m: value v (fp32 sum over K); x_old:
+// O and down's x[m, n] before the add (read before the instruction's MMAs).
+__device__ __forceinline__ void gemv_out(const Params& p, const OpDesc& op, int64_t n, int m, float v, float x_old) {
   switch ((int)op.kind) {
     case K_QKV: {
       if (op.bias) v += __bfloat162float(op.bias[n]);
@@ -586,9 +610,7 @@ __device__ __forceinline__ void gemv_out(const Params& p, const OpDesc& op, int6
     case K_O:
     case K_DOWN: {
       if (op.bias) v += __bfloat162float(op.bias[n]);
-      const float a = round_bf16(v);
-      bf16* xp = p.x + (int64_t)m * p.H + n;
-      *xp = __float2bfloat16_rn(ldcg_bf16(xp) + a);
+      p.x[(int64_t)m * p.H + n] = __float2bfloat16_rn(x_old + round_bf16(v));
       break;
     }
     case K_GU: p.gu[(int64_t)m * 2 * p.I + n] = __float2bfloat16_rn(v); break;
@@ -668,6 +690,19 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
     float acc[MB][4];
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) acc[mb][0] = acc[mb][1] = acc[mb][2] = acc[mb][3] = 0.f;
+    // O and down add into x: the x values this warp's outputs update, loaded now so that the L2
+    // round trip overlaps the MMAs instead of following them
+    float x_old[MB][4];
+    const int64_t n0 = (int64_t)(tile0 + r0 + ti) * 16;
+#pragma unroll
+    for (int mb = 0; mb < MB; ++mb) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m = 8 * mb + 2 * q + (e & 1);
+        x_old[mb][e] = (op.kind == K_O || op.kind == K_DOWN) && sub == 0 && m < N
+                           ? ldcg_bf16(p.x + (int64_t)m * p.H + n0 + g + (e >= 2 ? 8 : 0)) : 0.f;
+      }
+    }
     for (int xb = 0; xb < nxb; ++xb) {
       const int xk0 = xb * kx;
       if (r0 == 0 || nxb > 1) {
@@ -727,27 +762,26 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
     }
     if (sub == 0) {
       // acc[mb]: rows g, g + 8 of the tile x tokens 8 mb + 2 q, + 1 (the m16n8 C fragment)
-      const int64_t n0 = (int64_t)(tile0 + r0 + ti) * 16;
 #pragma unroll
       for (int mb = 0; mb < MB; ++mb) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int m = 8 * mb + 2 * q + (e & 1);
-          if (m < N) gemv_out(p, op, n0 + g + (e >= 2 ? 8 : 0), m, acc[mb][e]);
+          if (m < N) gemv_out(p, op, n0 + g + (e >= 2 ? 8 : 0), m, acc[mb][e], x_old[mb][e]);
         }
       }
     }
     if (ks > 1) compute_sync();                               // red is free again
   }
   if (threadIdx.x == 0) mark(p, instr, TL_EPI);
-  __threadfence();              // once per instruction: every writer fences before the barrier
-  compute_sync();               // that precedes the signal
+  compute_sync();               // the barrier that orders every warp's outputs before the signal
 }
 
 // One warp's online softmax over keys [kb, ke) of one query row q (HD floats in shared memory):
-// lane = key within a piece of 32; K rows read in full (HD / 8 16-byte loads in flight), the 32
-// V rows of a piece loaded before their FMAs (lane = HD / 32 dims). Writes the warp's partial
-// (max, sum, O) to pm / pl / po[warp].
+// lane = key within a piece of 32. A piece's loads go out together, before any arithmetic: the
+// lane's mask byte and K row (HD / 8 16-byte loads), and the piece's 32 V rows (lane = HD / 32
+// dims), so a piece costs one L2 round trip, not three (mask, then K, then V after the softmax).
+// Writes the warp's partial (max, sum, O) to pm / pl / po[warp].
 template <int HD>
 __device__ __forceinline__ void attn_warp(const float* q, const uint8_t* mrow, const bf16* kbase, const bf16* vbase,
                                           int64_t kv_stride, int kb, int ke, float sl2, float* pm, float* pl,
@@ -758,26 +792,36 @@ __device__ __forceinline__ void attn_warp(const float* q, const uint8_t* mrow, c
 #pragma unroll
   for (int e = 0; e < DPL; ++e) o[e] = 0.f;
   for (int j0 = kb; j0 < ke; j0 += 32) {
-    const int j = j0 + lane;
-    float s = -INFINITY;
-    if (j < ke && mrow[j]) {
-      const bf16* kr = kbase + (int64_t)j * kv_stride;
-      uint4 kv[HD / 8];
+    const int j = j0 + lane, jc = min(j, ke - 1);          // keys past ke read key ke - 1, dropped
+    const uint8_t keep = mrow[jc];
+    const bf16* kr = kbase + (int64_t)jc * kv_stride;
+    uint4 kv[HD / 8];
 #pragma unroll
-      for (int c = 0; c < HD / 8; ++c) kv[c] = ldcg16(kr + 8 * c);
-      float d = 0.f;
+    for (int c = 0; c < HD / 8; ++c) kv[c] = ldcg16(kr + 8 * c);
+    uint32_t v[32][DPL / 2];
 #pragma unroll
-      for (int c = 0; c < HD / 8; ++c) {
-        const uint32_t u[4] = {kv[c].x, kv[c].y, kv[c].z, kv[c].w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = unpack_bf16x2(u[e]);
-          d = fmaf(q[8 * c + 2 * e], f.x, d);
-          d = fmaf(q[8 * c + 2 * e + 1], f.y, d);
-        }
+    for (int jj = 0; jj < 32; ++jj) {
+      const bf16* vr = vbase + (int64_t)min(j0 + jj, ke - 1) * kv_stride + lane * DPL;
+      if constexpr (DPL == 4) {
+        const uint2 w = ldcg8(vr);
+        v[jj][0] = w.x;
+        v[jj][1] = w.y;
+      } else {
+        v[jj][0] = ldcg4(vr);
       }
-      s = d * sl2;
     }
+    float d = 0.f;
+#pragma unroll
+    for (int c = 0; c < HD / 8; ++c) {
+      const uint32_t u[4] = {kv[c].x, kv[c].y, kv[c].z, kv[c].w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = unpack_bf16x2(u[e]);
+        d = fmaf(q[8 * c + 2 * e], f.x, d);
+        d = fmaf(q[8 * c + 2 * e + 1], f.y, d);
+      }
+    }
+    const float s = j < ke && keep ? d * sl2 : -INFINITY;
     float mx = s;
 #pragma unroll
     for (int off = 16; off; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
@@ -791,18 +835,6 @@ __device__ __forceinline__ void attn_warp(const float* q, const uint8_t* mrow, c
     l_run = l_run * alpha + ps;
 #pragma unroll
     for (int e = 0; e < DPL; ++e) o[e] *= alpha;
-    uint32_t v[32][DPL / 2];
-#pragma unroll
-    for (int jj = 0; jj < 32; ++jj) {
-      const bf16* vr = vbase + (int64_t)min(j0 + jj, ke - 1) * kv_stride + lane * DPL;
-      if constexpr (DPL == 4) {
-        const uint2 w = ldcg8(vr);
-        v[jj][0] = w.x;
-        v[jj][1] = w.y;
-      } else {
-        v[jj][0] = ldcg4(vr);
-      }
-    }
 #pragma unroll
     for (int jj = 0; jj < 32; ++jj) {
       const float pj = __shfl_sync(0xffffffffu, p_own, jj);     // 0 for masked keys and j >= ke
@@ -828,42 +860,39 @@ __device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows
   const int hd = (int)p.hd, half = hd / 2, N = (int)p.N;
   const int group = (int)(p.nh / p.nkv), kh = hq / group;
   const LayerDesc& L = p.layers[layer];
-  // 1. RoPE of this KV head's new K rows and the K/V append (all N tokens; idempotent).
-  for (int i = threadIdx.x; i < N * half; i += COMPUTE_THREADS) {
-    const int t = i / half, j = i % half;
-    int64_t pos = p.positions[t];
-    pos = pos < 0 ? 0 : pos >= p.rope_len ? p.rope_len - 1 : pos;
-    const int64_t slot = p.slots[t];
-    const bf16* kr = p.qkv + (int64_t)t * p.qkv_cols + (p.nh + kh) * hd;
-    const bf16* vr = kr + p.nkv * hd;
-    const float x0 = ldcg_bf16(kr + j), x1 = ldcg_bf16(kr + j + half);
-    const float c0 = __bfloat162float(p.rope_cos[pos * hd + j]), c1 = __bfloat162float(p.rope_cos[pos * hd + j + half]);
-    const float s0 = __bfloat162float(p.rope_sin[pos * hd + j]), s1 = __bfloat162float(p.rope_sin[pos * hd + j + half]);
-    const float y0 = round_bf16(x0 * c0) + x1 * s0, y1 = round_bf16(x1 * c1) + x0 * s1;
-    if (slot >= 0 && slot < p.max_slots) {
-      bf16* kd = L.kc + (slot * p.nkv + kh) * hd;
-      bf16* vd = L.vc + (slot * p.nkv + kh) * hd;
-      kd[j] = __float2bfloat16_rn(y0);
-      kd[j + half] = __float2bfloat16_rn(y1);
-      vd[j] = __float2bfloat16_rn(ldcg_bf16(vr + j));
-      vd[j + half] = __float2bfloat16_rn(ldcg_bf16(vr + j + half));
-    }
-  }
-  // 2. q rows (RoPE'd, rounded to bf16 as the chain stores them) into shared memory
   float* qs = scratch;                              // [ATTN_ROWS = 8][hd]
   float* pm = scratch + 8 * hd;                     // [COMPUTE_WARPS] partial max (log2 units)
   float* pl = pm + COMPUTE_WARPS;                   // [COMPUTE_WARPS] partial sum
   float* po = pl + COMPUTE_WARPS;                   // [COMPUTE_WARPS][hd] partial O
-  for (int i = threadIdx.x; i < nrows * half; i += COMPUTE_THREADS) {
-    const int r = i / half, j = i % half, t = row0 + r;
+  // 1. one pass (its loads in flight together): items [0, N half) RoPE this KV head's new K rows
+  // and append them and their V rows to the cache (all N tokens; every instruction of the KV head
+  // writes the same values), items [N half, (N + nrows) half) put this instruction's q rows,
+  // RoPE'd and rounded to bf16 as the chain stores them, into shared memory
+  for (int i = threadIdx.x; i < (N + nrows) * half; i += COMPUTE_THREADS) {
+    const bool is_q = i >= N * half;
+    const int ii = is_q ? i - N * half : i;
+    const int t = is_q ? row0 + ii / half : ii / half, j = ii % half;
     int64_t pos = p.positions[t];
     pos = pos < 0 ? 0 : pos >= p.rope_len ? p.rope_len - 1 : pos;
-    const bf16* qr = p.qkv + (int64_t)t * p.qkv_cols + (int64_t)hq * hd;
-    const float x0 = ldcg_bf16(qr + j), x1 = ldcg_bf16(qr + j + half);
+    const bf16* xr = p.qkv + (int64_t)t * p.qkv_cols + (is_q ? (int64_t)hq : p.nh + kh) * hd;
+    const float x0 = ldcg_bf16(xr + j), x1 = ldcg_bf16(xr + j + half);
+    const float v0 = is_q ? 0.f : ldcg_bf16(xr + p.nkv * hd + j), v1 = is_q ? 0.f : ldcg_bf16(xr + p.nkv * hd + j + half);
+    const int64_t slot = is_q ? -1 : p.slots[t];
     const float c0 = __bfloat162float(p.rope_cos[pos * hd + j]), c1 = __bfloat162float(p.rope_cos[pos * hd + j + half]);
     const float s0 = __bfloat162float(p.rope_sin[pos * hd + j]), s1 = __bfloat162float(p.rope_sin[pos * hd + j + half]);
-    qs[r * hd + j] = round_bf16(round_bf16(x0 * c0) + x1 * s0);
-    qs[r * hd + j + half] = round_bf16(round_bf16(x1 * c1) + x0 * s1);
+    const float y0 = round_bf16(x0 * c0) + x1 * s0, y1 = round_bf16(x1 * c1) + x0 * s1;
+    if (is_q) {
+      const int r = ii / half;
+      qs[r * hd + j] = round_bf16(y0);
+      qs[r * hd + j + half] = round_bf16(y1);
+    } else if (slot >= 0 && slot < p.max_slots) {
+      bf16* kd = L.kc + (slot * p.nkv + kh) * hd;
+      bf16* vd = L.vc + (slot * p.nkv + kh) * hd;
+      kd[j] = __float2bfloat16_rn(y0);
+      kd[j + half] = __float2bfloat16_rn(y1);
+      vd[j] = __float2bfloat16_rn(v0);
+      vd[j + half] = __float2bfloat16_rn(v1);
+    }
   }
   __threadfence_block();
   compute_sync();
@@ -936,7 +965,11 @@ __device__ void step_body(const Params& p) {
   const int i_begin = p.block_start[blockIdx.x], i_end = p.block_start[blockIdx.x + 1];
 
   if (warp == COMPUTE_WARPS) {
-    // loader: every page of every GEMV instruction of this block, in order
+    // loader: every page of every GEMV instruction of this block, in order. At most max_inflight
+    // pages are in flight (issued, not landed): the bytes queued ahead of the compute warps' own
+    // loads (x, the residual, K/V) are what those loads wait behind.
+    const uint64_t pol = evict_first_policy();
+    const int cap = (int)p.max_inflight;
     int seq = 0;
     for (int i = i_begin; i < i_end; ++i) {
       const int* in = p.instr + (int64_t)i * INSTR_WORDS;
@@ -950,7 +983,12 @@ __device__ void step_body(const Params& p) {
           for (int ti = 0; ti < na; ++ti, ++seq) {
             const int slot = seq % np;
             if (seq >= np) mbar_wait(p, empty + 8 * slot, ((seq / np) - 1) & 1, i, 4 * (uint64_t)p.timeout_ns);
-            load_page(op, page_of(op, tile0 + r0 + ti, j), pages + slot * (uint32_t)p.page_bytes, full + 8 * slot, lane);
+            if (cap < np && seq >= cap) {     // page seq - cap landed (its slot's next fill is not issued yet)
+              const int old = seq - cap;
+              mbar_wait(p, full + 8 * (old % np), (old / np) & 1, i, 4 * (uint64_t)p.timeout_ns);
+            }
+            load_page(op, page_of(op, tile0 + r0 + ti, j), pages + slot * (uint32_t)p.page_bytes, full + 8 * slot, lane,
+                      pol);
             __syncwarp();
           }
         }
@@ -973,11 +1011,10 @@ __device__ void step_body(const Params& p) {
       run_attn(p, in[1], in[2], in[3], in[7] & 0xFF, (in[7] >> 8) & 0xFF, in[7] >> 16, red, i);
     } else {
       run_gemv<MB>(p, p.ops[in[1]], in[2], in[3], pages, full, empty, page_seq, red, inv, xs_area, i);
-      if (threadIdx.x == 0 && in[6] >= 0) signal(p, in[6]);      // run_gemv ended with fence + barrier
+      if (threadIdx.x == 0 && in[6] >= 0) signal(p, in[6]);      // run_gemv ended with a barrier
       if (threadIdx.x == 0) mark(p, i, TL_DONE);
       continue;
     }
-    __threadfence();
     compute_sync();
     if (threadIdx.x == 0 && in[6] >= 0) signal(p, in[6]);
     if (threadIdx.x == 0) mark(p, i, TL_DONE);
