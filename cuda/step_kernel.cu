@@ -272,6 +272,52 @@ __device__ __forceinline__ void mark(const Params& p, int i, int w) {
   if (p.timeline != nullptr) p.timeline[(int64_t)TL_WORDS * i + w] = globaltimer();
 }
 
+__device__ __forceinline__ void prefetch_l1(const void* a) { asm volatile("prefetch.global.L1 [%0];\n" :: "l"(a)); }
+__device__ __forceinline__ void prefetch_l2(const void* a) { asm volatile("prefetch.global.L2 [%0];\n" :: "l"(a)); }
+
+// Compute warps 1.. while warp 0 waits on the instruction's counter: what the instruction reads
+// that no instruction of this step writes, requested early so that it is near when the wait
+// ends: the next instruction's words and this one's OpDesc (L1), the RMSNorm weight of a
+// normalizing GEMV (L1), and for attention the RoPE rows of its tokens, its mask rows' bytes of
+// its key range (L1) and the cache's K and V rows of that range (L2; the new tokens' rows are
+// written by this step and read after the wait).
+__device__ void prefetch_instr(const Params& p, const int* in, bool has_next) {
+  const int t = threadIdx.x - 32, nt = COMPUTE_THREADS - 32;
+  if (t == 0 && has_next) prefetch_l1(in + INSTR_WORDS);
+  if (in[0] == GEMV) {
+    const OpDesc* op = p.ops + in[1];
+    if (t == 1) { prefetch_l1(op); prefetch_l1(reinterpret_cast<const char*>(op) + sizeof(OpDesc) - 1); }
+    const bf16* nw = op->norm_w;
+    if (nw != nullptr)
+      for (int c = t * 64; c < p.H; c += nt * 64) prefetch_l1(nw + c);
+  } else if (in[0] == ATTN) {
+    const int hd = (int)p.hd, N = (int)p.N, row0 = in[3], nrows = in[7] & 0xFF;
+    const int split = (in[7] >> 8) & 0xFF, splits = in[7] >> 16;
+    const int kh = in[2] / (int)(p.nh / p.nkv);
+    for (int i = t; i < 2 * N; i += nt) {               // cos and sin rows (hd <= 128: 2 lines)
+      int64_t pos = p.positions[i >> 1];
+      pos = pos < 0 ? 0 : pos >= p.rope_len ? p.rope_len - 1 : pos;
+      const bf16* r = ((i & 1) ? p.rope_sin : p.rope_cos) + pos * hd;
+      prefetch_l1(r);
+      prefetch_l1(r + hd - 1);
+    }
+    const int L_len = *p.n_valid;
+    const int per_i = ((L_len + splits - 1) / splits + 31) / 32 * 32;
+    const int kb_i = min(L_len, split * per_i), ke_i = min(L_len, kb_i + per_i);
+    for (int i = t; i < nrows * ((ke_i - kb_i + 127) / 128); i += nt) {
+      const int r = i % nrows, c = i / nrows;
+      prefetch_l1(p.mask + (int64_t)(row0 + r) * p.mask_stride + kb_i + 128 * c);
+    }
+    const LayerDesc& L = p.layers[in[1]];
+    const int lines = (hd * 2 + 127) / 128;
+    for (int i = t; i < 2 * lines * (ke_i - kb_i); i += nt) {
+      const int j = kb_i + i / (2 * lines), w = i % (2 * lines);
+      const bf16* base = (w & 1) ? L.vc : L.kc;
+      prefetch_l2(base + ((int64_t)j * p.nkv + kh) * hd + 64 * (w >> 1));
+    }
+  }
+}
+
 // Thread 0 of the compute warps waits until counters[ctr] >= target (or the abort flag is up),
 // then the compute warps pass a barrier.
 __device__ void wait_counter(const Params& p, int ctr, int target, int instr) {
@@ -1002,6 +1048,7 @@ __device__ void step_body(const Params& p) {
   for (int i = i_begin; i < i_end; ++i) {
     const int* in = p.instr + (int64_t)i * INSTR_WORDS;
     if (threadIdx.x == 0) mark(p, i, TL_WAIT);
+    if (threadIdx.x >= 32) prefetch_instr(p, in, i + 1 < i_end);
     wait_counter(p, in[4], in[5], i);
     if (threadIdx.x == 0) mark(p, i, TL_RUN);
     const int opc = in[0];
