@@ -148,13 +148,12 @@ struct Params {
   float* attn_part;           // attn_splits > 1: (max, sum) [splits, N, nh, 2], then O [splits, N, nh, hd]
   int64_t N, H, nh, nkv, hd, I, V, n_layers, max_slots, rope_len, mask_stride, qkv_cols, vocab_embed;
   int64_t n_counters, timeout_ns, npages, xs_bytes, attn_splits, page_bytes;
-  int64_t max_inflight;       // pages the loader keeps issued and not yet landed, at most (<= npages)
   double eps, scale_log2;
 };
 // swiftspec_mpi/gpu/step_kernel.py packs these with struct: keep the sizes in step.
 static_assert(sizeof(OpDesc) == 11 * 8, "OpDesc layout");
 static_assert(sizeof(LayerDesc) == 4 * 8, "LayerDesc layout");
-static_assert(sizeof(Params) == 43 * 8, "Params layout");
+static_assert(sizeof(Params) == 42 * 8, "Params layout");
 static_assert(INV_OFF + 32 * 4 <= HEAD_BYTES, "shared memory head");
 static_assert(MAX_PAGES * Q4_SCALES_OFF <= POOL_BYTES, "pages (the host gives fewer when they are larger)");
 static_assert(16 * BF16_ROW_BYTES <= PAGE_BYTES && BF16_ROW_BYTES % 128 == 64, "bf16 page");
@@ -1011,11 +1010,8 @@ __device__ void step_body(const Params& p) {
   const int i_begin = p.block_start[blockIdx.x], i_end = p.block_start[blockIdx.x + 1];
 
   if (warp == COMPUTE_WARPS) {
-    // loader: every page of every GEMV instruction of this block, in order. At most max_inflight
-    // pages are in flight (issued, not landed): the bytes queued ahead of the compute warps' own
-    // loads (x, the residual, K/V) are what those loads wait behind.
+    // loader: every page of every GEMV instruction of this block, in order
     const uint64_t pol = evict_first_policy();
-    const int cap = (int)p.max_inflight;
     int seq = 0;
     for (int i = i_begin; i < i_end; ++i) {
       const int* in = p.instr + (int64_t)i * INSTR_WORDS;
@@ -1029,10 +1025,6 @@ __device__ void step_body(const Params& p) {
           for (int ti = 0; ti < na; ++ti, ++seq) {
             const int slot = seq % np;
             if (seq >= np) mbar_wait(p, empty + 8 * slot, ((seq / np) - 1) & 1, i, 4 * (uint64_t)p.timeout_ns);
-            if (cap < np && seq >= cap) {     // page seq - cap landed (its slot's next fill is not issued yet)
-              const int old = seq - cap;
-              mbar_wait(p, full + 8 * (old % np), (old / np) & 1, i, 4 * (uint64_t)p.timeout_ns);
-            }
             load_page(op, page_of(op, tile0 + r0 + ti, j), pages + slot * (uint32_t)p.page_bytes, full + 8 * slot, lane,
                       pol);
             __syncwarp();
