@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from swiftspec_mpi.checkpoints import registry
+from swiftspec_mpi.core.config import SHUTDOWN_S
 from swiftspec_mpi.core.errors import EXIT_RUNTIME_ERROR, UserError
 from swiftspec_mpi.gpu.sharing import describe as describe_gpu_sharing
 from swiftspec_mpi.gpu.sharing import time_sliced
@@ -161,8 +162,9 @@ def _count_requests(path: str) -> int | None:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the launcher's process group (it was started in its own session), then SIGKILL."""
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+    """SIGTERM the launcher's process group (it was started in its own session), then SIGKILL once
+    the run had its own shutdown time (it writes its partial trace within SHUTDOWN_S) and 10 s."""
+    for sig, wait in ((signal.SIGTERM, SHUTDOWN_S + 10), (signal.SIGKILL, 5)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:

@@ -39,7 +39,7 @@ from swiftspec_mpi.trace.record import (EVENT_DTYPE, RANK_DTYPE, ROLE_VERIFY, Cl
                                         RequestResult, TraceFile)
 
 CHECKPOINT_EVERY_S = 2.0   # seconds between checkpoints of the request in flight (at least)
-SHUTDOWN_S = 20.0          # a signal: every rank out within this (the HTTP answers, the gather, the write)
+SHUTDOWN_S = C.SHUTDOWN_S  # a signal: every rank out within this (the HTTP answers, the gather, the write)
 SHUTDOWN_GATHER_S = 15.0   # ... of which rank 0 waits this long, from the signal, for the other ranks' events
 ERROR_GATHER_S = 3.0       # a failure: rank 0 waits this long for the others' events (within the
                            # 5 s a failing rank gives rank 0 before it aborts the job itself)

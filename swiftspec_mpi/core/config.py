@@ -362,6 +362,7 @@ def parse_serve_address(spec: str) -> tuple[str, int]:
     return host, p
 
 
+SHUTDOWN_S = 20.0          # a signalled run: every rank out within this (the HTTP answers, the gather, the write)
 DEFAULT_TRACE_ROTATE = "500"    # --serve / --interactive: a new trace file every 500 requests
 
 
