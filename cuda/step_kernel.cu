@@ -271,6 +271,25 @@ __device__ __forceinline__ void mark(const Params& p, int i, int w) {
   if (p.timeline != nullptr) p.timeline[(int64_t)TL_WORDS * i + w] = globaltimer();
 }
 
+// Token t's RoPE row: its position clamped to the table.
+__device__ __forceinline__ int64_t rope_pos(const Params& p, int t) {
+  const int64_t pos = p.positions[t];
+  return pos < 0 ? 0 : pos >= p.rope_len ? p.rope_len - 1 : pos;
+}
+
+// An ATTN instruction's word 7: rows | split << 8 | splits << 16 (step_schedule.attn_word).
+struct AttnFields {
+  int rows, split, splits;
+};
+__device__ __forceinline__ AttnFields attn_fields(int w) { return {w & 0xFF, (w >> 8) & 0xFF, w >> 16}; }
+
+// Keys [kb, ke) of key range `split` of `splits` over the n_valid slots (ranges of whole 32s).
+__device__ __forceinline__ void attn_key_range(int n_valid, int split, int splits, int& kb, int& ke) {
+  const int per = ((n_valid + splits - 1) / splits + 31) / 32 * 32;
+  kb = min(n_valid, split * per);
+  ke = min(n_valid, kb + per);
+}
+
 __device__ __forceinline__ void prefetch_l1(const void* a) { asm volatile("prefetch.global.L1 [%0];\n" :: "l"(a)); }
 __device__ __forceinline__ void prefetch_l2(const void* a) { asm volatile("prefetch.global.L2 [%0];\n" :: "l"(a)); }
 
@@ -290,21 +309,18 @@ __device__ void prefetch_instr(const Params& p, const int* in, bool has_next) {
     if (nw != nullptr)
       for (int c = t * 64; c < p.H; c += nt * 64) prefetch_l1(nw + c);
   } else if (in[0] == ATTN) {
-    const int hd = (int)p.hd, N = (int)p.N, row0 = in[3], nrows = in[7] & 0xFF;
-    const int split = (in[7] >> 8) & 0xFF, splits = in[7] >> 16;
+    const int hd = (int)p.hd, N = (int)p.N, row0 = in[3];
+    const AttnFields f = attn_fields(in[7]);
     const int kh = in[2] / (int)(p.nh / p.nkv);
     for (int i = t; i < 2 * N; i += nt) {               // cos and sin rows (hd <= 128: 2 lines)
-      int64_t pos = p.positions[i >> 1];
-      pos = pos < 0 ? 0 : pos >= p.rope_len ? p.rope_len - 1 : pos;
-      const bf16* r = ((i & 1) ? p.rope_sin : p.rope_cos) + pos * hd;
+      const bf16* r = ((i & 1) ? p.rope_sin : p.rope_cos) + rope_pos(p, i >> 1) * hd;
       prefetch_l1(r);
       prefetch_l1(r + hd - 1);
     }
-    const int L_len = *p.n_valid;
-    const int per_i = ((L_len + splits - 1) / splits + 31) / 32 * 32;
-    const int kb_i = min(L_len, split * per_i), ke_i = min(L_len, kb_i + per_i);
-    for (int i = t; i < nrows * ((ke_i - kb_i + 127) / 128); i += nt) {
-      const int r = i % nrows, c = i / nrows;
+    int kb_i, ke_i;
+    attn_key_range(*p.n_valid, f.split, f.splits, kb_i, ke_i);
+    for (int i = t; i < f.rows * ((ke_i - kb_i + 127) / 128); i += nt) {
+      const int r = i % f.rows, c = i / f.rows;
       prefetch_l1(p.mask + (int64_t)(row0 + r) * p.mask_stride + kb_i + 128 * c);
     }
     const LayerDesc& L = p.layers[in[1]];
@@ -917,8 +933,7 @@ __device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows
     const bool is_q = i >= N * half;
     const int ii = is_q ? i - N * half : i;
     const int t = is_q ? row0 + ii / half : ii / half, j = ii % half;
-    int64_t pos = p.positions[t];
-    pos = pos < 0 ? 0 : pos >= p.rope_len ? p.rope_len - 1 : pos;
+    const int64_t pos = rope_pos(p, t);
     const bf16* xr = p.qkv + (int64_t)t * p.qkv_cols + (is_q ? (int64_t)hq : p.nh + kh) * hd;
     const float x0 = ldcg_bf16(xr + j), x1 = ldcg_bf16(xr + j + half);
     const float v0 = is_q ? 0.f : ldcg_bf16(xr + p.nkv * hd + j), v1 = is_q ? 0.f : ldcg_bf16(xr + p.nkv * hd + j + half);
@@ -943,9 +958,8 @@ __device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows
   compute_sync();
   if (threadIdx.x == 0) mark(p, instr, TL_MARK1);
   // 3. warps = (row, key split); online softmax over the split's keys
-  const int L_len = *p.n_valid;
-  const int per_i = ((L_len + splits - 1) / splits + 31) / 32 * 32;    // this instruction's keys
-  const int kb_i = min(L_len, split * per_i), ke_i = min(L_len, kb_i + per_i);
+  int kb_i, ke_i;                                   // this instruction's keys
+  attn_key_range(*p.n_valid, split, splits, kb_i, ke_i);
   const int nsplit = max(1, COMPUTE_WARPS / nrows);
   if (warp < nrows * nsplit) {
     const int r = warp % nrows, sp = warp / nrows, t = row0 + r;
@@ -1047,7 +1061,8 @@ __device__ void step_body(const Params& p) {
     if (opc == EMBED) {
       run_embed(p);
     } else if (opc == ATTN) {
-      run_attn(p, in[1], in[2], in[3], in[7] & 0xFF, (in[7] >> 8) & 0xFF, in[7] >> 16, red, i);
+      const AttnFields f = attn_fields(in[7]);
+      run_attn(p, in[1], in[2], in[3], f.rows, f.split, f.splits, red, i);
     } else {
       run_gemv<MB>(p, p.ops[in[1]], in[2], in[3], pages, full, empty, page_seq, red, inv, xs_area, i);
       if (threadIdx.x == 0 && in[6] >= 0) signal(p, in[6]);      // run_gemv ended with a barrier

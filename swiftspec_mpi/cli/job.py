@@ -39,8 +39,7 @@ from swiftspec_mpi.trace.record import (EVENT_DTYPE, RANK_DTYPE, ROLE_VERIFY, Cl
                                         RequestResult, TraceFile)
 
 CHECKPOINT_EVERY_S = 2.0   # seconds between checkpoints of the request in flight (at least)
-SHUTDOWN_S = C.SHUTDOWN_S  # a signal: every rank out within this (the HTTP answers, the gather, the write)
-SHUTDOWN_GATHER_S = 15.0   # ... of which rank 0 waits this long, from the signal, for the other ranks' events
+SHUTDOWN_GATHER_S = 15.0   # ... of C.SHUTDOWN_S, rank 0 waits this long, from the signal, for the other ranks' events
 ERROR_GATHER_S = 3.0       # a failure: rank 0 waits this long for the others' events (within the
                            # 5 s a failing rank gives rank 0 before it aborts the job itself)
 
@@ -388,7 +387,7 @@ class Job:
     def interrupted(self) -> int:
         """SIGTERM / SIGINT: every other rank sends rank 0 its events and row, rank 0 writes the
         partial file with them (a rank silent SHUTDOWN_GATHER_S after the signal is named); all
-        ranks leave together, non-zero, within SHUTDOWN_S."""
+        ranks leave together, non-zero, within C.SHUTDOWN_S."""
         start = time.monotonic()
         if self.rank == 0:
             print("\nswiftspec run: interrupted (signal); writing what was generated", file=sys.stderr,
@@ -406,7 +405,7 @@ class Job:
             self.sent_part = send_trace_part(self.world, self.trace_part())
         together = False
         try:   # let rank 0 finish writing before anyone leaves (a leaving rank may end the job)
-            wait_for(self.world.Ibarrier(), max(1.0, start + SHUTDOWN_S - time.monotonic()),
+            wait_for(self.world.Ibarrier(), max(1.0, start + C.SHUTDOWN_S - time.monotonic()),
                      "ranks at shutdown", StopFlag(), collective=True)
             together = True
         except Exception:  # noqa: BLE001
