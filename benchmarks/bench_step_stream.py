@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     src = (Path(__file__).parent / "stream_probe.cu").read_text()
-    mod = cp.RawModule(code=src, backend="nvcc", options=("-O3",))
+    cuda_dir = Path(__file__).resolve().parent.parent / "cuda"     # mbarrier.cuh
+    mod = cp.RawModule(code=src, backend="nvcc", options=("-O3", f"-I{cuda_dir}"))
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     rows = args.mb * 2**20 // args.row_bytes // 16 * 16
     nbytes = rows * args.row_bytes

@@ -59,6 +59,7 @@
 #include <stdint.h>
 
 #include "mma_bf16.cuh"
+#include "mbarrier.cuh"
 
 namespace step {
 
@@ -213,35 +214,6 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 }
 __device__ __forceinline__ float2 unpack_bf16x2(uint32_t v) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
-}
-
-// mbarrier + 1-D bulk copy (sm_90)
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-               : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
-  return ok != 0;
-}
-// Weights are read once a step: their copies take L2's evict-first policy, so that the streamed
-// gigabytes do not push the activations (x, qkv, the KV cache's new rows) out of L2 between their
-// producer and their consumers.
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-  return pol;
-}
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar, uint64_t pol) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n"
-               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar), "l"(pol) : "memory");
 }
 
 // Watchdog record (host-mapped memory): code, instruction, block, counter, value, target. The
@@ -557,14 +529,14 @@ __device__ void prefetch_page(const OpDesc& op, const PageCursor& c, int lane) {
   if (op.fmt == 0) {
     if (lane < 16) {
       const bf16* src = reinterpret_cast<const bf16*>(op.w) + ((int64_t)pg.tile * 16 + lane) * K + pg.k0;
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(src), "r"((uint32_t)pg.kspan * 2) : "memory");
+      bulk_prefetch_l2(src, (uint32_t)pg.kspan * 2);
     }
   } else if (lane == 0) {
     const int c0 = pg.k0 / 128, nch = pg.kspan / 128, SW = 128 / (int)op.group;
     const uint8_t* q = reinterpret_cast<const uint8_t*>(op.w) + (int64_t)pg.tile * 16 * (K / 2) + 1024 * (int64_t)c0;
     const uint32_t* so = op.so + (int64_t)pg.tile * 16 * (K / op.group) + 16 * SW * (int64_t)c0;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(q), "r"(1024u * nch) : "memory");
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(so), "r"(64u * SW * nch) : "memory");
+    bulk_prefetch_l2(q, 1024u * nch);
+    bulk_prefetch_l2(so, 64u * SW * nch);
   }
 }
 
