@@ -5,7 +5,7 @@ table ("no waits": each block runs its list back to back, so the outputs are gar
 is what streaming and compute alone cost; eager launches, with the sync). Random weights at real shapes, batch 1.
 
     python benchmarks/bench_step_timeline.py [--rows 1b-bf16,1b-int4,8b-int4] [--n 1,8] [--warps 8,16]
-        [--context 1024] [--l2-ahead 0,64,128,256] [--json out.json]
+        [--context 1024] [--json out.json]
 """
 from __future__ import annotations
 
@@ -47,21 +47,7 @@ def median_phases(sk, st, n, step, runs: int = 5) -> dict:
     return out[len(out) // 2][1]
 
 
-def l2_ahead_sweep(model, n: int, step_args, caps: list[int]) -> dict:
-    """Persistent step ms (N = n) with the loader's L2 lookahead at each of `caps` KB a block,
-    each kernel timed twice, interleaved."""
-    from swiftspec_mpi.gpu.step_kernel import StepKernel
-    kernels = {c: StepKernel(model, l2_ahead_kb=c) for c in caps}
-    out = {c: [] for c in caps}
-    for _ in range(2):
-        for c, sk in kernels.items():
-            out[c].append(cuda_time(lambda sk=sk: sk.forward(*step_args), iters=40))
-            sk.check()
-    return {str(c): min(v) for c, v in out.items()}
-
-
-def bench_row(name: str, ns: list[int], context: int, bw: float, warps: list[int],
-              caps: list[int] | None = None) -> dict:
+def bench_row(name: str, ns: list[int], context: int, bw: float, warps: list[int]) -> dict:
     from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.checkpoints.load import dummy_model
     from swiftspec_mpi.gpu import step_timeline
@@ -86,11 +72,6 @@ def bench_row(name: str, ns: list[int], context: int, bw: float, warps: list[int
         nv = torch.tensor([context + n], dtype=torch.int32, device="cuda")
         slots = pos.clone()
 
-        if caps:
-            sw = l2_ahead_sweep(model, n, (toks, pos, slots, mask, nv), caps)
-            r.setdefault("l2_ahead", {})[n] = sw
-            print(f"\n{name}, N = {n}: persistent ms by the loader's L2 lookahead, KB a block: "
-                  + ", ".join(f"{c}: {t:.3f}" for c, t in sw.items()), flush=True)
         ref = None
         for w, sk in kernels.items():
             def pers(sk=sk):
@@ -140,15 +121,12 @@ def main():
     ap.add_argument("--n", default="1,8")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--warps", default="8", help="compute warps a block, each timed (8, 16)")
-    ap.add_argument("--l2-ahead", default="",
-                    help="KB a block of the loader's L2 lookahead to time first, e.g. 0,64,128,256")
     ap.add_argument("--json")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw:.2f} TB/s, context {args.context}")
     res = {"copy_tbs": bw, "rows": [bench_row(name, [int(x) for x in args.n.split(",")], args.context, bw,
-                                              [int(w) for w in args.warps.split(",")],
-                                              [int(c) for c in args.l2_ahead.split(",") if c])
+                                              [int(w) for w in args.warps.split(",")])
                                     for name in args.rows.split(",")]}
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=lambda o: o.item() if isinstance(o, np.generic) else str(o)))

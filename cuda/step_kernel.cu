@@ -149,13 +149,12 @@ struct Params {
   float* attn_part;           // attn_splits > 1: (max, sum) [splits, N, nh, 2], then O [splits, N, nh, hd]
   int64_t N, H, nh, nkv, hd, I, V, n_layers, max_slots, rope_len, mask_stride, qkv_cols, vocab_embed;
   int64_t n_counters, timeout_ns, npages, xs_bytes, attn_splits, page_bytes;
-  int64_t l2_ahead;           // pages past the one being copied that the loader prefetches into L2
   double eps, scale_log2;
 };
 // swiftspec_mpi/gpu/step_kernel.py packs these with struct: keep the sizes in step.
 static_assert(sizeof(OpDesc) == 11 * 8, "OpDesc layout");
 static_assert(sizeof(LayerDesc) == 4 * 8, "LayerDesc layout");
-static_assert(sizeof(Params) == 43 * 8, "Params layout");
+static_assert(sizeof(Params) == 42 * 8, "Params layout");
 static_assert(INV_OFF + 32 * 4 <= HEAD_BYTES, "shared memory head");
 static_assert(MAX_PAGES * Q4_SCALES_OFF <= POOL_BYTES, "pages (the host gives fewer when they are larger)");
 static_assert(16 * BF16_ROW_BYTES <= PAGE_BYTES && BF16_ROW_BYTES % 128 == 64, "bf16 page");
@@ -483,60 +482,6 @@ __device__ void load_page(const OpDesc& op, const Page& pg, uint32_t dst, uint32
       bulk_copy(dst, q, code_bytes, bar, pol);
       bulk_copy(dst + Q4_SCALES_OFF, so, so_bytes, bar, pol);
     }
-  }
-}
-
-// The loader's L2 lookahead: a cursor over the block's pages in the ring's order (instruction,
-// round, page j, tile of the round), and the prefetch of one page's bytes into L2.
-struct PageCursor {
-  int i;                       // the GEMV instruction (index into p.instr)
-  int r0, j, ti, na, npt, tile0, ntiles;
-};
-
-// c.i at the first GEMV instruction at or after c.i, at its first page; false when none is left.
-__device__ bool cursor_seek(const Params& p, PageCursor& c, int i_end) {
-  for (; c.i < i_end; ++c.i) {
-    const int* in = p.instr + (int64_t)c.i * INSTR_WORDS;
-    if (in[0] != GEMV) continue;
-    c.tile0 = in[2];
-    c.ntiles = in[3];
-    c.npt = pages_per_tile(p.ops[in[1]]);
-    c.r0 = c.j = c.ti = 0;
-    c.na = min(COMPUTE_WARPS, c.ntiles);
-    return true;
-  }
-  return false;
-}
-
-__device__ bool cursor_next(const Params& p, PageCursor& c, int i_end) {
-  if (++c.ti < c.na) return true;
-  c.ti = 0;
-  if (++c.j < c.npt) return true;
-  c.j = 0;
-  c.r0 += COMPUTE_WARPS;
-  if (c.r0 < c.ntiles) {
-    c.na = min(COMPUTE_WARPS, c.ntiles - c.r0);
-    return true;
-  }
-  ++c.i;
-  return cursor_seek(p, c, i_end);
-}
-
-// Loader lanes: the bytes load_page would copy for the cursor's page, prefetched into L2.
-__device__ void prefetch_page(const OpDesc& op, const PageCursor& c, int lane) {
-  const Page pg = page_of(op, c.tile0 + c.r0 + c.ti, c.j);
-  const int64_t K = op.K;
-  if (op.fmt == 0) {
-    if (lane < 16) {
-      const bf16* src = reinterpret_cast<const bf16*>(op.w) + ((int64_t)pg.tile * 16 + lane) * K + pg.k0;
-      bulk_prefetch_l2(src, (uint32_t)pg.kspan * 2);
-    }
-  } else if (lane == 0) {
-    const int c0 = pg.k0 / 128, nch = pg.kspan / 128, SW = 128 / (int)op.group;
-    const uint8_t* q = reinterpret_cast<const uint8_t*>(op.w) + (int64_t)pg.tile * 16 * (K / 2) + 1024 * (int64_t)c0;
-    const uint32_t* so = op.so + (int64_t)pg.tile * 16 * (K / op.group) + 16 * SW * (int64_t)c0;
-    bulk_prefetch_l2(q, 1024u * nch);
-    bulk_prefetch_l2(so, 64u * SW * nch);
   }
 }
 
@@ -1051,15 +996,8 @@ __device__ void step_body(const Params& p) {
   const int i_begin = p.block_start[blockIdx.x], i_end = p.block_start[blockIdx.x + 1];
 
   if (warp == COMPUTE_WARPS) {
-    // loader: every page of every GEMV instruction of this block, in order. A second cursor runs
-    // l2_ahead pages ahead and prefetches them into L2, before the loader may block on a free
-    // slot: while the compute warps are held by latency (counter waits, staging, attention) and
-    // the ring is full, HBM keeps streaming into L2, and the ring refills from L2 after.
+    // loader: every page of every GEMV instruction of this block, in order
     const uint64_t pol = evict_first_policy();
-    PageCursor pf;
-    pf.i = i_begin;
-    bool pf_ok = cursor_seek(p, pf, i_end);
-    int pf_seq = 0;
     int seq = 0;
     for (int i = i_begin; i < i_end; ++i) {
       const int* in = p.instr + (int64_t)i * INSTR_WORDS;
@@ -1071,10 +1009,6 @@ __device__ void step_body(const Params& p) {
         const int na = min(COMPUTE_WARPS, ntiles - r0);
         for (int j = 0; j < npt; ++j) {
           for (int ti = 0; ti < na; ++ti, ++seq) {
-            for (; pf_ok && pf_seq <= seq + (int)p.l2_ahead; ++pf_seq) {
-              if (pf_seq > seq) prefetch_page(p.ops[p.instr[(int64_t)pf.i * INSTR_WORDS + 1]], pf, lane);
-              pf_ok = cursor_next(p, pf, i_end);
-            }
             const int slot = seq % np;
             if (seq >= np) mbar_wait(p, empty + 8 * slot, ((seq / np) - 1) & 1, i, 4 * (uint64_t)p.timeout_ns);
             load_page(op, page_of(op, tile0 + r0 + ti, j), pages + slot * (uint32_t)p.page_bytes, full + 8 * slot, lane,

@@ -79,14 +79,7 @@ def pool_split(n: int, input_dims: list[int], page_k: int, warps: int = 8,
     return xs, pages
 
 
-def l2_ahead_pages(page: int, l2_ahead_kb: int) -> int:
-    """Pages of `page` bytes the loader prefetches into L2 past the page it copies into the ring:
-    l2_ahead_kb KB of them (0: none)."""
-    return max(0, l2_ahead_kb * 1024 // page)
-
-
 MAX_TOKENS = 32
-L2_AHEAD_KB = 0             # KB of weight pages a block's loader prefetches into L2 past its ring
 _TIMELINE_OFFSET = 19 * 8     # Params.timeline: the 20th pointer
 TIMEOUT_S = 2.0             # a counter wait longer than this is a stuck schedule (watchdog)
 _KIND_NAMES = {ss.K_QKV: "QKV", ss.K_O: "O", ss.K_GU: "gate|up", ss.K_DOWN: "down", ss.K_HEAD: "LM head"}
@@ -248,8 +241,7 @@ class _PerN:
 class StepKernel:
     """The persistent step kernel bound to one GPU Transformer (module docstring)."""
 
-    def __init__(self, model, blocks: int | None = None, timeout_s: float = TIMEOUT_S, warps: int = 8,
-                 l2_ahead_kb: int = L2_AHEAD_KB):
+    def __init__(self, model, blocks: int | None = None, timeout_s: float = TIMEOUT_S, warps: int = 8):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(reason)
@@ -257,7 +249,6 @@ class StepKernel:
             raise ValueError(f"the step kernel is built for {WARPS} compute warps, not {warps}")
         self.model = model
         self.warps = warps
-        self.l2_ahead_kb = l2_ahead_kb
         self.blocks = int(blocks or sm_count())
         self.timeout_ns = int(timeout_s * 1e9)
         dev = model.device
@@ -292,7 +283,7 @@ class StepKernel:
         ints = [st.n, cfg.hidden_size, sh.nh_l, sh.nkv_l, cfg.head_dim, sh.inter_l, st.shape.vocab_rows,
                 len(m.layers), m.max_slots, m.rope_cos.shape[0], mask.stride(0), st.shape.qkv_rows,
                 m.embed.shape[0], st.schedule.n_counters, self.timeout_ns, st.npages, st.xs_bytes, st.attn_splits,
-                st.page_bytes, l2_ahead_pages(st.page_bytes, self.l2_ahead_kb)]
+                st.page_bytes]
         dbl = [float(cfg.rms_norm_eps), 1.0 / math.sqrt(cfg.head_dim) * math.log2(math.e)]
         raw = struct.pack(f"<{len(ptrs)}Q{len(ints)}q{len(dbl)}d", *[_ptr(t) for t in ptrs], *ints, *dbl)
         p = st.params[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(m.device)
