@@ -35,7 +35,7 @@ K_QKV, K_O, K_GU, K_DOWN, K_HEAD = 0, 1, 2, 3, 4
 CTR_PER_LAYER = 5
 QKV_DONE, ATTN_DONE, O_DONE, GU_DONE, DOWN_DONE = range(5)
 EMBED_DONE = 0
-ATTN_ROWS = 8          # token rows of one attention instruction at most (each warp runs all of them)
+ATTN_ROWS = 8          # token rows of one attention instruction at most (a warp per row and key split)
 TILE = 16              # output rows of one GEMV tile
 
 
@@ -92,11 +92,10 @@ def split_tiles(tiles: int, blocks: int, offset: int) -> list[tuple[int, int, in
     return out
 
 
-def attn_rows(n: int) -> int:
-    """Token rows of one attention instruction: all N up to ATTN_ROWS (its warps split the keys,
-    and each warp runs every row over its keys, so a K / V row is read once for all of them);
-    the key ranges (attn_splits) then fill the blocks."""
-    return max(1, min(ATTN_ROWS, n))
+def attn_rows(n: int, n_heads: int, blocks: int) -> int:
+    """Token rows of one attention instruction: few enough that the (head, rows) instructions
+    fill the blocks (the 8 warps of one then split the keys of its rows), at most ATTN_ROWS."""
+    return max(1, min(ATTN_ROWS, -(-n * n_heads // blocks)))
 
 
 MAX_SPLITS = 16         # key ranges of one (head, rows) attention pair at most
@@ -105,7 +104,7 @@ MAX_SPLITS = 16         # key ranges of one (head, rows) attention pair at most
 def attn_splits(n: int, n_heads: int, blocks: int) -> int:
     """Key ranges each (head, rows) pair of attention is split into: as many as keep every block
     busy (Llama-3.2-1B at N = 1: 32 heads x 4 = 128 instructions on 132 blocks), at least 1."""
-    pairs = n_heads * -(-n // attn_rows(n))
+    pairs = n_heads * -(-n // attn_rows(n, n_heads, blocks))
     return max(1, min(MAX_SPLITS, blocks // pairs))
 
 
@@ -146,7 +145,7 @@ def build(shape: Shape, blocks: int) -> Schedule:
         base = 4 * l
         n_qkv = gemv(base + 0, shape.qkv_rows, x_ready, ctr(l, QKV_DONE))
         n_attn = 0
-        rows = attn_rows(shape.n)
+        rows = attn_rows(shape.n, shape.n_heads, blocks)
         splits = attn_splits(shape.n, shape.n_heads, blocks)
         for hq in range(shape.n_heads):
             for r0 in range(0, shape.n, rows):
