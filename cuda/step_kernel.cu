@@ -810,23 +810,34 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
   compute_sync();               // the barrier that orders every warp's outputs before the signal
 }
 
-// One warp's online softmax over keys [kb, ke) of one query row q (HD floats in shared memory):
-// lane = key within a piece of 32. A piece's loads go out together, before any arithmetic: the
-// lane's mask byte and K row (HD / 8 16-byte loads), and the piece's 32 V rows (lane = HD / 32
-// dims), so a piece costs one L2 round trip, not three (mask, then K, then V after the softmax).
-// Writes the warp's partial (max, sum, O) to pm / pl / po[warp].
-template <int HD>
-__device__ __forceinline__ void attn_warp(const float* q, const uint8_t* mrow, const bf16* kbase, const bf16* vbase,
-                                          int64_t kv_stride, int kb, int ke, float sl2, float* pm, float* pl,
-                                          float* po) {
+// One warp's online softmax over keys [kb, ke) for the nrows (<= R) query rows of an attention
+// instruction (qs: [8][HD] floats in shared memory; row r is token t0 + r): lane = key within a
+// piece of 32. A piece's loads go out together, before any arithmetic: the lane's mask bytes
+// (one a row) and K row (HD / 8 16-byte loads), and the piece's 32 V rows (lane = HD / 32 dims),
+// so a piece costs one L2 round trip, and every row of the instruction uses the same K / V
+// registers (the rows share the KV head). Writes the warp's partials (max, sum, O) of row r to
+// pm / pl [warp * nrows + r] and po [(warp * nrows + r) * HD ..]. R = 1, 2 are inlined into
+// run_attn (not inlined itself, so its registers stay out of the GEMV loops' budget); R = 4, 8
+// are called (attn_warp_outlined: their rows' state beside a piece's K / V spills a little).
+template <int HD, int R>
+__device__ __forceinline__ void attn_warp(const float* qs, int nrows, const uint8_t* mask, int64_t mask_stride,
+                                          int t0, const bf16* kbase, const bf16* vbase, int64_t kv_stride, int kb,
+                                          int ke, float sl2, float* pm, float* pl, float* po) {
   constexpr int DPL = HD / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float m_run = -INFINITY, l_run = 0.f, o[DPL];
+  float m_run[R], l_run[R], o[R][DPL];
 #pragma unroll
-  for (int e = 0; e < DPL; ++e) o[e] = 0.f;
+  for (int r = 0; r < R; ++r) {
+    m_run[r] = -INFINITY;
+    l_run[r] = 0.f;
+#pragma unroll
+    for (int e = 0; e < DPL; ++e) o[r][e] = 0.f;
+  }
   for (int j0 = kb; j0 < ke; j0 += 32) {
     const int j = j0 + lane, jc = min(j, ke - 1);          // keys past ke read key ke - 1, dropped
-    const uint8_t keep = mrow[jc];
+    uint8_t keep[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) keep[r] = r < nrows ? mask[(int64_t)(t0 + r) * mask_stride + jc] : 0;
     const bf16* kr = kbase + (int64_t)jc * kv_stride;
     uint4 kv[HD / 8];
 #pragma unroll
@@ -843,60 +854,116 @@ __device__ __forceinline__ void attn_warp(const float* q, const uint8_t* mrow, c
         v[jj][0] = ldcg4(vr);
       }
     }
-    float d = 0.f;
+    float s[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = 0.f;
 #pragma unroll
     for (int c = 0; c < HD / 8; ++c) {
       const uint32_t u[4] = {kv[c].x, kv[c].y, kv[c].z, kv[c].w};
+      float f[8];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float2 f = unpack_bf16x2(u[e]);
-        d = fmaf(q[8 * c + 2 * e], f.x, d);
-        d = fmaf(q[8 * c + 2 * e + 1], f.y, d);
+        const float2 t = unpack_bf16x2(u[e]);
+        f[2 * e] = t.x;
+        f[2 * e + 1] = t.y;
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r < nrows) {
+          const float4 qa = *reinterpret_cast<const float4*>(qs + r * HD + 8 * c);
+          const float4 qb = *reinterpret_cast<const float4*>(qs + r * HD + 8 * c + 4);
+          float d = s[r];
+          d = fmaf(qa.x, f[0], d); d = fmaf(qa.y, f[1], d); d = fmaf(qa.z, f[2], d); d = fmaf(qa.w, f[3], d);
+          d = fmaf(qb.x, f[4], d); d = fmaf(qb.y, f[5], d); d = fmaf(qb.z, f[6], d); d = fmaf(qb.w, f[7], d);
+          s[r] = d;
+        }
       }
     }
-    const float s = j < ke && keep ? d * sl2 : -INFINITY;
-    float mx = s;
+    float p_own[R];
 #pragma unroll
-    for (int off = 16; off; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    const float m_new = fmaxf(m_run, mx);
-    if (m_new == -INFINITY) continue;
-    const float alpha = exp2f(m_run - m_new);
-    const float p_own = exp2f(s - m_new);
-    float ps = p_own;
+    for (int r = 0; r < R; ++r) {
+      p_own[r] = 0.f;
+      if (r < nrows) {
+        const float sr = j < ke && keep[r] ? s[r] * sl2 : -INFINITY;
+        float mx = sr;
 #pragma unroll
-    for (int off = 16; off; off >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, off);
-    l_run = l_run * alpha + ps;
+        for (int off = 16; off; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        const float m_new = fmaxf(m_run[r], mx);
+        if (m_new != -INFINITY) {                          // else no key of the row so far: all stays 0
+          const float alpha = exp2f(m_run[r] - m_new);
+          p_own[r] = exp2f(sr - m_new);
+          float ps = p_own[r];
 #pragma unroll
-    for (int e = 0; e < DPL; ++e) o[e] *= alpha;
+          for (int off = 16; off; off >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, off);
+          l_run[r] = l_run[r] * alpha + ps;
+#pragma unroll
+          for (int e = 0; e < DPL; ++e) o[r][e] *= alpha;
+          m_run[r] = m_new;
+        }
+      }
+    }
 #pragma unroll
     for (int jj = 0; jj < 32; ++jj) {
-      const float pj = __shfl_sync(0xffffffffu, p_own, jj);     // 0 for masked keys and j >= ke
+      float vf[DPL];
 #pragma unroll
       for (int e = 0; e < DPL / 2; ++e) {
-        const float2 f = unpack_bf16x2(v[jj][e]);
-        o[2 * e] = fmaf(pj, f.x, o[2 * e]);
-        o[2 * e + 1] = fmaf(pj, f.y, o[2 * e + 1]);
+        const float2 t = unpack_bf16x2(v[jj][e]);
+        vf[2 * e] = t.x;
+        vf[2 * e + 1] = t.y;
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r < nrows) {
+          const float pj = __shfl_sync(0xffffffffu, p_own[r], jj);     // 0 for masked keys and j >= ke
+#pragma unroll
+          for (int e = 0; e < DPL; ++e) o[r][e] = fmaf(pj, vf[e], o[r][e]);
+        }
       }
     }
-    m_run = m_new;
   }
-  if (lane == 0) { pm[warp] = m_run; pl[warp] = l_run; }
 #pragma unroll
-  for (int e = 0; e < DPL; ++e) po[warp * HD + lane * DPL + e] = o[e];
+  for (int r = 0; r < R; ++r) {
+    if (r < nrows) {
+      const int w = warp * nrows + r;
+      if (lane == 0) { pm[w] = m_run[r]; pl[w] = l_run[r]; }
+#pragma unroll
+      for (int e = 0; e < DPL; ++e) po[w * HD + lane * DPL + e] = o[r][e];
+    }
+  }
+}
+
+// attn_warp with R = the smallest of 1, 2, 4, 8 that holds nrows (an instruction's rows,
+// step_schedule.attn_rows: 1-2 up to N = 8 on 32 heads and 132 blocks, 8 at N = 32).
+template <int HD, int R>
+__device__ __noinline__ void attn_warp_outlined(const float* qs, int nrows, const uint8_t* mask, int64_t mask_stride,
+                                                int t0, const bf16* kbase, const bf16* vbase, int64_t kv_stride,
+                                                int kb, int ke, float sl2, float* pm, float* pl, float* po) {
+  attn_warp<HD, R>(qs, nrows, mask, mask_stride, t0, kbase, vbase, kv_stride, kb, ke, sl2, pm, pl, po);
+}
+
+template <int HD>
+__device__ __forceinline__ void attn_rows_warp(const float* qs, int nrows, const uint8_t* mask, int64_t mask_stride,
+                                               int t0, const bf16* kbase, const bf16* vbase, int64_t kv_stride,
+                                               int kb, int ke, float sl2, float* pm, float* pl, float* po) {
+  if (nrows == 1) attn_warp<HD, 1>(qs, 1, mask, mask_stride, t0, kbase, vbase, kv_stride, kb, ke, sl2, pm, pl, po);
+  else if (nrows == 2) attn_warp<HD, 2>(qs, 2, mask, mask_stride, t0, kbase, vbase, kv_stride, kb, ke, sl2, pm, pl, po);
+  else if (nrows <= 4) attn_warp_outlined<HD, 4>(qs, nrows, mask, mask_stride, t0, kbase, vbase, kv_stride, kb, ke, sl2, pm, pl, po);
+  else attn_warp_outlined<HD, 8>(qs, nrows, mask, mask_stride, t0, kbase, vbase, kv_stride, kb, ke, sl2, pm, pl, po);
 }
 
 // Attention of rows [row0, row0 + nrows) of query head hq (nrows <= 8) in layer `layer`, over key
-// range `split` of `splits`.
-__device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows, int split, int splits,
-                         float* scratch, int instr) {
+// range `split` of `splits`. scratch: attention's part of `red` (q rows and the warps' max / sum);
+// po: [COMPUTE_WARPS][nrows][hd] floats of the pool's X area (no GEMV stages X during attention;
+// the host's pool_split leaves room for them).
+__device__ __noinline__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows, int split, int splits,
+                         float* scratch, float* po, int instr) {
   const int warp = threadIdx.x / 32;
   const int hd = (int)p.hd, half = hd / 2, N = (int)p.N;
   const int group = (int)(p.nh / p.nkv), kh = hq / group;
   const LayerDesc& L = p.layers[layer];
   float* qs = scratch;                              // [ATTN_ROWS = 8][hd]
-  float* pm = scratch + 8 * hd;                     // [COMPUTE_WARPS] partial max (log2 units)
-  float* pl = pm + COMPUTE_WARPS;                   // [COMPUTE_WARPS] partial sum
-  float* po = pl + COMPUTE_WARPS;                   // [COMPUTE_WARPS][hd] partial O
+  float* pm = scratch + 8 * hd;                     // [COMPUTE_WARPS][nrows] partial max (log2 units)
+  float* pl = pm + COMPUTE_WARPS * 8;               // [COMPUTE_WARPS][nrows] partial sum
   // 1. one pass (its loads in flight together): items [0, N half) RoPE this KV head's new K rows
   // and append them and their V rows to the cache (all N tokens; every instruction of the KV head
   // writes the same values), items [N half, (N + nrows) half) put this instruction's q rows,
@@ -929,35 +996,32 @@ __device__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows
   __threadfence_block();
   compute_sync();
   if (threadIdx.x == 0) mark(p, instr, TL_MARK1);
-  // 3. warps = (row, key split); online softmax over the split's keys
+  // 3. the warps split the instruction's keys; each warp runs every row over its keys
   int kb_i, ke_i;                                   // this instruction's keys
   attn_key_range(*p.n_valid, split, splits, kb_i, ke_i);
-  const int nsplit = max(1, COMPUTE_WARPS / nrows);
-  if (warp < nrows * nsplit) {
-    const int r = warp % nrows, sp = warp / nrows, t = row0 + r;
-    const int per = ((ke_i - kb_i + nsplit - 1) / nsplit + 31) / 32 * 32;
-    const int kb = min(ke_i, kb_i + sp * per), ke = min(ke_i, kb + per);
-    const uint8_t* mrow = p.mask + (int64_t)t * p.mask_stride;
+  {
+    const int per = ((ke_i - kb_i + COMPUTE_WARPS - 1) / COMPUTE_WARPS + 31) / 32 * 32;
+    const int kb = min(ke_i, kb_i + warp * per), ke = min(ke_i, kb + per);
     const bf16* kbase = L.kc + kh * hd;
     const bf16* vbase = L.vc + kh * hd;
     const int64_t kv_stride = p.nkv * hd;
-    if (hd == 128) attn_warp<128>(qs + r * hd, mrow, kbase, vbase, kv_stride, kb, ke, (float)p.scale_log2, pm, pl, po);
-    else attn_warp<64>(qs + r * hd, mrow, kbase, vbase, kv_stride, kb, ke, (float)p.scale_log2, pm, pl, po);
+    const float sl2 = (float)p.scale_log2;
+    if (hd == 128) attn_rows_warp<128>(qs, nrows, p.mask, p.mask_stride, row0, kbase, vbase, kv_stride, kb, ke, sl2, pm, pl, po);
+    else attn_rows_warp<64>(qs, nrows, p.mask, p.mask_stride, row0, kbase, vbase, kv_stride, kb, ke, sl2, pm, pl, po);
   }
   compute_sync();
   if (threadIdx.x == 0) mark(p, instr, TL_MARK2);
-  // 4. merge the splits of each row -> o[t, hq * hd + d]
+  // 4. merge the warps' partials of each row -> o[t, hq * hd + d]
   for (int i = threadIdx.x; i < nrows * hd; i += COMPUTE_THREADS) {
     const int r = i / hd, d = i % hd;
     float M = -INFINITY;
-    for (int sp = 0; sp < nsplit; ++sp) M = fmaxf(M, pm[sp * nrows + r]);
+    for (int w = 0; w < COMPUTE_WARPS; ++w) M = fmaxf(M, pm[w * nrows + r]);
     float lsum = 0.f, acc = 0.f;
     if (M != -INFINITY) {
-      for (int sp = 0; sp < nsplit; ++sp) {
-        const int w = sp * nrows + r;
-        const float f = exp2f(pm[w] - M);
-        lsum += pl[w] * f;
-        acc += po[w * hd + d] * f;
+      for (int w = 0; w < COMPUTE_WARPS; ++w) {
+        const float f = exp2f(pm[w * nrows + r] - M);  // 0 for a warp with no unmasked key
+        lsum += pl[w * nrows + r] * f;
+        acc += po[(w * nrows + r) * hd + d] * f;
       }
     }
     if (splits == 1) {
@@ -1034,7 +1098,8 @@ __device__ void step_body(const Params& p) {
       run_embed(p);
     } else if (opc == ATTN) {
       const AttnFields f = attn_fields(in[7]);
-      run_attn(p, in[1], in[2], in[3], f.rows, f.split, f.splits, red, i);
+      run_attn(p, in[1], in[2], in[3], f.rows, f.split, f.splits, red,
+               reinterpret_cast<float*>(smem + HEAD_BYTES), i);
     } else {
       run_gemv<MB>(p, p.ops[in[1]], in[2], in[3], pages, full, empty, page_seq, red, inv, xs_area, i);
       if (threadIdx.x == 0 && in[6] >= 0) signal(p, in[6]);      // run_gemv ended with a barrier

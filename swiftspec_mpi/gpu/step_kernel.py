@@ -62,16 +62,23 @@ def page_bytes(bf16: bool, min_group: int) -> int:
     return PAGE_BYTES if bf16 else 16384 + 16 * 16 * (128 // min_group) * 4
 
 
+def attn_scratch_bytes(n: int, head_dim: int, warps: int = 8) -> int:
+    """Bytes of the X area an attention instruction uses for its warps' partial O rows
+    (run_attn's po: [warps][rows][head_dim] floats, rows <= ATTN_ROWS)."""
+    return warps * min(n, ss.ATTN_ROWS) * head_dim * 4
+
+
 def pool_split(n: int, input_dims: list[int], page_k: int, warps: int = 8,
-               page: int = PAGE_BYTES) -> tuple[int, int]:
+               page: int = PAGE_BYTES, head_dim: int = 128) -> tuple[int, int]:
     """(bytes of staged X, weight pages of `page` bytes) of the shared-memory pool for n tokens:
     room for the largest op input [n, K] whole when it leaves MIN_PAGES pages, else all the room
     those pages leave (larger inputs are staged in blocks of whole pages' k's), and at least one
-    page's k's of X (`page_k`: the largest of the model's weight formats); the rest is pages."""
+    page's k's of X (`page_k`: the largest of the model's weight formats) and attention's partial
+    O rows (attn_scratch_bytes); the rest is pages."""
     pool = SMEM_BYTES - head_bytes(warps)
     room = pool - MIN_PAGES * page
     want = n * (2 * max(input_dims) + 64)
-    xs = min(want, max(room, n * (2 * page_k + 64)))
+    xs = max(min(want, max(room, n * (2 * page_k + 64))), attn_scratch_bytes(n, head_dim, warps))
     xs = -(-xs // 128) * 128
     pages = min(MAX_PAGES, (pool - xs) // page)
     if pages < 1 or any(x_block_k(xs, n, k, page_k) < min(k, page_k) for k in input_dims):
@@ -209,7 +216,7 @@ class _PerN:
         w4 = [w for w in ws if _is_w4(w)]
         self.page_bytes = page_bytes(len(w4) < len(ws), min((w.group for w in w4), default=128))
         self.xs_bytes, self.npages = pool_split(n, [cfg.hidden_size, sh.nh_l * hd, sh.inter_l],
-                                                PAGE_K_Q4 if w4 else PAGE_K_BF16, sk.warps, self.page_bytes)
+                                                PAGE_K_Q4 if w4 else PAGE_K_BF16, sk.warps, self.page_bytes, hd)
         s = self.schedule
         self.instr = torch.from_numpy(s.instr.copy()).to(dev)
         self.block_start = torch.from_numpy(s.block_start.copy()).to(dev)
