@@ -932,8 +932,7 @@ __device__ __forceinline__ void attn_warp(const float* qs, int nrows, const uint
   }
 }
 
-// attn_warp with R = the smallest of 1, 2, 4, 8 that holds nrows (an instruction's rows,
-// step_schedule.attn_rows: 1-2 up to N = 8 on 32 heads and 132 blocks, 8 at N = 32).
+// attn_warp called, not inlined (R = 4, 8).
 template <int HD, int R>
 __device__ __noinline__ void attn_warp_outlined(const float* qs, int nrows, const uint8_t* mask, int64_t mask_stride,
                                                 int t0, const bf16* kbase, const bf16* vbase, int64_t kv_stride,
@@ -941,6 +940,8 @@ __device__ __noinline__ void attn_warp_outlined(const float* qs, int nrows, cons
   attn_warp<HD, R>(qs, nrows, mask, mask_stride, t0, kbase, vbase, kv_stride, kb, ke, sl2, pm, pl, po);
 }
 
+// attn_warp with R = the smallest of 1, 2, 4, 8 that holds nrows (an instruction's rows,
+// step_schedule.attn_rows: 1-2 up to N = 8 on 32 heads and 132 blocks, 8 at N = 32).
 template <int HD>
 __device__ __forceinline__ void attn_rows_warp(const float* qs, int nrows, const uint8_t* mask, int64_t mask_stride,
                                                int t0, const bf16* kbase, const bf16* vbase, int64_t kv_stride,
@@ -1000,8 +1001,10 @@ __device__ __noinline__ void run_attn(const Params& p, int layer, int hq, int ro
   int kb_i, ke_i;                                   // this instruction's keys
   attn_key_range(*p.n_valid, split, splits, kb_i, ke_i);
   {
-    const int per = ((ke_i - kb_i + COMPUTE_WARPS - 1) / COMPUTE_WARPS + 31) / 32 * 32;
-    const int kb = min(ke_i, kb_i + warp * per), ke = min(ke_i, kb + per);
+    int kb, ke;                                     // this warp's keys: range `warp` of the instruction's
+    attn_key_range(ke_i - kb_i, warp, COMPUTE_WARPS, kb, ke);
+    kb += kb_i;
+    ke += kb_i;
     const bf16* kbase = L.kc + kh * hd;
     const bf16* vbase = L.vc + kh * hd;
     const int64_t kv_stride = p.nkv * hd;
@@ -1047,6 +1050,7 @@ __device__ void step_body(const Params& p) {
   int* flag = reinterpret_cast<int*>(smem + RED_BYTES + 16 * MAX_PAGES);
   float* inv = reinterpret_cast<float*>(smem + INV_OFF);
   const uint32_t xs_area = smem_addr(smem + HEAD_BYTES);
+  float* xs_floats = reinterpret_cast<float*>(smem + HEAD_BYTES);   // the same area (attention's partials)
   const uint32_t pages = xs_area + (uint32_t)p.xs_bytes;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
@@ -1098,8 +1102,7 @@ __device__ void step_body(const Params& p) {
       run_embed(p);
     } else if (opc == ATTN) {
       const AttnFields f = attn_fields(in[7]);
-      run_attn(p, in[1], in[2], in[3], f.rows, f.split, f.splits, red,
-               reinterpret_cast<float*>(smem + HEAD_BYTES), i);
+      run_attn(p, in[1], in[2], in[3], f.rows, f.split, f.splits, red, xs_floats, i);
     } else {
       run_gemv<MB>(p, p.ops[in[1]], in[2], in[3], pages, full, empty, page_seq, red, inv, xs_area, i);
       if (threadIdx.x == 0 && in[6] >= 0) signal(p, in[6]);      // run_gemv ended with a barrier
