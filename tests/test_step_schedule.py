@@ -171,6 +171,7 @@ def test_shared_memory_pool_split():
                 assert xs % 128 == 0 and 1 <= pages <= sk.MAX_PAGES
                 assert pages >= sk.MIN_PAGES or n * (2 * pk + 64) > sk.SMEM_BYTES - sk.head_bytes(8) - sk.MIN_PAGES * page
                 assert sk.head_bytes(8) + xs + pages * page <= sk.SMEM_BYTES <= 227 * 1024
+                assert xs >= sk.attn_scratch_bytes(n, 128)     # attention's partial O rows fit
                 for k in dims:
                     kx = sk.x_block_k(xs, n, k, pk)
                     assert n * (2 * kx + 64) <= xs and (2 * kx + 64) % 16 == 0
