@@ -7,7 +7,8 @@
 //   EMBED  x = embed[tokens]
 //   GEMV   `ntiles` 16-row tiles of one projection (QKV, O, gate|up, down or the LM head) over all
 //          K, in rounds of up to 8 tiles (128 rows: a warp a tile), with the op's epilogue; O and
-//          down add into the residual x; QKV, gate|up and the head take RMSNorm(x) (ln1, ln2, the
+//          down add into the residual x; gate|up runs gate and up tiles of the same rows in one
+//          round and writes SwiGLU's h, down's input; QKV, gate|up and the head take RMSNorm(x) (ln1, ln2, the
 //          final norm), which every one of their instructions computes while staging x (no block
 //          normalizes for the others, so they wait on the O / down instructions directly)
 //   ATTN   one query head x up to 8 rows x one of `splits` key ranges: RoPE of this KV head's new
@@ -32,8 +33,7 @@
 // cross-warp reduction and no block barrier per tile or page. A round of fewer than 5 tiles splits each tile's pages' k's over 8 / na warps (2, 4 or
 // 8), whose sums meet once in shared memory at the round's end. The loader fills a round's pages in
 // (page, tile) order, so the warps advance through K together and share the ring's depth. A GEMV
-// instruction first stages its input X [N, K] in shared memory (the SwiGLU applied for the down
-// projection), whole when it fits in the host's split of the pool (step_kernel.py, pool_split),
+// instruction first stages its input X [N, K] in shared memory, whole when it fits in the host's split of the pool (step_kernel.py, pool_split),
 // else in blocks of whole pages' k's (x_block_k; staged again for each round), the compute warps
 // passing a barrier around each staging.
 //
@@ -133,7 +133,7 @@ struct Params {
   bf16* x;                    // [N, H] residual
   bf16* qkv;                  // [N, QKV]
   bf16* o;                    // [N, nh * hd]
-  bf16* gu;                   // [N, 2 I]
+  bf16* h;                    // [N, I] SwiGLU's output (gate|up's epilogue), down's input
   float* logits;              // [N, V]
   int* counters;
   int* err;                   // host-mapped [8]
@@ -337,9 +337,15 @@ __device__ void wait_counter(const Params& p, int ctr, int target, int instr) {
 }
 
 // Thread 0, after a barrier of the compute warps: publish the block's writes and add one to
-// counters[ctr]; returns the old value. The add is a gpu-scope release, cumulative over the
-// writes the barrier ordered before it (the other threads' too), so no thread fences on its own.
-__device__ __forceinline__ int signal(const Params& p, int ctr) {
+// counters[ctr]. The add is a gpu-scope release, cumulative over the writes the barrier ordered
+// before it (the other threads' too), so no thread fences on its own; a reduction, not an atomic
+// with a result, so the thread does not wait for the add's round trip.
+__device__ __forceinline__ void signal(const Params& p, int ctr) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" :: "l"(p.counters + ctr) : "memory");
+}
+
+// The same add, returning the old value (the exit count: the last block out zeroes the counters).
+__device__ __forceinline__ int signal_old(const Params& p, int ctr) {
   int old;
   asm volatile("atom.add.release.gpu.global.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(p.counters + ctr) : "memory");
   return old;
@@ -445,6 +451,23 @@ __device__ __forceinline__ Page page_of(const OpDesc& op, int tile, int j) {
   return pg;
 }
 
+// The op's tile that round-local tile ti (of na) of the round starting at r0 computes: the run
+// tile0 + r0 + ti, except for gate|up, whose instructions hold pairs of tiles (tile0: the first
+// pair; ntiles = 2 pairs): in a round, tiles ti < na / 2 are gate tiles p0 + ti and the others
+// the up tiles of the same rows (I / 16 tiles further), p0 = tile0 + r0 / 2, so that the
+// epilogue has both of SwiGLU's inputs.
+__device__ __forceinline__ int round_tile(const OpDesc& op, int tile0, int r0, int na, int ti) {
+  if (op.kind != K_GU) return tile0 + r0 + ti;
+  const int half = na / 2, p0 = tile0 + r0 / 2;
+  return ti < half ? p0 + ti : (int)(op.rows / 32) + p0 + ti - half;
+}
+
+// A warp's m16n8 C fragments (acc[mb][e]: rows g, g + 8 of a tile x tokens 8 mb + 2 q, + 1) in
+// shared memory: r[row 16][token 32].
+__device__ __forceinline__ int frag_at(int mb, int e, int g, int q) {
+  return (g + (e >= 2 ? 8 : 0)) * 32 + 8 * mb + 2 * q + (e & 1);
+}
+
 // Warps sharing each tile's pages in a round of `na` tiles.
 // (the largest power of 2 with na * ks <= COMPUTE_WARPS)
 __device__ __forceinline__ int k_split(int na) {
@@ -483,23 +506,6 @@ __device__ void load_page(const OpDesc& op, const Page& pg, uint32_t dst, uint32
       bulk_copy(dst + Q4_SCALES_OFF, so, so_bytes, bar, pol);
     }
   }
-}
-
-// X operand: 8 consecutive k's of token row `row` at column k as 4 bf16x2 words. swiglu: the
-// input is gu [N, 2I] and the operand bf16(bf16(silu(g)) * u) (the down projection's input).
-__device__ __forceinline__ uint4 load_x(const bf16* X, int64_t ld, int row, int k, bool swiglu, int64_t I) {
-  const bf16* base = X + (int64_t)row * ld + k;
-  if (!swiglu) return ldcg16(base);
-  const uint4 g = ldcg16(base), u = ldcg16(base + I);
-  const uint32_t gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
-  uint32_t o[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 gf = unpack_bf16x2(gw[i]), uf = unpack_bf16x2(uw[i]);
-    const float s0 = round_bf16(gf.x / (1.f + __expf(-gf.x))), s1 = round_bf16(gf.y / (1.f + __expf(-gf.y)));
-    o[i] = pack_bf16x2(s0 * uf.x, s1 * uf.y);
-  }
-  return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
 // The O projection's input when attention ran in key ranges: 8 consecutive columns k (one head,
@@ -631,9 +637,10 @@ __device__ void run_embed(const Params& p) {
   }
 }
 
-// The op's epilogue for output row n (of W) and token row m: value v (fp32 sum over K); x_old:
-// O and down's x[m, n] before the add (read before the instruction's MMAs).
-__device__ __forceinline__ void gemv_out(const Params& p, const OpDesc& op, int64_t n, int m, float v, float x_old) {
+// The op's epilogue for output row n (of W; gate|up: of the gate rows) and token row m: value v
+// (fp32 sum over K); extra: O and down's x[m, n] before the add (read before the instruction's
+// MMAs), gate|up's sum of the up row n + I.
+__device__ __forceinline__ void gemv_out(const Params& p, const OpDesc& op, int64_t n, int m, float v, float extra) {
   switch ((int)op.kind) {
     case K_QKV: {
       if (op.bias) v += __bfloat162float(op.bias[n]);
@@ -643,19 +650,23 @@ __device__ __forceinline__ void gemv_out(const Params& p, const OpDesc& op, int6
     case K_O:
     case K_DOWN: {
       if (op.bias) v += __bfloat162float(op.bias[n]);
-      p.x[(int64_t)m * p.H + n] = __float2bfloat16_rn(x_old + round_bf16(v));
+      p.x[(int64_t)m * p.H + n] = __float2bfloat16_rn(extra + round_bf16(v));
       break;
     }
-    case K_GU: p.gu[(int64_t)m * 2 * p.I + n] = __float2bfloat16_rn(v); break;
+    case K_GU: {           // h = bf16(bf16(silu(g)) * u) of the rounded gate and up sums
+      const float g = round_bf16(v), u = round_bf16(extra);
+      p.h[(int64_t)m * p.I + n] = __float2bfloat16_rn(round_bf16(g / (1.f + __expf(-g))) * u);
+      break;
+    }
     default: p.logits[(int64_t)m * p.V + n] = round_bf16(v); break;
   }
 }
 
-// X[:, xk0 : xk0 + kn] (N rows; swiglu: bf16(bf16(silu(g)) * u) of gu) into shared memory at xs,
+// X[:, xk0 : xk0 + kn] (N rows; merge: O's input, the attention's key ranges merged) into shared memory at xs,
 // rows of xstride bytes, by the compute threads: X_BATCH 16-byte L2 loads in flight a thread
 // before their stores (a load-store pair at a time would pay an L2 round trip per 16 bytes).
 constexpr int X_BATCH = 4;
-__device__ __forceinline__ void stage_x(const bf16* X, int64_t ld, bool swiglu, int64_t I, int N, int xk0, int kn,
+__device__ __forceinline__ void stage_x(const bf16* X, int64_t ld, int N, int xk0, int kn,
                                         uint32_t xs, int xstride, const Params* merge, const bf16* norm_w,
                                         const float* inv) {
   const int per_row = kn / 8, total = N * per_row;
@@ -666,7 +677,7 @@ __device__ __forceinline__ void stage_x(const bf16* X, int64_t ld, bool swiglu, 
       const int i = i0 + u * COMPUTE_THREADS;
       if (i < total) {
         const int r = i / per_row, c = (i - r * per_row) * 8;
-        v[u] = merge != nullptr ? load_o_merged(*merge, r, xk0 + c) : load_x(X, ld, r, xk0 + c, swiglu, I);
+        v[u] = merge != nullptr ? load_o_merged(*merge, r, xk0 + c) : ldcg16(X + (int64_t)r * ld + xk0 + c);
       }
     }
 #pragma unroll
@@ -692,10 +703,11 @@ __device__ __forceinline__ void stage_x(const bf16* X, int64_t ld, bool swiglu, 
   }
 }
 
-// Tiles [tile0, tile0 + ntiles) of one GEMV op, in rounds of up to 8 tiles (the ring order above).
-// X [N, K] is staged in shared memory (the SwiGLU applied for the down projection) once for the
-// instruction when it fits, else in blocks of x_block_k k's, again for each round; the compute
-// warps pass a barrier only around a staging and at a round's k-split reduction.
+// Tiles [tile0, tile0 + ntiles) of one GEMV op (gate|up: ntiles / 2 pairs from pair tile0,
+// round_tile), in rounds of up to 8 tiles (the ring order above). X [N, K] is staged in shared
+// memory once for the instruction when it fits, else in blocks of x_block_k k's, again for each
+// round; the compute warps pass a barrier only around a staging, at a round's k-split reduction
+// and around gate|up's hand-over of the up sums.
 template <int MB>
 __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int ntiles, uint32_t pages, uint32_t full,
                          uint32_t empty, int& page_seq, float* red, float* inv, uint32_t xs, int instr) {
@@ -704,10 +716,9 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
   const int N = (int)p.N, K = (int)op.K, np = (int)p.npages;
   const bf16* X;
   int64_t ld;
-  bool swiglu = false;
   switch ((int)op.kind) {
     case K_O: X = p.o; ld = p.nh * p.hd; break;
-    case K_DOWN: X = p.gu; ld = 2 * p.I; swiglu = true; break;
+    case K_DOWN: X = p.h; ld = p.I; break;
     default: X = p.x; ld = p.H; break;         // RMSNorm(x) (op.norm_w), normalized while staged
   }
   const int pk = page_k(op), npt = pages_per_tile(op);
@@ -726,7 +737,7 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
     // O and down add into x: the x values this warp's outputs update, loaded now so that the L2
     // round trip overlaps the MMAs instead of following them
     float x_old[MB][4];
-    const int64_t n0 = (int64_t)(tile0 + r0 + ti) * 16;
+    const int64_t n0 = (int64_t)round_tile(op, tile0, r0, na, ti) * 16;
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) {
 #pragma unroll
@@ -740,7 +751,7 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
       const int xk0 = xb * kx;
       if (r0 == 0 || nxb > 1) {
         if (r0 > 0 || xb > 0) compute_sync();                // every warp is done with the staged block
-        stage_x(X, ld, swiglu, p.I, N, xk0, min(kx, K - xk0), xs, xstride,
+        stage_x(X, ld, N, xk0, min(kx, K - xk0), xs, xstride,
                 op.kind == K_O && p.attn_splits > 1 ? &p : nullptr, nxb > 1 ? norm_w : nullptr, inv);
         compute_sync();
         if (norm_w != nullptr && nxb == 1) {   // x staged whole: normalized in place
@@ -757,7 +768,7 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
             const int slot = seq % np;
             mbar_wait(p, full + 8 * slot, (seq / np) & 1, instr, (uint64_t)p.timeout_ns);
             if (active && t == ti)
-              page_mma<MB>(op, page_of(op, tile0 + r0 + ti, j), pages + slot * (uint32_t)p.page_bytes, xs, xstride, xk0, N, sub,
+              page_mma<MB>(op, page_of(op, (int)(n0 / 16), j), pages + slot * (uint32_t)p.page_bytes, xs, xstride, xk0, N, sub,
                            ks, acc);
             __syncwarp();
             if (lane == 0) mbar_arrive(empty + 8 * slot);
@@ -772,39 +783,46 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
       if (active && sub > 0) {
 #pragma unroll
         for (int mb = 0; mb < MB; ++mb) {
-          float* r = red + warp * 512;
-          r[g * 32 + 8 * mb + 2 * q] = acc[mb][0];
-          r[g * 32 + 8 * mb + 2 * q + 1] = acc[mb][1];
-          r[(g + 8) * 32 + 8 * mb + 2 * q] = acc[mb][2];
-          r[(g + 8) * 32 + 8 * mb + 2 * q + 1] = acc[mb][3];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) red[warp * 512 + frag_at(mb, e, g, q)] = acc[mb][e];
         }
       }
       compute_sync();
       if (sub == 0) {
         for (int s = 1; s < ks; ++s) {
-          const float* r = red + (warp + na * s) * 512;
 #pragma unroll
           for (int mb = 0; mb < MB; ++mb) {
-            acc[mb][0] += r[g * 32 + 8 * mb + 2 * q];
-            acc[mb][1] += r[g * 32 + 8 * mb + 2 * q + 1];
-            acc[mb][2] += r[(g + 8) * 32 + 8 * mb + 2 * q];
-            acc[mb][3] += r[(g + 8) * 32 + 8 * mb + 2 * q + 1];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mb][e] += red[(warp + na * s) * 512 + frag_at(mb, e, g, q)];
           }
         }
       }
     }
-    if (sub == 0) {
-      // acc[mb]: rows g, g + 8 of the tile x tokens 8 mb + 2 q, + 1 (the m16n8 C fragment)
+    // gate|up: the up tiles' sums go to the gate tiles of the same rows, in red[ti] (ti < na: not
+    // the k-split's parts, which are warps na..)
+    const bool paired = op.kind == K_GU;
+    if (paired) {
+      if (sub == 0 && ti >= na / 2) {
+#pragma unroll
+        for (int mb = 0; mb < MB; ++mb) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) red[ti * 512 + frag_at(mb, e, g, q)] = acc[mb][e];
+        }
+      }
+      compute_sync();
+    }
+    if (sub == 0 && (!paired || ti < na / 2)) {
 #pragma unroll
       for (int mb = 0; mb < MB; ++mb) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int m = 8 * mb + 2 * q + (e & 1);
-          if (m < N) gemv_out(p, op, n0 + g + (e >= 2 ? 8 : 0), m, acc[mb][e], x_old[mb][e]);
+          const float extra = paired ? red[(ti + na / 2) * 512 + frag_at(mb, e, g, q)] : x_old[mb][e];
+          if (m < N) gemv_out(p, op, n0 + g + (e >= 2 ? 8 : 0), m, acc[mb][e], extra);
         }
       }
     }
-    if (ks > 1) compute_sync();                               // red is free again
+    if (ks > 1 || paired) compute_sync();                     // red is free again
   }
   if (threadIdx.x == 0) mark(p, instr, TL_EPI);
   compute_sync();               // the barrier that orders every warp's outputs before the signal
@@ -1079,7 +1097,7 @@ __device__ void step_body(const Params& p) {
           for (int ti = 0; ti < na; ++ti, ++seq) {
             const int slot = seq % np;
             if (seq >= np) mbar_wait(p, empty + 8 * slot, ((seq / np) - 1) & 1, i, 4 * (uint64_t)p.timeout_ns);
-            load_page(op, page_of(op, tile0 + r0 + ti, j), pages + slot * (uint32_t)p.page_bytes, full + 8 * slot, lane,
+            load_page(op, page_of(op, round_tile(op, tile0, r0, na, ti), j), pages + slot * (uint32_t)p.page_bytes, full + 8 * slot, lane,
                       pol);
             __syncwarp();
           }
@@ -1115,7 +1133,7 @@ __device__ void step_body(const Params& p) {
   }
   // the last block out zeroes the counters for the next launch (abort flag included)
   compute_sync();
-  if (threadIdx.x == 0) *flag = signal(p, (int)p.n_counters - 1) == (int)gridDim.x - 1;
+  if (threadIdx.x == 0) *flag = signal_old(p, (int)p.n_counters - 1) == (int)gridDim.x - 1;
   compute_sync();
   if (*flag) {
     __threadfence();

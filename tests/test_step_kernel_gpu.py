@@ -124,7 +124,7 @@ def _step_inputs(model, n: int, start: int, kind: str, seed: int):
 
 def _poison(sk, n):
     st = sk.state(n)
-    for t in (st.x, st.qkv, st.o, st.gu, st.logits, st.attn_part):
+    for t in (st.x, st.qkv, st.o, st.h, st.logits, st.attn_part):
         t.fill_(math.nan)
 
 

@@ -63,7 +63,14 @@ def test_schedule_runs_and_covers(name, n, blocks):
     for w in s.instr:
         if w[0] == ss.GEMV:
             assert w[3] >= 1
-            tiles[int(w[1])].update(range(int(w[2]), int(w[2] + w[3])))
+            kind = s.op_kinds[int(w[1])][0]
+            rounds = ss.instr_tiles(kind, rows[kind], int(w[2]), int(w[3]))
+            if kind == ss.K_GU:                 # a round: gate tiles, then the up tiles of their rows
+                assert w[3] % 2 == 0
+                half = rows[kind] // (2 * ss.TILE)
+                for r in rounds:
+                    assert [t + half for t in r[:len(r) // 2]] == r[len(r) // 2:]
+            tiles[int(w[1])].update(t for r in rounds for t in r)
         elif w[0] == ss.ATTN:
             nrows, split, splits = ss.attn_fields(int(w[7]))
             assert 1 <= nrows <= ss.ATTN_ROWS and 0 <= split < splits <= ss.MAX_SPLITS

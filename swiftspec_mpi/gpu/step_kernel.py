@@ -236,7 +236,7 @@ class _PerN:
         self.x = torch.empty(n, H, **kw)
         self.qkv = torch.empty(n, self.shape.qkv_rows, **kw)
         self.o = torch.empty(n, sh.nh_l * hd, **kw)
-        self.gu = torch.empty(n, 2 * sh.inter_l, **kw)
+        self.h = torch.empty(n, sh.inter_l, **kw)          # SwiGLU's output, down's input
         self.logits = torch.empty(n, self.shape.vocab_rows, dtype=torch.float32, device=dev)
         # attention split over key ranges: per range, token row and head (max, sum) then O [hd]
         self.attn_splits = ss.attn_splits(n, sh.nh_l, sk.blocks)
@@ -284,7 +284,7 @@ class StepKernel:
             return p
         m = self.model
         cfg, sh = m.cfg, m.shard
-        ptrs = [tokens, positions, write_slots, mask, n_valid, st.x, st.qkv, st.o, st.gu, st.logits,
+        ptrs = [tokens, positions, write_slots, mask, n_valid, st.x, st.qkv, st.o, st.h, st.logits,
                 st.counters, self.err, st.instr, st.block_start, st.ops, self.layers, m.embed,
                 m.rope_cos, m.rope_sin, st.timeline, st.attn_part]
         ints = [st.n, cfg.hidden_size, sh.nh_l, sh.nkv_l, cfg.head_dim, sh.inter_l, st.shape.vocab_rows,
@@ -373,6 +373,8 @@ class StepKernel:
                     return (f"N={st.n} layer {w[1]} attention, head {w[2]}, rows {w[3]}..{w[3] + rows - 1}"
                             + (f", keys {split + 1} of {splits}" if splits > 1 else ""))
                 kind, layer = s.op_kinds[w[1]]
+                if kind == ss.K_GU:
+                    return f"N={st.n} layer {layer} gate|up tile pairs {w[2]}..{w[2] + w[3] // 2 - 1}"
                 return f"N={st.n} layer {layer} {_KIND_NAMES[kind]} tiles {w[2]}..{w[2] + w[3] - 1}"
         return "unknown"
 

@@ -6,7 +6,9 @@ Instruction words (int32 x INSTR_WORDS):
     [op, a, b, c, wait_counter, wait_target, signal_counter, d]
     EMBED (op 0): nothing else (block 0).
     GEMV  (op 1): a = op index (ops table: 4 a layer, QKV, O, gate|up, down, then the head),
-                  b = first 16-row tile, c = tiles.
+                  b = first 16-row tile, c = tiles; gate|up: b = first pair of tiles (gate
+                  tile b + i and up tile inter2 / 32 + b + i, the same rows), c = tiles (2 a pair),
+                  so that its epilogue writes SwiGLU's h (round_tile in cuda/step_kernel.cu).
     ATTN  (op 2): a = layer, b = query head, c = first row, d = attn_word(rows <= ATTN_ROWS, key
                   split, splits): this instruction's share of the keys [0, n_valid) is range
                   `split` of `splits` equal ones (splits > 1 when the (head, rows) pairs alone would
@@ -118,25 +120,43 @@ def attn_fields(d: int) -> tuple[int, int, int]:
     return d & 0xFF, (d >> 8) & 0xFF, d >> 16
 
 
+def instr_tiles(kind: int, rows: int, b: int, c: int, warps: int = 8) -> list[list[int]]:
+    """The op tiles a GEMV instruction (words b, c) computes, round by round (rounds of up to
+    `warps` tiles, one a warp; round_tile in cuda/step_kernel.cu): the run b .. b + c - 1, except
+    gate|up (rows = its 2 I rows), whose round holds the gate tiles of its pairs, then the up tiles
+    of the same rows (I / 16 tiles further)."""
+    out = []
+    for r0 in range(0, c, warps):
+        na = min(warps, c - r0)
+        if kind != K_GU:
+            out.append([b + r0 + i for i in range(na)])
+        else:
+            p0 = b + r0 // 2
+            gate = [p0 + i for i in range(na // 2)]
+            out.append(gate + [rows // (2 * TILE) + t for t in gate])
+    return out
+
+
 def build(shape: Shape, blocks: int) -> Schedule:
     """The schedule of one step of `shape` over `blocks` resident blocks."""
     if shape.n < 1 or shape.n > 32:
         raise ValueError(f"the step kernel takes 1..32 tokens, not {shape.n}")
-    for name, rows in (("qkv", shape.qkv_rows), ("hidden", shape.hidden), ("gate|up", shape.inter2),
-                       ("head", shape.vocab_rows)):
-        if rows % TILE:
-            raise ValueError(f"the step kernel needs {name} rows a multiple of {TILE}, not {rows}")
+    for name, rows, unit in (("qkv", shape.qkv_rows, TILE), ("hidden", shape.hidden, TILE),
+                             ("gate|up", shape.inter2, 2 * TILE), ("head", shape.vocab_rows, TILE)):
+        if rows % unit:
+            raise ValueError(f"the step kernel needs {name} rows a multiple of {unit}, not {rows}")
     per_block: list[list[list[int]]] = [[] for _ in range(blocks)]
     L = shape.n_layers
     ops_instr, op_kinds = [], []
     rot = 0
 
-    def gemv(op_index: int, rows: int, wait: tuple[int, int], sig: int) -> int:
+    def gemv(op_index: int, rows: int, wait: tuple[int, int], sig: int, pairs: bool = False) -> int:
         nonlocal rot
-        runs = split_tiles(rows // TILE, blocks, rot)
+        per = 2 if pairs else 1                 # tiles a unit of work
+        runs = split_tiles(rows // (TILE * per), blocks, rot)
         rot = (rot + len(runs)) % blocks
         for b, t0, c in runs:
-            per_block[b].append([GEMV, op_index, t0, c, wait[0], wait[1], sig, 0])
+            per_block[b].append([GEMV, op_index, t0, c * per, wait[0], wait[1], sig, 0])
         return len(runs)
 
     per_block[0].append([EMBED, 0, 0, 0, -1, 0, EMBED_DONE, 0])
@@ -156,7 +176,7 @@ def build(shape: Shape, blocks: int) -> Schedule:
                                          attn_word(min(rows, shape.n - r0), sp, splits)])
                     n_attn += 1
         n_o = gemv(base + 1, shape.hidden, (ctr(l, ATTN_DONE), n_attn), ctr(l, O_DONE))
-        n_gu = gemv(base + 2, shape.inter2, (ctr(l, O_DONE), n_o), ctr(l, GU_DONE))
+        n_gu = gemv(base + 2, shape.inter2, (ctr(l, O_DONE), n_o), ctr(l, GU_DONE), pairs=True)
         n_down = gemv(base + 3, shape.hidden, (ctr(l, GU_DONE), n_gu), ctr(l, DOWN_DONE))
         x_ready = (ctr(l, DOWN_DONE), n_down)
         ops_instr += [n_qkv, n_o, n_gu, n_down]
