@@ -18,8 +18,12 @@
 //          shared memory; one range: O in bf16, else the range's (max, sum, unnormalized O) in
 //          fp32, which the O projection's X staging merges (load_o_merged)
 // Dependencies: counters in global memory (a producer's stores, a barrier, thread 0's release add;
-// the consumer's thread 0 spins on an acquire load, then a barrier); no grid-wide barrier. The last block to finish
-// zeroes every counter, so the next launch starts clean without another kernel.
+// the consumer's thread 0 polls with relaxed loads, then one acquire fence and a barrier); no
+// grid-wide barrier. The last block to finish zeroes every counter, so the next launch starts
+// clean without another kernel. An acquire empties the SM's L1 cache, so what an instruction
+// reads right after its wait comes from shared memory: the Params block (copied in at the start),
+// the instruction's words and OpDesc / LayerDesc and a normalizing GEMV's RMSNorm weight (put
+// there by compute warps 1.. while warp 0 waits: preload_instr).
 //
 // Weight streaming: warp 8 is the loader. It walks the same instruction list and copies each GEMV
 // tile's weights, page after page (16 rows x up to 1024 k's of bf16, or 16 rows x up to 16 128-k
@@ -86,15 +90,20 @@ constexpr int BF16_ROW_BYTES = BF16_PAGE_K * 2 + 64;   // 2112 = 64 mod 128: con
 constexpr int Q4_PAGE_CHUNKS = 16;              // 128-k chunks of one 4-bit page
 constexpr int Q4_SCALES_OFF = 16384;            // byte offset of the page's scale words
 constexpr int RED_BYTES = COMPUTE_WARPS * 16 * 32 * 4;
+constexpr int INSTR_WORDS = 8;
 // Shared memory: red (the k-split's partial tiles, attention's scratch), the pages' mbarriers, a flag,
 // then the pool: X staged [N rows of 2 kx + 64 bytes] (`xs_bytes`, the host's choice: the largest
 // op input whole when that leaves MIN_PAGES pages, else blocks of kx k's) and the ring of
 // `npages` pages after it.
 constexpr int INV_OFF = RED_BYTES + 2 * MAX_PAGES * 8 + 16;   // 32 floats: the staged rows' 1 / rms
-constexpr int HEAD_BYTES = (INV_OFF + 32 * 4 + 1023) / 1024 * 1024;   // red + mbarriers + flag + inv
+constexpr int PARAMS_OFF = INV_OFF + 32 * 4;    // the Params block, copied in at the start
+constexpr int PARAMS_BYTES = 42 * 8;
+constexpr int SLOT_OFF = PARAMS_OFF + PARAMS_BYTES;   // the running instruction: words, then its OpDesc or LayerDesc
+constexpr int SLOT_BYTES = INSTR_WORDS * 4 + 11 * 8;
+constexpr int PART_OFF = SLOT_OFF + SLOT_BYTES;       // 16 floats: rows_inv_rms's partial sums
+constexpr int HEAD_BYTES = (PART_OFF + 16 * 4 + 1023) / 1024 * 1024;   // red .. part
 constexpr int SMEM_BYTES = 227 * 1024;
 constexpr int POOL_BYTES = SMEM_BYTES - HEAD_BYTES;
-constexpr int INSTR_WORDS = 8;
 // Timeline words of one instruction (gpu/step_timeline.py reads them): compute thread 0's wait
 // from, run from, done at (after the signal), then two marks inside the instruction (GEMV: X staged
 // and normalized, every page multiplied; ATTN: the new K/V appended and q loaded, the keys'
@@ -154,8 +163,10 @@ struct Params {
 // swiftspec_mpi/gpu/step_kernel.py packs these with struct: keep the sizes in step.
 static_assert(sizeof(OpDesc) == 11 * 8, "OpDesc layout");
 static_assert(sizeof(LayerDesc) == 4 * 8, "LayerDesc layout");
-static_assert(sizeof(Params) == 42 * 8, "Params layout");
-static_assert(INV_OFF + 32 * 4 <= HEAD_BYTES, "shared memory head");
+static_assert(sizeof(Params) == PARAMS_BYTES, "Params layout");
+static_assert(sizeof(OpDesc) <= 11 * 8 && sizeof(LayerDesc) <= 11 * 8 && PARAMS_OFF % 16 == 0 && SLOT_OFF % 8 == 0,
+              "shared-memory copies of Params and of the running instruction");
+static_assert(PART_OFF + 16 * 4 <= HEAD_BYTES, "shared memory head");
 static_assert(MAX_PAGES * Q4_SCALES_OFF <= POOL_BYTES, "pages (the host gives fewer when they are larger)");
 static_assert(16 * BF16_ROW_BYTES <= PAGE_BYTES && BF16_ROW_BYTES % 128 == 64, "bf16 page");
 static_assert(Q4_PAGE_CHUNKS * 1024 == Q4_SCALES_OFF && Q4_SCALES_OFF + Q4_PAGE_CHUNKS * 64 * 4 <= PAGE_BYTES,
@@ -194,9 +205,10 @@ __device__ __forceinline__ uint32_t lds4(uint32_t addr) {
   asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(r) : "r"(addr));
   return r;
 }
-__device__ __forceinline__ int ld_acquire(const int* p) {
+// A strong, relaxed load at gpu scope (a poll: no acquire, so no emptying of L1 on each try).
+__device__ __forceinline__ int ld_relaxed(const int* p) {
   int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 __device__ __forceinline__ uint64_t globaltimer() {
@@ -262,60 +274,65 @@ __device__ __forceinline__ void attn_key_range(int n_valid, int split, int split
   ke = min(n_valid, kb + per);
 }
 
-__device__ __forceinline__ void prefetch_l1(const void* a) { asm volatile("prefetch.global.L1 [%0];\n" :: "l"(a)); }
 __device__ __forceinline__ void prefetch_l2(const void* a) { asm volatile("prefetch.global.L2 [%0];\n" :: "l"(a)); }
 
 // Compute warps 1.. while warp 0 waits on the instruction's counter: what the instruction reads
-// that no instruction of this step writes, requested early so that it is near when the wait
-// ends: the next instruction's words and this one's OpDesc (L1), the RMSNorm weight of a
-// normalizing GEMV (L1), and for attention the RoPE rows of its tokens, its mask rows' bytes of
-// its key range (L1) and the cache's K and V rows of that range (L2; the new tokens' rows are
-// written by this step and read after the wait).
-__device__ void prefetch_instr(const Params& p, const int* in, bool has_next) {
+// that no instruction of this step writes. The wait's acquire empties the SM's L1 cache, so what
+// the instruction reads right after it is put in shared memory first: the instruction's words
+// and its OpDesc (GEMV) or LayerDesc (ATTN) into `slot`, a normalizing GEMV's RMSNorm weight
+// into `wsm` (red: free between instructions; H <= RED_BYTES / 2). For attention, the cache's K
+// and V rows of its key range are requested into L2 (the new tokens' rows are written by this
+// step and read after the wait).
+__device__ void preload_instr(const Params& p, const int* in, int* slot, bf16* wsm) {
   const int t = threadIdx.x - 32, nt = COMPUTE_THREADS - 32;
-  if (t == 0 && has_next) prefetch_l1(in + INSTR_WORDS);
-  if (in[0] == GEMV) {
+  if (t < INSTR_WORDS) slot[t] = in[t];
+  int64_t* desc = reinterpret_cast<int64_t*>(slot + INSTR_WORDS);
+  const int opc = in[0];
+  if (opc == GEMV) {
     const OpDesc* op = p.ops + in[1];
-    if (t == 1) { prefetch_l1(op); prefetch_l1(reinterpret_cast<const char*>(op) + sizeof(OpDesc) - 1); }
+    if (t < (int)(sizeof(OpDesc) / 8)) desc[t] = reinterpret_cast<const int64_t*>(op)[t];
     const bf16* nw = op->norm_w;
-    if (nw != nullptr)
-      for (int c = t * 64; c < p.H; c += nt * 64) prefetch_l1(nw + c);
-  } else if (in[0] == ATTN) {
-    const int hd = (int)p.hd, N = (int)p.N, row0 = in[3];
+    const int H = (int)p.H;
+    if (nw != nullptr && 2 * H <= RED_BYTES) {
+      for (int c0 = t * 8; c0 < H; c0 += 4 * nt * 8) {      // 4 loads in flight a thread
+        uint4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (c0 + u * nt * 8 < H) v[u] = *reinterpret_cast<const uint4*>(nw + c0 + u * nt * 8);
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+          if (c0 + u * nt * 8 < H) *reinterpret_cast<uint4*>(wsm + c0 + u * nt * 8) = v[u];
+      }
+    }
+  } else if (opc == ATTN) {
+    const LayerDesc* L = p.layers + in[1];
+    if (t < (int)(sizeof(LayerDesc) / 8)) desc[t] = reinterpret_cast<const int64_t*>(L)[t];
+    const int hd = (int)p.hd;
     const AttnFields f = attn_fields(in[7]);
     const int kh = in[2] / (int)(p.nh / p.nkv);
-    for (int i = t; i < 2 * N; i += nt) {               // cos and sin rows (hd <= 128: 2 lines)
-      const bf16* r = ((i & 1) ? p.rope_sin : p.rope_cos) + rope_pos(p, i >> 1) * hd;
-      prefetch_l1(r);
-      prefetch_l1(r + hd - 1);
-    }
     int kb_i, ke_i;
     attn_key_range(*p.n_valid, f.split, f.splits, kb_i, ke_i);
-    for (int i = t; i < f.rows * ((ke_i - kb_i + 127) / 128); i += nt) {
-      const int r = i % f.rows, c = i / f.rows;
-      prefetch_l1(p.mask + (int64_t)(row0 + r) * p.mask_stride + kb_i + 128 * c);
-    }
-    const LayerDesc& L = p.layers[in[1]];
     const int lines = (hd * 2 + 127) / 128;
+    const bf16* kc = L->kc;
+    const bf16* vc = L->vc;
     for (int i = t; i < 2 * lines * (ke_i - kb_i); i += nt) {
       const int j = kb_i + i / (2 * lines), w = i % (2 * lines);
-      const bf16* base = (w & 1) ? L.vc : L.kc;
-      prefetch_l2(base + ((int64_t)j * p.nkv + kh) * hd + 64 * (w >> 1));
+      prefetch_l2(((w & 1) ? vc : kc) + ((int64_t)j * p.nkv + kh) * hd + 64 * (w >> 1));
     }
   }
 }
 
 // Thread 0 of the compute warps waits until counters[ctr] >= target (or the abort flag is up),
-// then the compute warps pass a barrier.
+// then the compute warps pass a barrier. Other threads pass ctr = -1.
 __device__ void wait_counter(const Params& p, int ctr, int target, int instr) {
   if (threadIdx.x == 0 && ctr >= 0) {
     int* c = p.counters + ctr;
     int* abort_flag = p.counters + p.n_counters - 2;
-    int v = ld_acquire(c);
+    int v = ld_relaxed(c);
     if (v < target) {
       const uint64_t t0 = globaltimer();
-      while ((v = ld_acquire(c)) < target) {
-        const bool aborted = ld_acquire(abort_flag) != 0;
+      while ((v = ld_relaxed(c)) < target) {
+        const bool aborted = ld_relaxed(abort_flag) != 0;
         if (aborted || globaltimer() - t0 > (uint64_t)p.timeout_ns) {
           if (!aborted) report(p, 1, instr, ctr, v, target);
           // every block left waiting says where, its first stuck wait only (the later ones of an
@@ -332,6 +349,8 @@ __device__ void wait_counter(const Params& p, int ctr, int target, int instr) {
         __nanosleep(32);
       }
     }
+    // the poll's read and this fence: an acquire pattern (the producers' release adds)
+    asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
   }
   compute_sync();
 }
@@ -710,7 +729,7 @@ __device__ __forceinline__ void stage_x(const bf16* X, int64_t ld, int N, int xk
 // and around gate|up's hand-over of the up sums.
 template <int MB>
 __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int ntiles, uint32_t pages, uint32_t full,
-                         uint32_t empty, int& page_seq, float* red, float* inv, uint32_t xs, int instr) {
+                         uint32_t empty, int& page_seq, float* red, float* inv, float* part, uint32_t xs, int instr) {
   const OpDesc op = op_g;       // in registers for the loops
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int N = (int)p.N, K = (int)op.K, np = (int)p.npages;
@@ -726,7 +745,7 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
   const int xstride = kx * 2 + 64;             // 64 mod 128 bytes: conflict-free fragment loads
   const int nxb = (K + kx - 1) / kx, ppx = kx / pk;
   const bf16* norm_w = op.norm_w;
-  if (norm_w != nullptr && nxb > 1) rows_inv_rms(p, inv, red);    // blocks of x: 1 / rms first
+  if (norm_w != nullptr && nxb > 1) rows_inv_rms(p, inv, part);   // blocks of x: 1 / rms first
   for (int r0 = 0; r0 < ntiles; r0 += COMPUTE_WARPS) {
     const int na = min(COMPUTE_WARPS, ntiles - r0), ks = k_split(na);
     const int ti = warp % na, sub = warp / na;                // this warp's tile of the round, its k-split part
@@ -755,7 +774,8 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
                 op.kind == K_O && p.attn_splits > 1 ? &p : nullptr, nxb > 1 ? norm_w : nullptr, inv);
         compute_sync();
         if (norm_w != nullptr && nxb == 1) {   // x staged whole: normalized in place
-          normalize_staged(p, norm_w, xs, xstride, inv, red);
+          // the weight preload_instr put in red when it fits, else from global memory
+          normalize_staged(p, 2 * p.H <= RED_BYTES ? reinterpret_cast<const bf16*>(red) : norm_w, xs, xstride, inv, part);
           compute_sync();
         }
         if (r0 == 0 && xb == 0 && threadIdx.x == 0) mark(p, instr, TL_MARK1);
@@ -974,12 +994,11 @@ __device__ __forceinline__ void attn_rows_warp(const float* qs, int nrows, const
 // range `split` of `splits`. scratch: attention's part of `red` (q rows and the warps' max / sum);
 // po: [COMPUTE_WARPS][nrows][hd] floats of the pool's X area (no GEMV stages X during attention;
 // the host's pool_split leaves room for them).
-__device__ __noinline__ void run_attn(const Params& p, int layer, int hq, int row0, int nrows, int split, int splits,
-                         float* scratch, float* po, int instr) {
+__device__ __noinline__ void run_attn(const Params& p, const LayerDesc& L, int hq, int row0, int nrows, int split,
+                                      int splits, float* scratch, float* po, int instr) {
   const int warp = threadIdx.x / 32;
   const int hd = (int)p.hd, half = hd / 2, N = (int)p.N;
   const int group = (int)(p.nh / p.nkv), kh = hq / group;
-  const LayerDesc& L = p.layers[layer];
   float* qs = scratch;                              // [ATTN_ROWS = 8][hd]
   float* pm = scratch + 8 * hd;                     // [COMPUTE_WARPS][nrows] partial max (log2 units)
   float* pl = pm + COMPUTE_WARPS * 8;               // [COMPUTE_WARPS][nrows] partial sum
@@ -1059,17 +1078,23 @@ __device__ __noinline__ void run_attn(const Params& p, int layer, int hq, int ro
 
 // ------------------------------------------------------------------ the kernel
 template <int MB>
-__device__ void step_body(const Params& p) {
+__device__ void step_body(const Params* p_global) {
   extern __shared__ __align__(1024) uint8_t smem[];
-  const int np = (int)p.npages;
+  // Params into shared memory: read all along, and every counter wait's acquire empties L1
+  for (int i = threadIdx.x; i < PARAMS_BYTES / 8; i += THREADS)
+    reinterpret_cast<int64_t*>(smem + PARAMS_OFF)[i] = reinterpret_cast<const int64_t*>(p_global)[i];
+  const Params& p = *reinterpret_cast<const Params*>(smem + PARAMS_OFF);
+  const int np = (int)p_global->npages;
   float* red = reinterpret_cast<float*>(smem);
+  int* slot = reinterpret_cast<int*>(smem + SLOT_OFF);          // the running instruction (preload_instr)
+  float* part = reinterpret_cast<float*>(smem + PART_OFF);
   const uint32_t full = smem_addr(smem + RED_BYTES);
   const uint32_t empty = full + 8 * MAX_PAGES;
   int* flag = reinterpret_cast<int*>(smem + RED_BYTES + 16 * MAX_PAGES);
   float* inv = reinterpret_cast<float*>(smem + INV_OFF);
   const uint32_t xs_area = smem_addr(smem + HEAD_BYTES);
   float* xs_floats = reinterpret_cast<float*>(smem + HEAD_BYTES);   // the same area (attention's partials)
-  const uint32_t pages = xs_area + (uint32_t)p.xs_bytes;
+  const uint32_t pages = xs_area + (uint32_t)p_global->xs_bytes;   // (p: after the barrier below)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
     for (int i = 0; i < np; ++i) {
@@ -1112,23 +1137,25 @@ __device__ void step_body(const Params& p) {
   for (int i = i_begin; i < i_end; ++i) {
     const int* in = p.instr + (int64_t)i * INSTR_WORDS;
     if (threadIdx.x == 0) mark(p, i, TL_WAIT);
-    if (threadIdx.x >= 32) prefetch_instr(p, in, i + 1 < i_end);
-    wait_counter(p, in[4], in[5], i);
+    if (threadIdx.x >= 32) preload_instr(p, in, slot, reinterpret_cast<bf16*>(red));
+    wait_counter(p, threadIdx.x == 0 ? in[4] : -1, threadIdx.x == 0 ? in[5] : 0, i);   // then the slot is in place
     if (threadIdx.x == 0) mark(p, i, TL_RUN);
-    const int opc = in[0];
-    if (opc == EMBED) {
+    const int4 w0 = *reinterpret_cast<const int4*>(slot), w1 = *reinterpret_cast<const int4*>(slot + 4);
+    const void* desc = slot + INSTR_WORDS;         // read only before the instruction's last barrier
+    if (w0.x == EMBED) {
       run_embed(p);
-    } else if (opc == ATTN) {
-      const AttnFields f = attn_fields(in[7]);
-      run_attn(p, in[1], in[2], in[3], f.rows, f.split, f.splits, red, xs_floats, i);
+    } else if (w0.x == ATTN) {
+      const AttnFields f = attn_fields(w1.w);
+      run_attn(p, *reinterpret_cast<const LayerDesc*>(desc), w0.z, w0.w, f.rows, f.split, f.splits, red, xs_floats, i);
     } else {
-      run_gemv<MB>(p, p.ops[in[1]], in[2], in[3], pages, full, empty, page_seq, red, inv, xs_area, i);
-      if (threadIdx.x == 0 && in[6] >= 0) signal(p, in[6]);      // run_gemv ended with a barrier
+      run_gemv<MB>(p, *reinterpret_cast<const OpDesc*>(desc), w0.z, w0.w, pages, full, empty, page_seq, red, inv, part,
+                   xs_area, i);
+      if (threadIdx.x == 0 && w1.z >= 0) signal(p, w1.z);      // run_gemv ended with a barrier
       if (threadIdx.x == 0) mark(p, i, TL_DONE);
       continue;
     }
     compute_sync();
-    if (threadIdx.x == 0 && in[6] >= 0) signal(p, in[6]);
+    if (threadIdx.x == 0 && w1.z >= 0) signal(p, w1.z);
     if (threadIdx.x == 0) mark(p, i, TL_DONE);
   }
   // the last block out zeroes the counters for the next launch (abort flag included)
@@ -1150,11 +1177,11 @@ __device__ void step_body(const Params& p) {
 // step_kernel_mb<MB>: grid = the schedule's blocks (<= one per SM), step::THREADS threads,
 // step::SMEM_BYTES of dynamic shared memory; MB = m-blocks of 8 token rows (N <= 8 MB).
 extern "C" __global__ void STEP_BOUNDS step_kernel_mb1(const step::Params* p) {
-  step::step_body<1>(*p);
+  step::step_body<1>(p);
 }
 extern "C" __global__ void STEP_BOUNDS step_kernel_mb2(const step::Params* p) {
-  step::step_body<2>(*p);
+  step::step_body<2>(p);
 }
 extern "C" __global__ void STEP_BOUNDS step_kernel_mb4(const step::Params* p) {
-  step::step_body<4>(*p);
+  step::step_body<4>(p);
 }

@@ -33,13 +33,16 @@ _SOURCE = "step_kernel"
 WARPS = (8, 16)             # compute warps a block the kernel is built for (STEP_COMPUTE_WARPS)
 # cuda/step_kernel.cu's shared memory: a fixed head, then the pool of staged X and weight pages
 PAGE_BYTES, MAX_PAGES, MIN_PAGES = 33792, 11, 4    # PAGE_BYTES: the largest page (bf16)
+PARAMS_BYTES = 42 * 8      # the Params block (packed in StepKernel._params)
 SMEM_BYTES = 227 * 1024
 
 
 def head_bytes(warps: int) -> int:
     """cuda/step_kernel.cu's HEAD_BYTES: the k-split's partial tiles, 2 mbarriers a page, a flag,
-    32 rows' 1 / rms."""
-    return -(-(warps * 16 * 32 * 4 + 2 * MAX_PAGES * 8 + 16 + 32 * 4) // 1024) * 1024
+    32 rows' 1 / rms, the Params block, the running instruction's slot (its words and an OpDesc),
+    16 partial sums."""
+    return -(-(warps * 16 * 32 * 4 + 2 * MAX_PAGES * 8 + 16 + 32 * 4 + PARAMS_BYTES + 8 * 4 + 11 * 8 + 16 * 4)
+             // 1024) * 1024
 
 
 def threads(warps: int) -> int:
@@ -293,6 +296,7 @@ class StepKernel:
                 st.page_bytes]
         dbl = [float(cfg.rms_norm_eps), 1.0 / math.sqrt(cfg.head_dim) * math.log2(math.e)]
         raw = struct.pack(f"<{len(ptrs)}Q{len(ints)}q{len(dbl)}d", *[_ptr(t) for t in ptrs], *ints, *dbl)
+        assert len(raw) == PARAMS_BYTES, "cuda/step_kernel.cu's Params"
         p = st.params[key] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(m.device)
         return p
 
