@@ -91,8 +91,9 @@ constexpr int Q4_PAGE_CHUNKS = 16;              // 128-k chunks of one 4-bit pag
 constexpr int Q4_SCALES_OFF = 16384;            // byte offset of the page's scale words
 constexpr int RED_BYTES = COMPUTE_WARPS * 16 * 32 * 4;
 constexpr int INSTR_WORDS = 8;
-// Shared memory: red (the k-split's partial tiles, attention's scratch), the pages' mbarriers, a flag,
-// then the pool: X staged [N rows of 2 kx + 64 bytes] (`xs_bytes`, the host's choice: the largest
+// Shared memory: red (the k-split's partial tiles, attention's scratch, between instructions the next
+// one's RMSNorm weight), the pages' mbarriers, a flag, 1 / rms of the staged rows, the Params block,
+// the running instruction's slot, rows_inv_rms's partial sums, then the pool: X staged [N rows of 2 kx + 64 bytes] (`xs_bytes`, the host's choice: the largest
 // op input whole when that leaves MIN_PAGES pages, else blocks of kx k's) and the ring of
 // `npages` pages after it.
 constexpr int INV_OFF = RED_BYTES + 2 * MAX_PAGES * 8 + 16;   // 32 floats: the staged rows' 1 / rms

@@ -433,3 +433,19 @@ def test_weight_shapes_refused_unless_every_k_is_computed():
     assert "on the GPU" in sk.weight_reason("o", W4A16Weight(w.qweight[:, :256], w.so[:, :16], 32), 512)
     assert "on the GPU" in sk.weight_reason("o", torch.zeros(960, 576, dtype=torch.bfloat16), 576)
     assert "input is 1536" in sk.weight_reason("down", torch.zeros(960, 576, dtype=torch.bfloat16), 1536)
+
+
+def test_host_layout_mirrors_the_kernel_constants():
+    """gpu/step_kernel.py's head_bytes and PARAMS_BYTES equal cuda/step_kernel.cu's HEAD_BYTES and
+    PARAMS_BYTES (its `constexpr int` lines evaluated in order) for 8 and 16 compute warps."""
+    import re
+    from swiftspec_mpi.gpu import step_kernel as sk
+    src = (ROOT / "cuda" / "step_kernel.cu").read_text()
+    lines = re.findall(r"^constexpr int (\w+) = ([^;]+);", src, re.M)
+    for warps in (8, 16):
+        env = {"STEP_COMPUTE_WARPS": warps}
+        for name, expr in lines:
+            env[name] = eval(expr.replace("/", "//"), {}, dict(env))
+        assert env["HEAD_BYTES"] == sk.head_bytes(warps), warps
+        assert env["PARAMS_BYTES"] == sk.PARAMS_BYTES and env["MAX_PAGES"] == sk.MAX_PAGES
+        assert env["PAGE_BYTES"] == sk.PAGE_BYTES and env["SMEM_BYTES"] == sk.SMEM_BYTES
