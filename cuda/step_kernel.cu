@@ -93,7 +93,7 @@ constexpr int RED_BYTES = COMPUTE_WARPS * 16 * 32 * 4;
 constexpr int INSTR_WORDS = 8;
 // Shared memory: red (the k-split's partial tiles, attention's scratch, between instructions the next
 // one's RMSNorm weight), the pages' mbarriers, a flag, 1 / rms of the staged rows, the Params block,
-// the running instruction's slot, rows_inv_rms's partial sums, then the pool: X staged [N rows of 2 kx + 64 bytes] (`xs_bytes`, the host's choice: the largest
+// the running instruction's slot, rows_inv_rms's partial sums, X's mbarrier, then the pool: X staged [N rows of 2 kx + 64 bytes] (`xs_bytes`, the host's choice: the largest
 // op input whole when that leaves MIN_PAGES pages, else blocks of kx k's) and the ring of
 // `npages` pages after it.
 constexpr int INV_OFF = RED_BYTES + 2 * MAX_PAGES * 8 + 16;   // 32 floats: the staged rows' 1 / rms
@@ -102,7 +102,8 @@ constexpr int PARAMS_BYTES = 42 * 8;
 constexpr int SLOT_OFF = PARAMS_OFF + PARAMS_BYTES;   // the running instruction: words, then its OpDesc or LayerDesc
 constexpr int SLOT_BYTES = INSTR_WORDS * 4 + 11 * 8;
 constexpr int PART_OFF = SLOT_OFF + SLOT_BYTES;       // 16 floats: rows_inv_rms's partial sums
-constexpr int HEAD_BYTES = (PART_OFF + 16 * 4 + 1023) / 1024 * 1024;   // red .. part
+constexpr int XBAR_OFF = PART_OFF + 16 * 4;           // the mbarrier of X's bulk copies (stage_x_bulk)
+constexpr int HEAD_BYTES = (XBAR_OFF + 8 + 1023) / 1024 * 1024;   // red .. the X mbarrier
 constexpr int SMEM_BYTES = 227 * 1024;
 constexpr int POOL_BYTES = SMEM_BYTES - HEAD_BYTES;
 // Timeline words of one instruction (gpu/step_timeline.py reads them): compute thread 0's wait
@@ -167,7 +168,7 @@ static_assert(sizeof(LayerDesc) == 4 * 8, "LayerDesc layout");
 static_assert(sizeof(Params) == PARAMS_BYTES, "Params layout");
 static_assert(sizeof(OpDesc) <= 11 * 8 && sizeof(LayerDesc) <= 11 * 8 && PARAMS_OFF % 16 == 0 && SLOT_OFF % 8 == 0,
               "shared-memory copies of Params and of the running instruction");
-static_assert(PART_OFF + 16 * 4 <= HEAD_BYTES, "shared memory head");
+static_assert(XBAR_OFF % 8 == 0 && XBAR_OFF + 8 <= HEAD_BYTES, "shared memory head");
 static_assert(MAX_PAGES * Q4_SCALES_OFF <= POOL_BYTES, "pages (the host gives fewer when they are larger)");
 static_assert(16 * BF16_ROW_BYTES <= PAGE_BYTES && BF16_ROW_BYTES % 128 == 64, "bf16 page");
 static_assert(Q4_PAGE_CHUNKS * 1024 == Q4_SCALES_OFF && Q4_SCALES_OFF + Q4_PAGE_CHUNKS * 64 * 4 <= PAGE_BYTES,
@@ -723,6 +724,23 @@ __device__ __forceinline__ void stage_x(const bf16* X, int64_t ld, int N, int xk
   }
 }
 
+// X[:, xk0 : xk0 + kn] (N rows) into shared memory at xs (rows of xstride bytes) as N bulk copies
+// of kn * 2 bytes on the mbarrier `bar`, issued by thread 0: one round trip, however many rows
+// (stage_x's loads cost one a X_BATCH 16-byte chunks a thread). Every compute thread waits for
+// the phase `phase` of `bar` and flips it. The proxy fence orders what the issuing thread has seen
+// (the generic writes of X by other blocks, acquired by the counter wait, and this block's reads
+// of the area, ordered by the caller's barrier) before the copies.
+__device__ __forceinline__ void stage_x_bulk(const Params& p, const bf16* X, int64_t ld, int N, int xk0, int kn,
+                                             uint32_t xs, int xstride, uint32_t bar, uint32_t& phase, int instr) {
+  if (threadIdx.x == 0) {
+    asm volatile("fence.proxy.async;\n" ::: "memory");
+    mbar_expect_tx(bar, (uint32_t)(N * kn * 2));
+    for (int r = 0; r < N; ++r) bulk_copy(xs + r * xstride, X + (int64_t)r * ld + xk0, (uint32_t)kn * 2, bar);
+  }
+  mbar_wait(p, bar, phase, instr, (uint64_t)p.timeout_ns);
+  phase ^= 1;
+}
+
 // Tiles [tile0, tile0 + ntiles) of one GEMV op (gate|up: ntiles / 2 pairs from pair tile0,
 // round_tile), in rounds of up to 8 tiles (the ring order above). X [N, K] is staged in shared
 // memory once for the instruction when it fits, else in blocks of x_block_k k's, again for each
@@ -730,7 +748,8 @@ __device__ __forceinline__ void stage_x(const bf16* X, int64_t ld, int N, int xk
 // and around gate|up's hand-over of the up sums.
 template <int MB>
 __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int ntiles, uint32_t pages, uint32_t full,
-                         uint32_t empty, int& page_seq, float* red, float* inv, float* part, uint32_t xs, int instr) {
+                         uint32_t empty, int& page_seq, float* red, float* inv, float* part, uint32_t xs,
+                         uint32_t xbar, uint32_t& xphase, int instr) {
   const OpDesc op = op_g;       // in registers for the loops
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int N = (int)p.N, K = (int)op.K, np = (int)p.npages;
@@ -771,8 +790,11 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
       const int xk0 = xb * kx;
       if (r0 == 0 || nxb > 1) {
         if (r0 > 0 || xb > 0) compute_sync();                // every warp is done with the staged block
-        stage_x(X, ld, N, xk0, min(kx, K - xk0), xs, xstride,
-                op.kind == K_O && p.attn_splits > 1 ? &p : nullptr, nxb > 1 ? norm_w : nullptr, inv);
+        const bool merge = op.kind == K_O && p.attn_splits > 1, norm_in_stage = nxb > 1 && norm_w != nullptr;
+        if (!merge && !norm_in_stage)          // X as it is in memory: bulk copies
+          stage_x_bulk(p, X, ld, N, xk0, min(kx, K - xk0), xs, xstride, xbar, xphase, instr);
+        else
+          stage_x(X, ld, N, xk0, min(kx, K - xk0), xs, xstride, merge ? &p : nullptr, norm_in_stage ? norm_w : nullptr, inv);
         compute_sync();
         if (norm_w != nullptr && nxb == 1) {   // x staged whole: normalized in place
           // the weight preload_instr put in red when it fits, else from global memory
@@ -1089,6 +1111,8 @@ __device__ void step_body(const Params* p_global) {
   float* red = reinterpret_cast<float*>(smem);
   int* slot = reinterpret_cast<int*>(smem + SLOT_OFF);          // the running instruction (preload_instr)
   float* part = reinterpret_cast<float*>(smem + PART_OFF);
+  const uint32_t xbar = smem_addr(smem + XBAR_OFF);
+  uint32_t xphase = 0;                                           // the next phase of xbar to wait for
   const uint32_t full = smem_addr(smem + RED_BYTES);
   const uint32_t empty = full + 8 * MAX_PAGES;
   int* flag = reinterpret_cast<int*>(smem + RED_BYTES + 16 * MAX_PAGES);
@@ -1102,6 +1126,7 @@ __device__ void step_body(const Params* p_global) {
       mbar_init(full + 8 * i, 1);
       mbar_init(empty + 8 * i, COMPUTE_WARPS);     // every compute warp passes every page
     }
+    mbar_init(xbar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -1150,7 +1175,7 @@ __device__ void step_body(const Params* p_global) {
       run_attn(p, *reinterpret_cast<const LayerDesc*>(desc), w0.z, w0.w, f.rows, f.split, f.splits, red, xs_floats, i);
     } else {
       run_gemv<MB>(p, *reinterpret_cast<const OpDesc*>(desc), w0.z, w0.w, pages, full, empty, page_seq, red, inv, part,
-                   xs_area, i);
+                   xs_area, xbar, xphase, i);
       if (threadIdx.x == 0 && w1.z >= 0) signal(p, w1.z);      // run_gemv ended with a barrier
       if (threadIdx.x == 0) mark(p, i, TL_DONE);
       continue;

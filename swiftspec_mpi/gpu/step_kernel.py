@@ -40,8 +40,8 @@ SMEM_BYTES = 227 * 1024
 def head_bytes(warps: int) -> int:
     """cuda/step_kernel.cu's HEAD_BYTES: the k-split's partial tiles, 2 mbarriers a page, a flag,
     32 rows' 1 / rms, the Params block, the running instruction's slot (its words and an OpDesc),
-    16 partial sums."""
-    return -(-(warps * 16 * 32 * 4 + 2 * MAX_PAGES * 8 + 16 + 32 * 4 + PARAMS_BYTES + 8 * 4 + 11 * 8 + 16 * 4)
+    16 partial sums, X's mbarrier."""
+    return -(-(warps * 16 * 32 * 4 + 2 * MAX_PAGES * 8 + 16 + 32 * 4 + PARAMS_BYTES + 8 * 4 + 11 * 8 + 16 * 4 + 8)
              // 1024) * 1024
 
 
