@@ -75,6 +75,14 @@ typedef __nv_bfloat16 bf16;
 #endif
 constexpr int COMPUTE_WARPS = STEP_COMPUTE_WARPS;
 static_assert(COMPUTE_WARPS == 8 || COMPUTE_WARPS == 16, "8 or 16 compute warps");
+// The attention head dim compiled in: 64 or 128 (gpu/step_kernel.py builds the model's), or 0 for
+// both. Attention is most of the kernel's code (unrolled over a piece of 32 keys, one copy per
+// head dim and row count): one head dim halves the text (step_kernel_mb1: 635 -> 353 KB) and the
+// compile time.
+#ifndef STEP_HEAD_DIM
+#define STEP_HEAD_DIM 0
+#endif
+static_assert(STEP_HEAD_DIM == 0 || STEP_HEAD_DIM == 64 || STEP_HEAD_DIM == 128, "head dim 64 or 128");
 constexpr int COMPUTE_THREADS = COMPUTE_WARPS * 32;
 constexpr int THREADS = COMPUTE_THREADS + 32;
 // Pages of 33 KB (bf16: 16 row segments of 2 KB; 4-bit: one 16 KB copy of codes + the scale words):
@@ -727,13 +735,14 @@ __device__ __forceinline__ void stage_x(const bf16* X, int64_t ld, int N, int xk
 // X[:, xk0 : xk0 + kn] (N rows) into shared memory at xs (rows of xstride bytes) as N bulk copies
 // of kn * 2 bytes on the mbarrier `bar`, issued by thread 0: one round trip, however many rows
 // (stage_x's loads cost one a X_BATCH 16-byte chunks a thread). Every compute thread waits for
-// the phase `phase` of `bar` and flips it. The proxy fence orders what the issuing thread has seen
-// (the generic writes of X by other blocks, acquired by the counter wait, and this block's reads
-// of the area, ordered by the caller's barrier) before the copies.
+// the phase `phase` of `bar` and flips it. The proxy fences order what the issuing thread has seen
+// before the copies: the generic writes of X by other blocks (acquired by the counter wait) and
+// this block's accesses of the area (ordered by the caller's barrier). One fence per state space:
+// `fence.proxy.async` of all spaces is a GPU-scope MEMBAR, these two are a CTA one and view fences.
 __device__ __forceinline__ void stage_x_bulk(const Params& p, const bf16* X, int64_t ld, int N, int xk0, int kn,
                                              uint32_t xs, int xstride, uint32_t bar, uint32_t& phase, int instr) {
   if (threadIdx.x == 0) {
-    asm volatile("fence.proxy.async;\n" ::: "memory");
+    asm volatile("fence.proxy.async.global;\nfence.proxy.async.shared::cta;\n" ::: "memory");
     mbar_expect_tx(bar, (uint32_t)(N * kn * 2));
     for (int r = 0; r < N; ++r) bulk_copy(xs + r * xstride, X + (int64_t)r * ld + xk0, (uint32_t)kn * 2, bar);
   }
@@ -1069,8 +1078,12 @@ __device__ __noinline__ void run_attn(const Params& p, const LayerDesc& L, int h
     const bf16* vbase = L.vc + kh * hd;
     const int64_t kv_stride = p.nkv * hd;
     const float sl2 = (float)p.scale_log2;
+#if STEP_HEAD_DIM == 0
     if (hd == 128) attn_rows_warp<128>(qs, nrows, p.mask, p.mask_stride, row0, kbase, vbase, kv_stride, kb, ke, sl2, pm, pl, po);
     else attn_rows_warp<64>(qs, nrows, p.mask, p.mask_stride, row0, kbase, vbase, kv_stride, kb, ke, sl2, pm, pl, po);
+#else
+    attn_rows_warp<STEP_HEAD_DIM>(qs, nrows, p.mask, p.mask_stride, row0, kbase, vbase, kv_stride, kb, ke, sl2, pm, pl, po);
+#endif
   }
   compute_sync();
   if (threadIdx.x == 0) mark(p, instr, TL_MARK2);

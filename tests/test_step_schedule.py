@@ -127,13 +127,18 @@ def test_bad_shapes_are_refused():
 
 
 def test_step_kernel_compiles_for_sm90(tmp_path):
-    """cuda/step_kernel.cu compiles (the static_asserts check the host-packed struct sizes) and
-    is among the files tools/compile_cuda.sh compiles (its cuda/*.cu glob)."""
+    """cuda/step_kernel.cu compiles with the defines the host builds it with (one head dim, 16
+    compute warps: the static_asserts check the host-packed struct sizes); tools/compile_cuda.sh
+    (its cuda/*.cu glob) compiles it without them (both head dims, 8 warps)."""
+    from swiftspec_mpi.gpu import step_kernel as sk
     if shutil.which("nvcc") is None:
         skip_or_fail("nvcc (the CUDA compiler) is not on PATH")
     assert 'for cu in "$ROOT"/cuda/*.cu' in (ROOT / "tools" / "compile_cuda.sh").read_text()
+    variant = sk.compile_variant(64, 16)
+    assert variant.split() == ["-DSTEP_HEAD_DIM=64", "-DSTEP_COMPUTE_WARPS=16"]
+    assert sk.compile_variant(128, 8) == "-DSTEP_HEAD_DIM=128"
     r = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-O3", "--cubin", "-I", str(ROOT / "cuda"),
-                        str(ROOT / "cuda" / "step_kernel.cu"), "-o", str(tmp_path / "s.cubin")],
+                        *variant.split(), str(ROOT / "cuda" / "step_kernel.cu"), "-o", str(tmp_path / "s.cubin")],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
 

@@ -112,7 +112,7 @@ def _probe_available() -> bool:
 
 def module(name: str, variant: str, device: int):
     """Compiled RawModule of cuda/<name>.cu for `device` (variant "nccl" adds NCCL's device API,
-    a variant "-DNAME=VALUE" that define).
+    a variant "-DNAME=VALUE [-DNAME2=VALUE2 ...]" those defines).
     SWIFTSPEC_KERNELS_LINEINFO=1 compiles with -lineinfo (source lines in Nsight Compute)."""
     key = (name, variant, device)
     mod = _modules.get(key)
@@ -126,8 +126,8 @@ def module(name: str, variant: str, device: int):
             opts = ["-std=c++17", f"-arch=sm_{major}{minor}", "-O3"]
             if switches.flag("SWIFTSPEC_KERNELS_LINEINFO"):
                 opts.append("-lineinfo")
-            if variant.startswith("-D"):        # a compile-time setting of the source (one define)
-                opts.append(variant)
+            if variant.startswith("-D"):        # compile-time settings of the source (defines)
+                opts += variant.split()
             elif variant == "nccl":
                 from swiftspec_mpi.gpu import nccl_shim   # its own import of cupy/ctypes: only for NCCL builds
 

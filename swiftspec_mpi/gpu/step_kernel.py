@@ -185,6 +185,12 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
+def compile_variant(head_dim: int, warps: int) -> str:
+    """The defines the kernel is compiled with for a model (launch.module's variant): its head dim
+    (attention's code for that one only) and, unless 8, the compute warps a block."""
+    return f"-DSTEP_HEAD_DIM={head_dim}" + ("" if warps == 8 else f" -DSTEP_COMPUTE_WARPS={warps}")
+
+
 def _ptr(t) -> int:
     return 0 if t is None else int(t.data_ptr())
 
@@ -326,8 +332,7 @@ class StepKernel:
         params = self._params(st, tokens, positions, write_slots, mask, n_valid)
         mb = 1 if n <= 8 else 2 if n <= 16 else 4
         dev = self.model.device
-        variant = "" if self.warps == 8 else f"-DSTEP_COMPUTE_WARPS={self.warps}"
-        f = function(_SOURCE, variant, f"step_kernel_mb{mb}", dev.index if dev.index is not None else
+        f = function(_SOURCE, compile_variant(self.model.cfg.head_dim, self.warps), f"step_kernel_mb{mb}", dev.index if dev.index is not None else
                      torch.cuda.current_device(), dyn_smem=SMEM_BYTES)
         launch(f, (self.blocks, 1, 1), threads(self.warps), SMEM_BYTES, torch.cuda.current_stream().cuda_stream,
                [ctypes.c_uint64(params.data_ptr())])
