@@ -265,6 +265,7 @@ class StepKernel:
             raise ValueError(f"the step kernel is built for {WARPS} compute warps, not {warps}")
         self.model = model
         self.warps = warps
+        self.variant = compile_variant(model.cfg.head_dim, warps)    # launch.module's defines
         self.blocks = int(blocks or sm_count())
         self.timeout_ns = int(timeout_s * 1e9)
         dev = model.device
@@ -332,7 +333,7 @@ class StepKernel:
         params = self._params(st, tokens, positions, write_slots, mask, n_valid)
         mb = 1 if n <= 8 else 2 if n <= 16 else 4
         dev = self.model.device
-        f = function(_SOURCE, compile_variant(self.model.cfg.head_dim, self.warps), f"step_kernel_mb{mb}", dev.index if dev.index is not None else
+        f = function(_SOURCE, self.variant, f"step_kernel_mb{mb}", dev.index if dev.index is not None else
                      torch.cuda.current_device(), dyn_smem=SMEM_BYTES)
         launch(f, (self.blocks, 1, 1), threads(self.warps), SMEM_BYTES, torch.cuda.current_stream().cuda_stream,
                [ctypes.c_uint64(params.data_ptr())])
