@@ -37,20 +37,39 @@ ROWS = {   # name: (shape, quant, LM head 4-bit, draft row: time the w = 8 expan
 TOPK = 8
 
 
-def bench_row(name: str, context: int, bw: float) -> dict:
-    from swiftspec_mpi.core.comm import SingleComm
-    from swiftspec_mpi.gpu.graphs import GraphedModel
-    from swiftspec_mpi.gpu.step_kernel import StepKernel
+def prefilled_model(name: str, context: int):
+    """The ROWS[name] model with random weights on the GPU (its head packed to 4 bits where the row
+    says so), with slots for `context` + 128 tokens and a `context`-token prefix in its KV cache."""
     from swiftspec_mpi.checkpoints.load import dummy_model
+    from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.network.transformer import chain_mask
-    shape, quant, head4, draft = ROWS[name]
-    t0 = time.perf_counter()
+    shape, quant, head4, _ = ROWS[name]
     model, _ = dummy_model(shape, SingleComm(), context + 128, torch.bfloat16, "cuda", quant=quant)
     if head4:
         model.quantize_head()
     pre = torch.randint(0, 4000, (context,), device="cuda")
     model.forward(pre, torch.arange(context, device="cuda"), 0, chain_mask(0, context).cuda())
     torch.cuda.synchronize()
+    return model
+
+
+def kernel_inputs(model, context: int, n: int):
+    """StepKernel.forward's inputs for an n-node tree after the prefix, on the GPU: tokens [n],
+    positions [n] (also the write slots), mask bool [n, max_slots], n_valid int32 [1]."""
+    toks = torch.randint(0, 4000, (n,), device="cuda")
+    pos = torch.arange(context, context + n, device="cuda")
+    mask = torch.zeros(n, model.max_slots, dtype=torch.bool, device="cuda")
+    mask[:, :context + n] = tree_mask(context, n).cuda()
+    nv = torch.tensor([context + n], dtype=torch.int32, device="cuda")
+    return toks, pos, mask, nv
+
+
+def bench_row(name: str, context: int, bw: float) -> dict:
+    from swiftspec_mpi.gpu.graphs import GraphedModel
+    from swiftspec_mpi.gpu.step_kernel import StepKernel
+    shape, quant, head4, draft = ROWS[name]
+    t0 = time.perf_counter()
+    model = prefilled_model(name, context)
     r = {"row": name, "shape": shape, "quant": quant, "head": "int4" if head4 else "bf16",
          "step_gb": model.step_read_bytes() / 1e9, "load_s": time.perf_counter() - t0}
     r["floor_ms"] = r["step_gb"] * 1e9 / (bw * 1e12) * 1e3

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_step import copy_bandwidth, cuda_time, tree_mask  # noqa: E402
-from bench_step_kernel import ROWS  # noqa: E402
+from bench_gpu_step import copy_bandwidth, cuda_time  # noqa: E402
+from bench_step_kernel import kernel_inputs, prefilled_model  # noqa: E402
 
 
 def op_bytes(model) -> list[int]:
@@ -48,28 +48,15 @@ def median_phases(sk, st, n, step, runs: int = 5) -> dict:
 
 
 def bench_row(name: str, ns: list[int], context: int, bw: float, warps: list[int]) -> dict:
-    from swiftspec_mpi.core.comm import SingleComm
-    from swiftspec_mpi.checkpoints.load import dummy_model
     from swiftspec_mpi.gpu import step_timeline
     from swiftspec_mpi.gpu.step_kernel import StepKernel
-    from swiftspec_mpi.network.transformer import chain_mask
-    shape, quant, head4, _ = ROWS[name]
-    model, _ = dummy_model(shape, SingleComm(), context + 128, torch.bfloat16, "cuda", quant=quant)
-    if head4:
-        model.quantize_head()
-    pre = torch.randint(0, 4000, (context,), device="cuda")
-    model.forward(pre, torch.arange(context, device="cuda"), 0, chain_mask(0, context).cuda())
-    torch.cuda.synchronize()
+    model = prefilled_model(name, context)
     kernels = {w: StepKernel(model, warps=w) for w in warps}
     ob = op_bytes(model)
     floor_ms = model.step_read_bytes() / (bw * 1e12) * 1e3
     r = {"row": name, "floor_ms": floor_ms, "n": {}}
     for n in ns:
-        toks = torch.randint(0, 4000, (n,), device="cuda")
-        pos = torch.arange(context, context + n, device="cuda")
-        mask = torch.zeros(n, model.max_slots, dtype=torch.bool, device="cuda")
-        mask[:, :context + n] = tree_mask(context, n).cuda()
-        nv = torch.tensor([context + n], dtype=torch.int32, device="cuda")
+        toks, pos, mask, nv = kernel_inputs(model, context, n)
         slots = pos.clone()
 
         ref = None

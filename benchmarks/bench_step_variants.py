@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu_step import cuda_time_alternating, tree_mask  # noqa: E402
-from bench_step_kernel import ROWS  # noqa: E402
+from bench_gpu_step import cuda_time_alternating  # noqa: E402
+from bench_step_kernel import kernel_inputs, prefilled_model  # noqa: E402
 
 
 def variant_kernel(model, defines: str):
@@ -35,23 +35,11 @@ def variant_kernel(model, defines: str):
 
 
 def bench_row(name: str, ns: list[int], context: int, variants: list[tuple[str, str]]) -> None:
-    from swiftspec_mpi.checkpoints.load import dummy_model
-    from swiftspec_mpi.core.comm import SingleComm
     from swiftspec_mpi.gpu import step_timeline
-    from swiftspec_mpi.network.transformer import chain_mask
-    shape, quant, head4, _ = ROWS[name]
-    model, _ = dummy_model(shape, SingleComm(), context + 128, torch.bfloat16, "cuda", quant=quant)
-    if head4:
-        model.quantize_head()
-    pre = torch.randint(0, 4000, (context,), device="cuda")
-    model.forward(pre, torch.arange(context, device="cuda"), 0, chain_mask(0, context).cuda())
+    model = prefilled_model(name, context)
     kernels = {v: variant_kernel(model, d) for v, d in variants}
     for n in ns:
-        toks = torch.randint(0, 4000, (n,), device="cuda")
-        pos = torch.arange(context, context + n, device="cuda")
-        mask = torch.zeros(n, model.max_slots, dtype=torch.bool, device="cuda")
-        mask[:, :context + n] = tree_mask(context, n).cuda()
-        nv = torch.tensor([context + n], dtype=torch.int32, device="cuda")
+        toks, pos, mask, nv = kernel_inputs(model, context, n)
         steps = {v: (lambda sk=sk: sk.forward(toks, pos, pos, mask, nv)) for v, sk in kernels.items()}
         outs = {v: f().float() for v, f in steps.items()}
         for sk in kernels.values():
