@@ -41,7 +41,7 @@ def bench_row(name: str, ns: list[int], context: int, variants: list[tuple[str, 
     for n in ns:
         toks, pos, mask, nv = kernel_inputs(model, context, n)
         steps = {v: (lambda sk=sk: sk.forward(toks, pos, pos, mask, nv)) for v, sk in kernels.items()}
-        outs = {v: f().float() for v, f in steps.items()}
+        outs = {v: f().float().clone() for v, f in steps.items()}   # the buffers are reused
         for sk in kernels.values():
             sk.check()
         ref = next(iter(outs.values()))

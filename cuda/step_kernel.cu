@@ -462,6 +462,19 @@ __device__ void normalize_staged(const Params& p, const bf16* w, uint32_t xs, in
 // slot's parity two fills away and read a page not yet there. tests/test_step_schedule.py holds
 // the same index math on the host (the order checked against the loader's, the handshake run
 // step by step with that parity bound asserted).
+// A position in the ring of pages, advanced one page at a time: slot = seq % npages and parity =
+// (seq / npages) & 1 (the phase of the slot's `full` mbarrier that page seq completes), kept
+// without a division a page.
+struct RingCursor {
+  int slot = 0, parity = 0;
+  __device__ __forceinline__ void next(int np) {
+    if (++slot == np) {
+      slot = 0;
+      parity ^= 1;
+    }
+  }
+};
+
 struct Page {
   int tile, k0, kspan;    // k0, kspan in k's (4-bit: multiples of 128)
 };
@@ -580,15 +593,63 @@ __device__ __forceinline__ uint4 load_o_merged(const Params& p, int row, int k) 
   return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-__device__ __forceinline__ uint32_t dq_pair(uint32_t word, int i, uint32_t so) {
-  const uint32_t t = ((word >> (4 * i)) & 0x000F000Fu) | 0x43004300u;        // bf16 (128 + q)
+// A (scale, offset) word (bf16 s low, o high) as the bf16x2 pairs (s, s) and (o, o).
+__device__ __forceinline__ void so_pairs(uint32_t so, uint32_t& s2, uint32_t& o2) {
+  s2 = (so & 0xFFFFu) | (so << 16);
+  o2 = (so >> 16) | (so & 0xFFFF0000u);
+}
+
+// Nibbles i and i + 4 of a code word as bf16x2 (q * s + o): the nibble ORed into the mantissa of
+// 128 (exact), 128 subtracted, then one fma in fp32 rounded to bf16. The mask and the OR are one
+// lop3 (written out: C's `(w & m) | c` compiles to two, an AND and an OR with one immediate each).
+__device__ __forceinline__ uint32_t dq_pair(uint32_t word, int i, uint32_t s2, uint32_t o2) {
+  uint32_t t;                                                                   // bf16 (128 + q)
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(t) : "r"(word >> (4 * i)), "r"(0x000F000Fu), "r"(0x43004300u));
   __nv_bfloat162 tv = *reinterpret_cast<const __nv_bfloat162*>(&t);
   const uint32_t c128 = 0x43004300u;
   const __nv_bfloat162 q = __hsub2(tv, *reinterpret_cast<const __nv_bfloat162*>(&c128));
-  const uint32_t s = (so & 0xFFFFu) | (so << 16), o = (so >> 16) | (so & 0xFFFF0000u);
-  const __nv_bfloat162 r = __hfma2(q, *reinterpret_cast<const __nv_bfloat162*>(&s),
-                                   *reinterpret_cast<const __nv_bfloat162*>(&o));
+  const __nv_bfloat162 r = __hfma2(q, *reinterpret_cast<const __nv_bfloat162*>(&s2),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&o2));
   return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+// The 4-bit pages' MMAs for SW = 128 / group scale words a 128-k chunk and row: a chunk's four
+// parts of 32 k's share one group at g128 (its scale words loaded and split into (s, s), (o, o)
+// once a chunk), two parts one at g64, each part its own at g32. xr: this lane's token row of
+// each m-block in the staged X, at the page's first k.
+template <int MB, int SW>
+__device__ __forceinline__ void page_mma_q4(const Page& pg, uint32_t page, const uint32_t (&xr)[MB], int sub, int ks,
+                                            float (&acc)[MB][4], float (&acc2)[MB][4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int nch = pg.kspan / 128;
+#pragma unroll 2
+  for (int c = sub; c < nch; c += ks) {
+    const uint32_t cb = page + c * 1024;
+    const uint4 wa = lds16(cb + g * 64 + q * 16);
+    const uint4 wb = lds16(cb + (g + 8) * 64 + q * 16);
+    const uint32_t sb = page + Q4_SCALES_OFF + c * 64 * SW;
+    const uint32_t wav[4] = {wa.x, wa.y, wa.z, wa.w}, wbv[4] = {wb.x, wb.y, wb.z, wb.w};
+    uint32_t sa2 = 0, oa2 = 0, sb2 = 0, ob2 = 0;
+#pragma unroll
+    for (int part = 0; part < 4; ++part) {
+      if (part % (4 / SW) == 0) {                  // the part opens a group: its scale words
+        const int gi = part * SW / 4;
+        so_pairs(lds4(sb + (g * SW + gi) * 4), sa2, oa2);
+        so_pairs(lds4(sb + ((g + 8) * SW + gi) * 4), sb2, ob2);
+      }
+      const uint32_t a0 = dq_pair(wav[part], 0, sa2, oa2), a1 = dq_pair(wav[part], 1, sa2, oa2);
+      const uint32_t a2 = dq_pair(wav[part], 2, sa2, oa2), a3 = dq_pair(wav[part], 3, sa2, oa2);
+      const uint32_t b0 = dq_pair(wbv[part], 0, sb2, ob2), b1 = dq_pair(wbv[part], 1, sb2, ob2);
+      const uint32_t b2 = dq_pair(wbv[part], 2, sb2, ob2), b3 = dq_pair(wbv[part], 3, sb2, ob2);
+      const uint32_t xo = (c * 128 + 32 * part + 8 * q) * 2;
+#pragma unroll
+      for (int mb = 0; mb < MB; ++mb) {
+        const uint4 xv = lds16(xr[mb] + xo);
+        mma_bf16(acc[mb], a0, b0, a1, b1, xv.x, xv.y);
+        mma_bf16(acc2[mb], a2, b2, a3, b3, xv.z, xv.w);
+      }
+    }
+  }
 }
 
 // One whole page's MMAs by one warp: acc[mb] += W[16 rows of the tile, the page's k's] x X[8 tokens
@@ -620,33 +681,12 @@ __device__ __forceinline__ void page_mma(const OpDesc& op, const Page& pg, uint3
         mma_bf16(acc2[mb], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
       }
     }
+  } else if (op.group == 128) {
+    page_mma_q4<MB, 1>(pg, page, xr, sub, ks, acc, acc2);
+  } else if (op.group == 64) {
+    page_mma_q4<MB, 2>(pg, page, xr, sub, ks, acc, acc2);
   } else {
-    const int nch = pg.kspan / 128;
-    const int SW = 128 / (int)op.group;
-#pragma unroll 2
-    for (int c = sub; c < nch; c += ks) {
-      const uint32_t cb = page + c * 1024;
-      const uint4 wa = lds16(cb + g * 64 + q * 16);
-      const uint4 wb = lds16(cb + (g + 8) * 64 + q * 16);
-      const uint32_t sb = page + Q4_SCALES_OFF + c * 64 * SW;
-      const uint32_t wav[4] = {wa.x, wa.y, wa.z, wa.w}, wbv[4] = {wb.x, wb.y, wb.z, wb.w};
-#pragma unroll
-      for (int part = 0; part < 4; ++part) {
-        const int gi = part * SW / 4;
-        const uint32_t sa = lds4(sb + (g * SW + gi) * 4), sbb = lds4(sb + ((g + 8) * SW + gi) * 4);
-        const uint32_t a0 = dq_pair(wav[part], 0, sa), a1 = dq_pair(wav[part], 1, sa);
-        const uint32_t a2 = dq_pair(wav[part], 2, sa), a3 = dq_pair(wav[part], 3, sa);
-        const uint32_t b0 = dq_pair(wbv[part], 0, sbb), b1 = dq_pair(wbv[part], 1, sbb);
-        const uint32_t b2 = dq_pair(wbv[part], 2, sbb), b3 = dq_pair(wbv[part], 3, sbb);
-        const uint32_t xo = (c * 128 + 32 * part + 8 * q) * 2;
-#pragma unroll
-        for (int mb = 0; mb < MB; ++mb) {
-          const uint4 xv = lds16(xr[mb] + xo);
-          mma_bf16(acc[mb], a0, b0, a1, b1, xv.x, xv.y);
-          mma_bf16(acc2[mb], a2, b2, a3, b3, xv.z, xv.w);
-        }
-      }
-    }
+    page_mma_q4<MB, 4>(pg, page, xr, sub, ks, acc, acc2);
   }
 #pragma unroll
   for (int mb = 0; mb < MB; ++mb) {
@@ -757,9 +797,10 @@ __device__ __forceinline__ void stage_x_bulk(const Params& p, const bf16* X, int
 // and around gate|up's hand-over of the up sums.
 template <int MB>
 __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int ntiles, uint32_t pages, uint32_t full,
-                         uint32_t empty, int& page_seq, float* red, float* inv, float* part, uint32_t xs,
+                         uint32_t empty, RingCursor& ring_io, float* red, float* inv, float* part, uint32_t xs,
                          uint32_t xbar, uint32_t& xphase, int instr) {
   const OpDesc op = op_g;       // in registers for the loops
+  RingCursor ring = ring_io;    // in registers for the loops, written back at the end
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int N = (int)p.N, K = (int)op.K, np = (int)p.npages;
   const bf16* X;
@@ -816,9 +857,9 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
         const int j_end = xb == nxb - 1 ? npt : (xb + 1) * ppx;
         for (int j = xb * ppx; j < j_end; ++j) {
           for (int t = 0; t < na; ++t) {                       // every page passed, this warp's done
-            const int seq = page_seq + j * na + t;
-            const int slot = seq % np;
-            mbar_wait(p, full + 8 * slot, (seq / np) & 1, instr, (uint64_t)p.timeout_ns);
+            const int slot = ring.slot;
+            mbar_wait(p, full + 8 * slot, ring.parity, instr, (uint64_t)p.timeout_ns);
+            ring.next(np);
             if (active && t == ti)
               page_mma<MB>(op, page_of(op, (int)(n0 / 16), j), pages + slot * (uint32_t)p.page_bytes, xs, xstride, xk0, N, sub,
                            ks, acc);
@@ -828,7 +869,6 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
         }
       }
     }
-    page_seq += npt * na;
     if (r0 + COMPUTE_WARPS >= ntiles && threadIdx.x == 0) mark(p, instr, TL_MARK2);
     if (ks > 1) {
       // the k-split parts meet: red[warp][row 16][token 32]; warp ti (sub 0) adds the others'
@@ -876,6 +916,7 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
     }
     if (ks > 1 || paired) compute_sync();                     // red is free again
   }
+  ring_io = ring;
   if (threadIdx.x == 0) mark(p, instr, TL_EPI);
   compute_sync();               // the barrier that orders every warp's outputs before the signal
 }
@@ -1149,6 +1190,7 @@ __device__ void step_body(const Params* p_global) {
     // loader: every page of every GEMV instruction of this block, in order
     const uint64_t pol = evict_first_policy();
     int seq = 0;
+    RingCursor fill;                   // the slot of page seq and the parity of its fill
     for (int i = i_begin; i < i_end; ++i) {
       const int* in = p.instr + (int64_t)i * INSTR_WORDS;
       if (in[0] != GEMV) continue;
@@ -1159,8 +1201,9 @@ __device__ void step_body(const Params* p_global) {
         const int na = min(COMPUTE_WARPS, ntiles - r0);
         for (int j = 0; j < npt; ++j) {
           for (int ti = 0; ti < na; ++ti, ++seq) {
-            const int slot = seq % np;
-            if (seq >= np) mbar_wait(p, empty + 8 * slot, ((seq / np) - 1) & 1, i, 4 * (uint64_t)p.timeout_ns);
+            const int slot = fill.slot;       // seq % np; the slot's fill seq / np waits for the previous one's release
+            if (seq >= np) mbar_wait(p, empty + 8 * slot, fill.parity ^ 1, i, 4 * (uint64_t)p.timeout_ns);
+            fill.next(np);
             load_page(op, page_of(op, round_tile(op, tile0, r0, na, ti), j), pages + slot * (uint32_t)p.page_bytes, full + 8 * slot, lane,
                       pol);
             __syncwarp();
@@ -1172,7 +1215,7 @@ __device__ void step_body(const Params* p_global) {
     return;
   }
 
-  int page_seq = 0;
+  RingCursor ring;                     // the next page this block's compute warps pass
   for (int i = i_begin; i < i_end; ++i) {
     const int* in = p.instr + (int64_t)i * INSTR_WORDS;
     if (threadIdx.x == 0) mark(p, i, TL_WAIT);
@@ -1187,7 +1230,7 @@ __device__ void step_body(const Params* p_global) {
       const AttnFields f = attn_fields(w1.w);
       run_attn(p, *reinterpret_cast<const LayerDesc*>(desc), w0.z, w0.w, f.rows, f.split, f.splits, red, xs_floats, i);
     } else {
-      run_gemv<MB>(p, *reinterpret_cast<const OpDesc*>(desc), w0.z, w0.w, pages, full, empty, page_seq, red, inv, part,
+      run_gemv<MB>(p, *reinterpret_cast<const OpDesc*>(desc), w0.z, w0.w, pages, full, empty, ring, red, inv, part,
                    xs_area, xbar, xphase, i);
       if (threadIdx.x == 0 && w1.z >= 0) signal(p, w1.z);      // run_gemv ended with a barrier
       if (threadIdx.x == 0) mark(p, i, TL_DONE);
