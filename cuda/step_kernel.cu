@@ -62,6 +62,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "lop3.cuh"
 #include "mma_bf16.cuh"
 #include "mbarrier.cuh"
 
@@ -600,11 +601,9 @@ __device__ __forceinline__ void so_pairs(uint32_t so, uint32_t& s2, uint32_t& o2
 }
 
 // Nibbles i and i + 4 of a code word as bf16x2 (q * s + o): the nibble ORed into the mantissa of
-// 128 (exact), 128 subtracted, then one fma in fp32 rounded to bf16. The mask and the OR are one
-// lop3 (written out: C's `(w & m) | c` compiles to two, an AND and an OR with one immediate each).
+// 128 (exact, one lop3), 128 subtracted, then one fma in fp32 rounded to bf16.
 __device__ __forceinline__ uint32_t dq_pair(uint32_t word, int i, uint32_t s2, uint32_t o2) {
-  uint32_t t;                                                                   // bf16 (128 + q)
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(t) : "r"(word >> (4 * i)), "r"(0x000F000Fu), "r"(0x43004300u));
+  const uint32_t t = lop3_andor(word >> (4 * i), 0x000F000Fu, 0x43004300u);   // bf16 (128 + q)
   __nv_bfloat162 tv = *reinterpret_cast<const __nv_bfloat162*>(&t);
   const uint32_t c128 = 0x43004300u;
   const __nv_bfloat162 q = __hsub2(tv, *reinterpret_cast<const __nv_bfloat162*>(&c128));
@@ -797,10 +796,9 @@ __device__ __forceinline__ void stage_x_bulk(const Params& p, const bf16* X, int
 // and around gate|up's hand-over of the up sums.
 template <int MB>
 __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int ntiles, uint32_t pages, uint32_t full,
-                         uint32_t empty, RingCursor& ring_io, float* red, float* inv, float* part, uint32_t xs,
+                         uint32_t empty, RingCursor& ring, float* red, float* inv, float* part, uint32_t xs,
                          uint32_t xbar, uint32_t& xphase, int instr) {
   const OpDesc op = op_g;       // in registers for the loops
-  RingCursor ring = ring_io;    // in registers for the loops, written back at the end
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int N = (int)p.N, K = (int)op.K, np = (int)p.npages;
   const bf16* X;
@@ -916,7 +914,6 @@ __device__ void run_gemv(const Params& p, const OpDesc& op_g, int tile0, int nti
     }
     if (ks > 1 || paired) compute_sync();                     // red is free again
   }
-  ring_io = ring;
   if (threadIdx.x == 0) mark(p, instr, TL_EPI);
   compute_sync();               // the barrier that orders every warp's outputs before the signal
 }

@@ -51,6 +51,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include "lop3.cuh"
 #include "mma_bf16.cuh"
 
 #ifdef SWIFTSPEC_WITH_NCCL
@@ -81,13 +82,6 @@ __device__ __forceinline__ __nv_bfloat162 as_bf2(uint32_t v) { return *reinterpr
 __device__ __forceinline__ uint32_t opaque(uint32_t v) {
   asm volatile("" : "+r"(v));
   return v;
-}
-
-// (a & m) | c in one instruction.
-__device__ __forceinline__ uint32_t lop3_andor(uint32_t a, uint32_t m, uint32_t c) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(m), "r"(c));
-  return d;
 }
 
 // Pair i (0..3) of a code word as bf16x2 weights: (q_2i, q_2i+1) * scale + offset, so = (scale, offset).
