@@ -86,7 +86,7 @@ __device__ __forceinline__ uint32_t opaque(uint32_t v) {
 
 // Pair i (0..3) of a code word as bf16x2 weights: (q_2i, q_2i+1) * scale + offset, so = (scale, offset).
 __device__ __forceinline__ uint32_t dq_pair(uint32_t word, int i, uint32_t so) {
-  const uint32_t t = ((word >> (4 * i)) & 0x000F000Fu) | 0x43004300u;       // bf16 128 + q
+  const uint32_t t = lop3_andor(word >> (4 * i), 0x000F000Fu, 0x43004300u);   // bf16 128 + q, one lop3
   const __nv_bfloat162 q = __hsub2(as_bf2(t), as_bf2(0x43004300u));          // exact q
   const __nv_bfloat162 s2 = as_bf2((so & 0xFFFFu) | (so << 16));
   const __nv_bfloat162 o2 = as_bf2((so >> 16) | (so & 0xFFFF0000u));
