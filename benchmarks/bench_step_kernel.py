@@ -64,8 +64,32 @@ def kernel_inputs(model, context: int, n: int):
     return toks, pos, mask, nv
 
 
-def bench_row(name: str, context: int, bw: float) -> dict:
+def graphed_paths(model, context: int, kernels: dict, topk: bool = False) -> tuple[dict, dict, int]:
+    """One GraphedModel per path of `kernels` (name -> StepKernel, or None for the chain), each
+    captured with its path on `model`, for one token and an 8-node tree after the prefix. Returns
+    (fns, logits, late captures): fns["<name>_argmax_<n>"] (and, with topk, "<name>_topk_8": the w = 8 expansion's
+    top-8 log-probabilities) replay the step with its readout, each run once; logits["<name> <n>"]
+    are the eager graph's fp32 logits [n, vocab]."""
     from swiftspec_mpi.gpu.graphs import GraphedModel
+    graphs = {k: GraphedModel(model) for k in kernels}
+    fns, logits = {}, {}
+    for n in (1, 8):
+        toks, pos, mask = torch.randint(0, 4000, (n,)), torch.arange(context, context + n), tree_mask(context, n)
+        for k, g in graphs.items():
+            model.step_kernel = kernels[k]                         # the graph captures the path
+            logits[f"{k} {n}"] = g.forward(toks, pos, context, mask).float().clone()
+            fns[f"{k}_argmax_{n}"] = (lambda g=g, toks=toks, pos=pos, mask=mask:
+                                      g.forward_argmax(toks, pos, context, mask))
+            fns[f"{k}_argmax_{n}"]()
+            if topk and n == 8:
+                fns[f"{k}_topk_{n}"] = (lambda g=g, toks=toks, pos=pos, mask=mask:
+                                        g.forward_topk_logprobs(toks, pos, context, mask, TOPK))
+                fns[f"{k}_topk_{n}"]()
+    model.step_kernel = None
+    return fns, logits, sum(g.late_captures for g in graphs.values())
+
+
+def bench_row(name: str, context: int, bw: float) -> dict:
     from swiftspec_mpi.gpu.step_kernel import StepKernel
     shape, quant, head4, draft = ROWS[name]
     t0 = time.perf_counter()
@@ -74,34 +98,15 @@ def bench_row(name: str, context: int, bw: float) -> dict:
          "step_gb": model.step_read_bytes() / 1e9, "load_s": time.perf_counter() - t0}
     r["floor_ms"] = r["step_gb"] * 1e9 / (bw * 1e12) * 1e3
     sk = StepKernel(model)
-    g_chain = GraphedModel(model)
-    g_pers = GraphedModel(model)
-    fns = {}
+    fns, logits, r["late_captures"] = graphed_paths(model, context, {"chain": None, "persistent": sk}, topk=draft)
+    sk.check()
     for n in (1, 8):
-        toks = torch.randint(0, 4000, (n,))
-        pos = torch.arange(context, context + n)
-        mask = tree_mask(context, n)
-        model.step_kernel = None
-        ref = g_chain.forward(toks, pos, context, mask).clone()
-        model.step_kernel = sk
-        got = g_pers.forward(toks, pos, context, mask).clone()
-        sk.check()
+        ref, got = logits[f"chain {n}"], logits[f"persistent {n}"]
         r[f"rel_diff_{n}"] = ((got - ref).abs().max() / ref.abs().max()).item()
         r[f"same_argmax_{n}"] = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
-        for key, g in (("chain", g_chain), ("persistent", g_pers)):
-            model.step_kernel = sk if key == "persistent" else None      # the graph captures the path
-            fns[f"{key}_argmax_{n}"] = (lambda g=g, toks=toks, pos=pos, mask=mask:
-                                        g.forward_argmax(toks, pos, context, mask))
-            fns[f"{key}_argmax_{n}"]()
-            if draft and n == 8:
-                fns[f"{key}_topk_{n}"] = (lambda g=g, toks=toks, pos=pos, mask=mask:
-                                          g.forward_topk_logprobs(toks, pos, context, mask, TOPK))
-                fns[f"{key}_topk_{n}"]()
-    sk.check()
     r.update(cuda_time_alternating(fns, iters=120, blocks=6))
     sk.check()
-    r["late_captures"] = g_chain.late_captures + g_pers.late_captures
-    del g_chain, g_pers, sk, model
+    del fns, sk, model
     torch.cuda.empty_cache()
     return r
 
