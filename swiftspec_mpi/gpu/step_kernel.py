@@ -22,7 +22,6 @@ import ctypes
 import math
 import struct
 
-import numpy as np
 import torch
 
 from swiftspec_mpi.gpu import step_schedule as ss
