@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # (layers, heads, kv heads, head_dim, hidden, intermediate, vocab)
 SHAPES = {
     "llama-1b": (16, 32, 8, 64, 2048, 8192, 128256),
+    "llama-3b": (28, 24, 8, 128, 3072, 8192, 128256),
     "llama-8b": (32, 32, 8, 128, 4096, 14336, 128256),
     "llama-70b": (80, 64, 8, 128, 8192, 28672, 128256),
     "smollm2-135m": (30, 9, 3, 64, 576, 1536, 49152),
@@ -44,7 +45,8 @@ def _stage(s: ss.Schedule, w) -> int:
 
 
 CASES = ([(name, n, 132) for name in ("llama-1b", "smollm2-135m", "qwen2.5-0.5b") for n in (1, 2, 5, 8, 16, 32)]
-         + [("llama-8b", n, 132) for n in (1, 8)] + [("llama-70b", 8, 132)]
+         + [("llama-3b", n, 132) for n in (1, 8, 32)] + [("llama-8b", n, 132) for n in (1, 8)]
+         + [("llama-70b", n, 132) for n in (1, 8)]
          + [("smollm2-135m", n, b) for n in (1, 5, 32) for b in (1, 7)])
 
 
