@@ -36,6 +36,11 @@ def use_base_sources(bases: list[str]) -> None:
     skm.function = patched
 
 
+def paths_of(bases: list[str]) -> list[str]:
+    """The timed paths, in the table's column order: the chain, each base, the new kernel."""
+    return ["chain", *bases, "new"]
+
+
 def bench_row(name: str, context: int, bases: list[str]) -> None:
     from swiftspec_mpi.gpu.step_kernel import StepKernel
     model = prefilled_model(name, context)
@@ -55,8 +60,7 @@ def bench_row(name: str, context: int, bases: list[str]) -> None:
     t = cuda_time_alternating(fns, iters=120, blocks=6)
     for sk in sks.values():
         sk.check()
-    paths = ["chain", *bases, "new"]
-    print(f"| {name} | " + " | ".join(f"{t[f'{k}_argmax_{n}']:.3f}" for n in (1, 8) for k in paths)
+    print(f"| {name} | " + " | ".join(f"{t[f'{k}_argmax_{n}']:.3f}" for n in (1, 8) for k in paths_of(bases))
           + f" | {'; '.join(diffs)} |", flush=True)
     del fns, sks, model
     torch.cuda.empty_cache()
@@ -71,7 +75,7 @@ def main():
     args = ap.parse_args()
     bases = args.base.split(",")
     use_base_sources(bases)
-    paths = ["chain", *bases, "new"]
+    paths = paths_of(bases)
     print(f"{torch.cuda.get_device_name()}, context {args.context}; wall ms a step (graph replay, argmax read)\n")
     print("| row | " + " | ".join(f"{k} {n}" for n in ("1 tok", "8-node") for k in paths) + " | logits |")
     print("|---|" + "---:|" * (2 * len(paths)) + "---|")
